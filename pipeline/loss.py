@@ -1,0 +1,254 @@
+"""GRPO loss: group-normalised advantages and the clipped, off-policy-corrected policy objective.
+
+This module owns the maths of one learner step and nothing else: pure torch functions, no
+optimiser, no model, no I/O. Inputs are per-token logprobs of the *sampled* tokens, shaped (B, T)
+with a (B, T) mask that is 1 on completion tokens and 0 on prompt and padding.
+
+Invariants:
+- Masked positions never contribute to the loss, its gradient or any metric, whatever they hold
+  (inf, NaN, garbage): every input is passed through ``torch.where`` on the mask before any
+  arithmetic, so no ``0 * inf`` can appear in the forward or the backward pass.
+- With ``max_staleness = 0``, one optimiser step per batch and learner logprobs equal to the
+  engine's, both off-policy modes reduce to plain GRPO: importance weight 1, ratio 1, gradient
+  ``-A * grad(logpi) / N``.
+- Degenerate groups (all rewards equal) get advantages of exactly 0, never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "LossConfig",
+    "LossOutput",
+    "degenerate_mask",
+    "group_advantages",
+    "grpo_loss",
+]
+
+_OFF_POLICY_MODES = ("decoupled", "ppo")
+_AGG_MODES = ("token_mean", "seq_mean")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Knobs of the GRPO objective (embedded in the trainer config)."""
+
+    clip_eps_low: float = 0.2
+    """Lower PPO clip: the ratio is clipped at ``1 - clip_eps_low`` (in (0, 1))."""
+
+    clip_eps_high: float = 0.28
+    """Upper PPO clip: the ratio is clipped at ``1 + clip_eps_high``. Larger than ``clip_eps_low``
+    is DAPO's clip-higher (keeps exploration on low-probability tokens); equal is standard PPO."""
+
+    scale_rewards: bool = True
+    """Divide advantages by the group's reward std (GRPO). False keeps ``r - mean`` (Dr.GRPO),
+    which avoids up-weighting near-degenerate groups."""
+
+    off_policy: Literal["decoupled", "ppo"] = "decoupled"
+    """Off-policy correction for stale rollouts. ``"ppo"``: ratio against the engine (behaviour)
+    logprobs. ``"decoupled"`` (AReaL): ratio against the proximal (pre-step learner) logprobs,
+    times a truncated, detached behaviour→proximal importance weight."""
+
+    is_cap: float = 2.0
+    """Truncation of the behaviour→proximal importance weight in ``"decoupled"`` mode (>= 1)."""
+
+    kl_coef: float = 0.0
+    """Coefficient of the per-token KL to a frozen reference (k3 estimator); 0 disables it."""
+
+    agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Loss aggregation: mean over all completion tokens of the batch (``"token_mean"``), or mean
+    over completions of each completion's token mean (``"seq_mean"``, original GRPO)."""
+
+    std_eps: float = 1e-6
+    """Added to the group std before dividing, for groups with a tiny but non-zero spread."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.clip_eps_low < 1.0:
+            raise ValueError(f"clip_eps_low must be in (0, 1), got {self.clip_eps_low}")
+        if not self.clip_eps_high > 0.0:
+            raise ValueError(f"clip_eps_high must be > 0, got {self.clip_eps_high}")
+        if self.off_policy not in _OFF_POLICY_MODES:
+            raise ValueError(
+                f"off_policy must be one of {_OFF_POLICY_MODES}, got {self.off_policy!r}"
+            )
+        if not self.is_cap >= 1.0:
+            # A cap below 1 would down-weight even perfectly on-policy tokens.
+            raise ValueError(f"is_cap must be >= 1, got {self.is_cap}")
+        if not self.kl_coef >= 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.agg not in _AGG_MODES:
+            raise ValueError(f"agg must be one of {_AGG_MODES}, got {self.agg!r}")
+        if not self.std_eps > 0.0:
+            raise ValueError(f"std_eps must be > 0, got {self.std_eps}")
+
+
+def degenerate_mask(rewards: torch.Tensor) -> torch.Tensor:
+    """(n_groups, G) rewards -> (n_groups,) bool, True where every reward of the group is equal.
+
+    Such groups carry no learning signal in GRPO (all advantages are 0).
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be (n_groups, G), got shape {tuple(rewards.shape)}")
+    return rewards.amax(dim=1) == rewards.amin(dim=1)
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int | None = None,
+    scale: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Group-normalised advantages: ``r - mean(group)``, optionally ``/ (std(group) + eps)``.
+
+    ``rewards`` is (n_groups, G); a flat (n_groups * G,) tensor is accepted with ``group_size``
+    and the result then has the same flat shape. The std is the sample std (Bessel-corrected), as
+    in DeepSeekMath and TRL. Degenerate groups (all rewards equal) give exactly 0.
+    """
+    flat = rewards.dim() == 1
+    if flat:
+        if group_size is None or group_size <= 0 or rewards.numel() % group_size:
+            raise ValueError(
+                f"flat rewards of length {rewards.numel()} need a group_size that divides it, "
+                f"got {group_size}"
+            )
+        grouped = rewards.reshape(-1, group_size)
+    else:
+        if group_size is not None and rewards.shape[-1] != group_size:
+            raise ValueError(f"rewards shape {tuple(rewards.shape)} != (n_groups, {group_size})")
+        grouped = rewards
+    grouped = grouped.to(torch.float32) if not grouped.is_floating_point() else grouped
+
+    degenerate = degenerate_mask(grouped).unsqueeze(1)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale and grouped.shape[1] > 1:
+        # Sample std is undefined for G == 1; such groups are degenerate and zeroed below anyway.
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    adv = torch.where(degenerate, torch.zeros_like(centred), centred)
+    return adv.reshape(rewards.shape) if flat else adv
+
+
+@dataclass
+class LossOutput:
+    """The scalar loss (with grad) and per-step diagnostics as python floats."""
+
+    loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _check_shape(name: str, t: torch.Tensor | None, shape: torch.Size) -> None:
+    if t is not None and t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+    proximal_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    normalizer: float | None = None,
+) -> LossOutput:
+    """Clipped GRPO policy loss with an off-policy correction and optional KL.
+
+    Args:
+        logprobs: (B, T) learner logprobs of the sampled tokens under current params (with grad).
+        behaviour_logprobs: (B, T) engine logprobs at generation time.
+        advantages: (B,) one advantage per completion.
+        mask: (B, T) 1 on completion tokens, 0 on prompt and padding.
+        cfg: loss knobs.
+        proximal_logprobs: (B, T) learner logprobs before this optimiser step (no grad). None means
+            ``logprobs.detach()``, right when each batch gets one optimiser step.
+        ref_logprobs: (B, T) frozen-reference logprobs, required when ``cfg.kl_coef > 0``.
+        normalizer: for gradient accumulation over micro-batches, the whole batch's denominator:
+            total mask tokens (``token_mean``) or total completions (``seq_mean``). Default: this
+            micro-batch's own (``mask.sum()`` or ``B``).
+
+    Returns:
+        LossOutput with the scalar loss and metrics computed over this call's mask tokens.
+    """
+    shape = logprobs.shape
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be (B, T), got shape {tuple(shape)}")
+    _check_shape("behaviour_logprobs", behaviour_logprobs, shape)
+    _check_shape("mask", mask, shape)
+    _check_shape("proximal_logprobs", proximal_logprobs, shape)
+    _check_shape("ref_logprobs", ref_logprobs, shape)
+    if advantages.shape != shape[:1]:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},)")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+
+    m = mask.bool()
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+
+    def clean(t: torch.Tensor) -> torch.Tensor:
+        # Replace masked positions before any arithmetic: where() routes no gradient to the
+        # unselected branch, so inf/NaN there cannot leak into the loss or its backward pass.
+        return torch.where(m, t.to(logprobs.dtype), zero)
+
+    lp = clean(logprobs)
+    beh = clean(behaviour_logprobs).detach()
+    prox = lp.detach() if proximal_logprobs is None else clean(proximal_logprobs).detach()
+    adv = advantages.to(logprobs.dtype).detach().unsqueeze(1)
+
+    if cfg.off_policy == "ppo":
+        ratio = torch.exp(lp - beh)
+        is_raw = torch.ones_like(beh)
+        is_weight = is_raw
+    else:
+        ratio = torch.exp(lp - prox)
+        is_raw = torch.exp(prox - beh)
+        is_weight = is_raw.clamp(max=cfg.is_cap)
+
+    lo, hi = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
+    unclipped = ratio * adv
+    clipped = ratio.clamp(lo, hi) * adv
+    per_token = -is_weight * torch.minimum(unclipped, clipped)
+
+    kl = None
+    if ref_logprobs is not None:
+        ref = clean(ref_logprobs).detach()
+        log_ref_ratio = ref - lp
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        if cfg.kl_coef > 0:
+            per_token = per_token + cfg.kl_coef * kl
+
+    per_token = torch.where(m, per_token, zero)
+    n_tokens = m.sum()
+    if cfg.agg == "token_mean":
+        denom = float(normalizer) if normalizer is not None else n_tokens.clamp(min=1)
+        loss = per_token.sum() / denom
+    else:
+        seq_means = per_token.sum(dim=1) / m.sum(dim=1).clamp(min=1)
+        denom = float(normalizer) if normalizer is not None else shape[0]
+        loss = seq_means.sum() / denom
+
+    with torch.no_grad():
+        count = n_tokens.clamp(min=1).to(logprobs.dtype)
+
+        def masked_mean(t: torch.Tensor) -> float:
+            return float(torch.where(m, t, zero).sum() / count)
+
+        clip_active = ((ratio > hi) & (adv > 0)) | ((ratio < lo) & (adv < 0))
+        diff = beh - prox
+        metrics = {
+            "loss": float(loss.detach()),
+            "clip_frac": masked_mean(clip_active.to(logprobs.dtype)),
+            "ratio_mean": masked_mean(ratio),
+            "is_weight_mean": masked_mean(is_weight),
+            "is_weight_max": float(torch.where(m, is_weight, zero).max()) if m.any() else 0.0,
+            "is_truncated_frac": masked_mean((is_raw > cfg.is_cap).to(logprobs.dtype)),
+            "mismatch_kl": masked_mean(diff),
+            "mismatch_abs": masked_mean(diff.abs()),
+        }
+        if kl is not None:
+            metrics["kl"] = masked_mean(kl)
+    return LossOutput(loss=loss, metrics=metrics)
