@@ -1,0 +1,342 @@
+"""ZeroMQ transport between producers and the learner (zmq.asyncio).
+
+Owns the sockets, their options, the bind-address security check and the receive loop that
+feeds the RolloutBuffer. Topology: the learner binds, producers connect.
+
+    producer PUSH ──(groups, Hello, Heartbeat, Ack)──► learner PULL   at addr
+    producer SUB  ◄──────────(Announce)─────────────── learner PUB    at pub_addr
+
+Invariants:
+- Nothing is dropped silently. Producers never drop on a full queue: ``send`` awaits (HWM
+  back-pressure). Frames that fail to decode are counted (``rejected``) and the reason kept.
+- Receiving sockets cap frames at ``max_frame_bytes`` (ZMQ_MAXMSGSIZE), so an oversized frame is
+  refused by libzmq before it is ever buffered. (libzmq drops that connection; the peer
+  reconnects.)
+- Reconnection after either side restarts is ZMQ's own (reconnect interval ~100 ms). PUSH keeps
+  ``IMMEDIATE=0`` on purpose: while the learner is down, frames queue on the producer (up to
+  SNDHWM, then ``send`` waits) and flow once it is back, instead of failing.
+- ``close`` never hangs: LINGER is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from buffer.schema import Announce, DecodeError, Message, RolloutGroup, decode, encode
+from buffer.store import RolloutBuffer
+
+log = logging.getLogger(__name__)
+
+LINGER_MS = 1000
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 1000
+
+
+def derive_pub_addr(addr: str) -> str:
+    """Announce (PUB) address next to the rollout (PULL) address: tcp://h:p -> tcp://h:(p+1),
+    ipc://x -> ipc://x.pub, inproc://x -> inproc://x.pub."""
+    if addr.startswith("tcp://"):
+        host, sep, port = addr[len("tcp://") :].rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"cannot derive a PUB address from {addr!r}: need tcp://host:port")
+        return f"tcp://{host}:{int(port) + 1}"
+    if addr.startswith(("ipc://", "inproc://")):
+        return addr + ".pub"
+    raise ValueError(f"unsupported ZeroMQ address {addr!r} (use tcp://, ipc:// or inproc://)")
+
+
+def _is_loopback(addr: str) -> bool:
+    if addr.startswith(("ipc://", "inproc://")):
+        return True
+    if not addr.startswith("tcp://"):
+        return False
+    host = urlsplit(addr).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # an interface name, a DNS name or '*': reachable from elsewhere
+
+
+@dataclass
+class CurveKeys:
+    """CurveZMQ keys (Z85-encoded bytes, as zmq.curve_keypair / zmq.auth produce).
+
+    The learner needs server_public + server_secret, and client_public to admit only producers
+    holding the matching client_secret (without it, any client knowing server_public connects).
+    Producers need server_public + client_public + client_secret.
+    """
+
+    server_public: bytes
+    server_secret: bytes | None = None
+    client_public: bytes | None = None
+    client_secret: bytes | None = None
+
+
+def generate_curve_keys(directory: str | Path) -> CurveKeys:
+    """Load the server and client key pairs from ``directory``, creating them on first use
+    (files server.key / server.key_secret / client.key / client.key_secret, via zmq.auth)."""
+    import zmq.auth
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("server", "client"):
+        if not (d / f"{name}.key_secret").exists():
+            zmq.auth.create_certificates(d, name)
+    server_public, server_secret = zmq.auth.load_certificate(d / "server.key_secret")
+    client_public, client_secret = zmq.auth.load_certificate(d / "client.key_secret")
+    return CurveKeys(server_public, server_secret, client_public, client_secret)
+
+
+def check_bind_addr(addr: str, curve: CurveKeys | None, insecure: bool) -> None:
+    """Refuse to expose an unauthenticated endpoint beyond this host.
+
+    Loopback addresses (127.0.0.0/8, localhost, ::1, ipc://, inproc://) are always fine. Any
+    other address needs CurveZMQ keys, or ``insecure=True`` (logged as a warning).
+    """
+    if _is_loopback(addr):
+        return
+    if curve is not None:
+        if curve.server_secret is None:
+            raise ValueError(f"binding {addr!r} with CURVE needs the server secret key")
+        return
+    if insecure:
+        log.warning(
+            "binding %s without encryption or authentication (insecure=True): anyone who can "
+            "reach this address can inject rollouts",
+            addr,
+        )
+        return
+    raise ValueError(
+        f"refusing to bind {addr!r}: it is reachable from other hosts and no CURVE keys were "
+        "given. Bind to 127.0.0.1 / ipc://, pass CurveKeys (see generate_curve_keys), or set "
+        "insecure=True on a trusted network."
+    )
+
+
+def _common_opts(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+
+
+class _KeyAllowList:
+    """ZAP credentials provider: admit only the configured client public key."""
+
+    def __init__(self, allowed: bytes):
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.allowed  # pyzmq passes the Z85-encoded client key
+
+
+class LearnerEndpoint:
+    """Learner side: PULL (bound at addr) for producer frames, PUB (bound at pub_addr)."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        pub_addr: str | None = None,
+        max_frame_bytes: int = 64 << 20,
+        rcvhwm: int = 64,
+        curve: CurveKeys | None = None,
+        insecure: bool = False,
+        ctx: zmq.asyncio.Context | None = None,
+    ):
+        self.addr = addr
+        self.pub_addr = pub_addr or derive_pub_addr(addr)
+        check_bind_addr(addr, curve, insecure)
+        check_bind_addr(self.pub_addr, curve, insecure)
+        self.max_frame_bytes = max_frame_bytes
+        self.frames_received = 0
+        self.rejected = 0
+        self.bytes_received = 0
+        self.last_error: str | None = None
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.asyncio.Context()
+        self._auth = None
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pub = self._ctx.socket(zmq.PUB)
+        try:
+            if curve is not None and curve.client_public is not None:
+                from zmq.auth.thread import ThreadAuthenticator
+
+                # ZAP must live in the same libzmq context; a sync shadow keeps the
+                # authenticator thread off the event loop.
+                self._auth = ThreadAuthenticator(zmq.Context.shadow(self._ctx.underlying))
+                self._auth.start()
+                self._auth.configure_curve_callback(
+                    domain="*", credentials_provider=_KeyAllowList(curve.client_public)
+                )
+            for sock in (self._pull, self._pub):
+                _common_opts(sock)
+                if curve is not None:
+                    sock.curve_secretkey = curve.server_secret
+                    sock.curve_publickey = curve.server_public
+                    sock.curve_server = True
+            self._pull.setsockopt(zmq.RCVHWM, rcvhwm)
+            self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            self._pull.bind(addr)
+            self._pub.bind(self.pub_addr)
+        except BaseException:
+            self.close()
+            raise
+
+    async def recv(self) -> Message | None:
+        """Next message, or None if the frame was invalid (counted in ``rejected``; the reason
+        is in ``last_error``). Never raises DecodeError."""
+        frame = await self._pull.recv(copy=True)
+        self.frames_received += 1
+        self.bytes_received += len(frame)
+        try:
+            return decode(frame, self.max_frame_bytes)
+        except DecodeError as e:
+            self.rejected += 1
+            self.last_error = str(e)
+            log.debug("rejected frame %d: %s", self.frames_received, e)
+            return None
+
+    async def publish(self, msg: Announce) -> None:
+        """Broadcast an announcement to every connected producer. PUB drops for subscribers
+        that are not connected yet (slow joiners); callers re-publish the latest Announce."""
+        await self._pub.send(encode(msg))
+
+    def close(self) -> None:
+        for sock in (self._pull, self._pub):
+            sock.close(linger=LINGER_MS)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_ctx:
+            self._ctx.term()
+
+
+class ProducerEndpoint:
+    """Producer side: PUSH to the learner's PULL, SUB to its PUB."""
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        pub_addr: str | None = None,
+        sndhwm: int = 16,
+        max_frame_bytes: int = 64 << 20,
+        curve: CurveKeys | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ):
+        self.addr = addr
+        self.pub_addr = pub_addr or derive_pub_addr(addr)
+        self.max_frame_bytes = max_frame_bytes
+        self.frames_sent = 0
+        self.bytes_sent = 0
+        self.rejected = 0
+        self.last_error: str | None = None
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.asyncio.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._sub = self._ctx.socket(zmq.SUB)
+        try:
+            for sock in (self._push, self._sub):
+                _common_opts(sock)
+                if curve is not None:
+                    if curve.client_secret is None or curve.client_public is None:
+                        raise ValueError("a CURVE producer needs client_public and client_secret")
+                    sock.curve_serverkey = curve.server_public
+                    sock.curve_publickey = curve.client_public
+                    sock.curve_secretkey = curve.client_secret
+            self._push.setsockopt(zmq.SNDHWM, sndhwm)
+            # Queue while the learner is down or restarting (lossless), rather than refusing.
+            self._push.setsockopt(zmq.IMMEDIATE, 0)
+            self._sub.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._push.connect(addr)
+            self._sub.connect(self.pub_addr)
+        except BaseException:
+            self.close()
+            raise
+
+    async def send(self, msg: Message, timeout: float | None = None) -> None:
+        """Send one message; waits while the queue is at its high-water mark (never drops).
+        Raises TimeoutError if it could not be queued within ``timeout`` seconds."""
+        frame = encode(msg)
+        if timeout is None:
+            await self._push.send(frame)
+        else:
+            try:
+                await asyncio.wait_for(self._push.send(frame), timeout)
+            except TimeoutError:
+                raise TimeoutError(
+                    f"ProducerEndpoint.send: could not queue a {type(msg).__name__} to "
+                    f"{self.addr} within {timeout:.3g} s (learner down, or not consuming)"
+                ) from None
+        self.frames_sent += 1
+        self.bytes_sent += len(frame)
+
+    async def recv_announce(self, timeout: float | None) -> Announce | None:
+        """Next Announce from the learner, or None after ``timeout`` seconds. Malformed frames
+        (and non-Announce messages) are counted in ``rejected`` and skipped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if deadline is None:
+                wait_ms = None
+            else:
+                wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not await self._sub.poll(wait_ms, zmq.POLLIN):
+                return None
+            frame = await self._sub.recv()
+            try:
+                msg = decode(frame, self.max_frame_bytes)
+                if not isinstance(msg, Announce):
+                    raise DecodeError(f"expected an Announce, got {type(msg).__name__}")
+                return msg
+            except DecodeError as e:
+                self.rejected += 1
+                self.last_error = str(e)
+                log.debug("skipped invalid announce frame: %s", e)
+
+    def close(self) -> None:
+        for sock in (self._push, self._sub):
+            sock.close(linger=LINGER_MS)
+        if self._own_ctx:
+            self._ctx.term()
+
+
+class Receiver:
+    """Pumps LearnerEndpoint -> RolloutBuffer; control messages go to ``on_control``.
+
+    Back-pressure: it waits for space in the buffer before reading the next frame, so a full
+    buffer fills the socket queues and finally blocks producers' ``send``; nothing is dropped.
+    """
+
+    def __init__(
+        self,
+        endpoint: LearnerEndpoint,
+        store: RolloutBuffer,
+        on_control: Callable[[Message], None],
+    ):
+        self.endpoint = endpoint
+        self.store = store
+        self.on_control = on_control
+
+    async def run(self) -> None:
+        while True:
+            await self.store.wait_for_space()
+            msg = await self.endpoint.recv()
+            if msg is None:
+                self.store.note_rejected()
+            elif isinstance(msg, RolloutGroup):
+                self.store.put(msg)
+            else:
+                self.on_control(msg)
