@@ -192,14 +192,23 @@ def _encode_group(g: RolloutGroup) -> dict[str, Any]:
     lp = _as_f32(np.concatenate([np.asarray(c.logprobs).reshape(-1) for c in comps]))
     # Cheap producer-side checks, so a bad group fails at its source with a clear error rather
     # than being rejected (and only counted) by the learner. decode() re-checks everything.
+    completions = []
     try:
         for i, c in enumerate(comps):
-            if len(c.token_ids) != len(c.logprobs):
-                raise DecodeError(
-                    f"completion {i}: {len(c.token_ids)} token ids but {len(c.logprobs)} logprobs"
-                )
-            _segments([[s, v] for s, v in c.version_segments], len(c.token_ids),
-                      f"completion {i}.version_segments")
+            n = len(c.token_ids)
+            if n != len(c.logprobs):
+                raise DecodeError(f"completion {i}: {n} token ids but {len(c.logprobs)} logprobs")
+            segs = [[int(s), int(v)] for s, v in c.version_segments]
+            _segments(segs, n, f"completion {i}.version_segments")
+            completions.append(
+                {
+                    "num_tokens": n,
+                    "version_segments": segs,
+                    "reward": float(c.reward),
+                    "reward_breakdown": _fdict(c.reward_breakdown),
+                    "finish_reason": c.finish_reason,
+                }
+            )
         _check_logprobs(lp)
     except DecodeError as e:
         raise ValueError(f"invalid rollout group {g.group_id!r}: {e}") from None
@@ -215,16 +224,7 @@ def _encode_group(g: RolloutGroup) -> dict[str, Any]:
         "prompt_token_ids": memoryview(_as_i32(g.prompt_token_ids).reshape(-1)),
         "token_ids": memoryview(tok),
         "logprobs": memoryview(lp),
-        "completions": [
-            {
-                "num_tokens": len(c.token_ids),
-                "version_segments": [[int(s), int(v)] for s, v in c.version_segments],
-                "reward": float(c.reward),
-                "reward_breakdown": _fdict(c.reward_breakdown),
-                "finish_reason": c.finish_reason,
-            }
-            for c in comps
-        ],
+        "completions": completions,
         "timing": _fdict(g.timing),
         "metadata": meta,
     }
@@ -390,6 +390,17 @@ def _blob(v: Any, dtype: np.dtype, where: str) -> np.ndarray:
 
 def _segments(v: Any, n_tokens: int, where: str) -> list[tuple[int, int]]:
     segs = _list(v, where)
+    if len(segs) == 1:  # fast path: no weight swap during this completion
+        seg = segs[0]
+        if (
+            type(seg) is list
+            and len(seg) == 2
+            and seg[0] == 0
+            and type(seg[0]) is int
+            and type(seg[1]) is int
+            and seg[1] >= 0
+        ):
+            return [(0, seg[1])]
     if not segs:
         raise DecodeError(f"{where}: must have at least one segment")
     out: list[tuple[int, int]] = []
