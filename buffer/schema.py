@@ -152,6 +152,8 @@ class Announce:
     """Groups received per producer so far (lets producers detect loss across restarts)."""
     consumed: dict[str, int]
     """Groups consumed (served to training) per producer so far."""
+    cursors: dict[str, int] = field(default_factory=dict)
+    """Highest dataset cursor received per producer (where a restarted producer resumes)."""
 
 
 @dataclass
@@ -253,6 +255,7 @@ def _encode_body(msg: Message) -> tuple[str, dict[str, Any]]:
             "learner_session": msg.learner_session,
             "received": {str(k): int(v) for k, v in msg.received.items()},
             "consumed": {str(k): int(v) for k, v in msg.consumed.items()},
+            "cursors": {str(k): int(v) for k, v in msg.cursors.items()},
         }
     if isinstance(msg, Ack):
         return "ack", {
@@ -529,7 +532,7 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
     _fields(
         b,
         frozenset(("version", "snapshot_uri", "snapshot_checksum", "learner_session",
-                   "received", "consumed")),
+                   "received", "consumed", "cursors")),
         "announce",
     )
     return Announce(
@@ -539,6 +542,7 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
         learner_session=_str(b["learner_session"], "announce.learner_session"),
         received=_int_map(b["received"], "announce.received"),
         consumed=_int_map(b["consumed"], "announce.consumed"),
+        cursors=_int_map(b["cursors"], "announce.cursors"),
     )
 
 
