@@ -107,3 +107,30 @@ def groups(draw) -> RolloutGroup:
                             max_size=4)
         ),
     )
+
+
+def producer_process_main(addr: str, producer_id: str, n_groups: int, sndhwm: int) -> None:
+    """Body of a spawned producer: Hello, n_groups numbered groups, then wait for the learner's
+    Announce (so nothing is still queued when the socket closes)."""
+    import asyncio
+    import os
+
+    from buffer.schema import Hello
+    from buffer.transport import ProducerEndpoint
+
+    async def main() -> None:
+        ep = ProducerEndpoint(addr, sndhwm=sndhwm)
+        try:
+            await ep.send(Hello(producer_id=producer_id, policy_version=0, pid=os.getpid()),
+                          timeout=30)
+            for seq in range(n_groups):
+                g = make_group(f"{producer_id}-{seq}", producer_id=producer_id, n_tokens=32,
+                               seed=seq)
+                g.metadata["seq"] = seq
+                await ep.send(g, timeout=30)
+            announce = await ep.recv_announce(timeout=60)
+            assert announce is not None, "no Announce from the learner"
+        finally:
+            ep.close()
+
+    asyncio.run(main())

@@ -1,0 +1,243 @@
+"""ZeroMQ transport over real sockets: ipc:// in tmp_path, tcp:// on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+from buffer_factories import free_tcp_port_pair, make_group, producer_process_main
+
+from buffer.schema import Ack, Announce, Heartbeat, Hello, RolloutGroup, encode
+from buffer.store import RolloutBuffer
+from buffer.transport import (
+    CurveKeys,
+    LearnerEndpoint,
+    ProducerEndpoint,
+    Receiver,
+    check_bind_addr,
+    derive_pub_addr,
+    generate_curve_keys,
+)
+
+
+def _ipc(tmp_path, name="rollouts") -> str:
+    return f"ipc://{tmp_path}/{name}.sock"
+
+
+def test_derive_pub_addr():
+    assert derive_pub_addr("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5556"
+    assert derive_pub_addr("tcp://[::1]:7000") == "tcp://[::1]:7001"
+    assert derive_pub_addr("ipc:///tmp/x") == "ipc:///tmp/x.pub"
+    with pytest.raises(ValueError):
+        derive_pub_addr("tcp://host")
+    with pytest.raises(ValueError):
+        derive_pub_addr("udp://h:1")
+
+
+@pytest.mark.parametrize(
+    "addr",
+    ["tcp://127.0.0.1:5000", "tcp://127.1.2.3:5000", "tcp://localhost:5000", "tcp://[::1]:5000",
+     "ipc:///tmp/x.sock", "inproc://x"],
+)
+def test_loopback_bind_always_allowed(addr):
+    check_bind_addr(addr, None, insecure=False)
+
+
+@pytest.mark.parametrize(
+    "addr", ["tcp://0.0.0.0:5000", "tcp://*:5000", "tcp://10.1.2.3:5000", "tcp://eth0:5000",
+             "tcp://example.com:5000"],
+)
+def test_exposed_bind_needs_curve_or_insecure(addr, caplog):
+    with pytest.raises(ValueError, match="refusing to bind"):
+        check_bind_addr(addr, None, insecure=False)
+    with caplog.at_level(logging.WARNING, logger="buffer.transport"):
+        check_bind_addr(addr, None, insecure=True)
+    assert "without encryption" in caplog.text
+    check_bind_addr(addr, CurveKeys(b"pub", b"secret"), insecure=False)
+    with pytest.raises(ValueError, match="server secret"):
+        check_bind_addr(addr, CurveKeys(b"pub", None), insecure=False)
+    with pytest.raises(ValueError, match="refusing to bind"):
+        LearnerEndpoint(addr)
+
+
+def test_round_trip_receiver_and_announce(tmp_path):
+    async def main():
+        learner = LearnerEndpoint(_ipc(tmp_path))
+        producer = ProducerEndpoint(_ipc(tmp_path))
+        store = RolloutBuffer(capacity=16, max_staleness=None)
+        control = []
+        task = asyncio.create_task(Receiver(learner, store, control.append).run())
+        try:
+            await producer.send(Hello("p0", 0, 1))
+            for i in range(5):
+                await producer.send(make_group(f"g{i}"))
+            await producer.send(Heartbeat("p0", 0, {"tok_s": 1.0}))
+            await producer.send(Ack("p0", 1, True))
+            batch = await store.get_batch(5, learner_version=0, timeout=5)
+            assert [g.group_id for g in batch] == [f"g{i}" for i in range(5)]
+            assert batch[0] == make_group("g0")
+            deadline = time.monotonic() + 5
+            while len(control) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert [type(m) for m in control] == [Hello, Heartbeat, Ack]
+            assert learner.frames_received == 8 and learner.rejected == 0
+            assert learner.bytes_received > 0 and producer.frames_sent == 8
+            # PUB/SUB: re-publish until the subscription has propagated (slow joiner).
+            ann = Announce(1, "file:///x", "sum", "s", {"p0": 5}, {"p0": 5})
+            got = None
+            for _ in range(50):
+                await learner.publish(ann)
+                got = await producer.recv_announce(timeout=0.1)
+                if got is not None:
+                    break
+            assert got == ann
+            assert await producer.recv_announce(timeout=0.05) in (None, ann)
+        finally:
+            task.cancel()
+            producer.close()
+            learner.close()
+
+    asyncio.run(main())
+
+
+def test_send_blocks_at_hwm_then_delivers_when_learner_starts(tmp_path):
+    """Lossless while the learner is down: frames queue on the producer, send() waits
+    (TimeoutError, never a drop), and everything arrives once the learner binds."""
+
+    async def main():
+        producer = ProducerEndpoint(_ipc(tmp_path), sndhwm=2)
+        sent = 0
+        with pytest.raises(TimeoutError, match="could not queue"):
+            for i in range(50):
+                await producer.send(make_group(f"g{i}"), timeout=0.2)
+                sent += 1
+        assert 1 <= sent < 50
+        learner = LearnerEndpoint(_ipc(tmp_path), rcvhwm=2)
+        try:
+            await producer.send(make_group("after"), timeout=5)
+            got = [await asyncio.wait_for(learner.recv(), 5) for _ in range(sent + 1)]
+            assert [g.group_id for g in got] == [f"g{i}" for i in range(sent)] + ["after"]
+        finally:
+            producer.close()
+            learner.close()
+
+    asyncio.run(main())
+
+
+def test_close_does_not_hang_with_unsent_frames(tmp_path):
+    async def main():
+        producer = ProducerEndpoint(_ipc(tmp_path, "nobody"), sndhwm=4)
+        for i in range(3):
+            await producer.send(make_group(f"g{i}"), timeout=1)
+        t0 = time.monotonic()
+        producer.close()
+        assert time.monotonic() - t0 < 3
+
+    asyncio.run(main())
+
+
+def test_oversized_frame_is_refused_and_endpoint_survives(tmp_path):
+    async def main():
+        learner = LearnerEndpoint(_ipc(tmp_path), max_frame_bytes=4096)
+        ctx = zmq.asyncio.Context()
+        raw = ctx.socket(zmq.PUSH)
+        raw.connect(_ipc(tmp_path))
+        producer = ProducerEndpoint(_ipc(tmp_path))
+        try:
+            await raw.send(encode(make_group("huge", n_tokens=4096)))
+            await asyncio.sleep(0.1)
+            await producer.send(make_group("small"))
+            msg = await asyncio.wait_for(learner.recv(), 5)
+            assert isinstance(msg, RolloutGroup) and msg.group_id == "small"
+        finally:
+            raw.close(linger=0)
+            ctx.term()
+            producer.close()
+            learner.close()
+
+    asyncio.run(main())
+
+
+def test_curve_encryption_and_client_allow_list(tmp_path):
+    keys = generate_curve_keys(tmp_path / "keys")
+    assert generate_curve_keys(tmp_path / "keys") == keys  # second call reads, not rewrites
+    port = free_tcp_port_pair()
+    addr = f"tcp://127.0.0.1:{port}"
+
+    async def main():
+        learner = LearnerEndpoint(addr, curve=keys)
+        good = ProducerEndpoint(addr, curve=keys)
+        other_pub, other_sec = zmq.curve_keypair()
+        bad = ProducerEndpoint(
+            addr, curve=CurveKeys(keys.server_public, None, other_pub, other_sec)
+        )
+        try:
+            await bad.send(make_group("intruder"), timeout=1)
+            await good.send(make_group("friend"), timeout=5)
+            msg = await asyncio.wait_for(learner.recv(), 5)
+            assert msg.group_id == "friend"
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(learner.recv(), 0.5)
+        finally:
+            bad.close()
+            good.close()
+            learner.close()
+
+    asyncio.run(main())
+
+
+def test_three_producer_processes_into_slow_receiver():
+    n_producers, n_groups = 3, 200
+    port = free_tcp_port_pair()
+    addr = f"tcp://127.0.0.1:{port}"
+
+    async def main():
+        learner = LearnerEndpoint(addr, rcvhwm=2)
+        store = RolloutBuffer(capacity=4, max_staleness=None)
+        hellos = []
+        receiver = asyncio.create_task(Receiver(learner, store, hellos.append).run())
+        ctx = mp.get_context("spawn")
+        procs = [
+            ctx.Process(target=producer_process_main, args=(addr, f"p{k}", n_groups, 2))
+            for k in range(n_producers)
+        ]
+        for p in procs:
+            p.start()
+        seqs: dict[str, list[int]] = {f"p{k}": [] for k in range(n_producers)}
+        try:
+            total = n_producers * n_groups
+            served = 0
+            while served < total:
+                batch = await store.get_batch(1, learner_version=0, timeout=60)
+                await asyncio.sleep(0.0005)  # a deliberately slow learner
+                for g in batch:
+                    seqs[g.producer_id].append(g.metadata["seq"])
+                    assert len(g.completions) == 2
+                served += len(batch)
+            ann = Announce(1, "done", "", "s", {}, {})
+            deadline = time.monotonic() + 60
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                await learner.publish(ann)
+                await asyncio.sleep(0.05)
+        finally:
+            receiver.cancel()
+            learner.close()
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+        assert [p.exitcode for p in procs] == [0] * n_producers
+        for pid, got in seqs.items():
+            assert got == list(range(n_groups)), f"{pid} lost or reordered groups"
+        s = store.stats
+        assert (s.received, s.served, s.rejected, s.dropped_capacity, s.size) == (
+            total, total, 0, 0, 0
+        )
+        assert sorted(h.producer_id for h in hellos) == ["p0", "p1", "p2"]
+
+    asyncio.run(main())
