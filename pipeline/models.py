@@ -231,7 +231,7 @@ def convert_smollm2(out_dir: Path, *, gguf_path: Path | None = None) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
         print(
-            f"[models] converting SmolLM2-135M-Instruct GGUF -> safetensors (one-time, ~20 s) "
+            f"[models] converting SmolLM2-135M-Instruct GGUF -> safetensors (one-time, ~40 s) "
             f"into {out_dir}",
             flush=True,
         )
@@ -260,6 +260,7 @@ def convert_smollm2(out_dir: Path, *, gguf_path: Path | None = None) -> Path:
         del gguf_model
         if not tokenizer.chat_template:
             tokenizer.chat_template = CHATML_TEMPLATE
+        tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it unset
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         print(f"[models]   done in {time.monotonic() - t0:.1f} s", flush=True)
