@@ -241,3 +241,27 @@ def test_three_producer_processes_into_slow_receiver():
         assert sorted(h.producer_id for h in hellos) == ["p0", "p1", "p2"]
 
     asyncio.run(main())
+
+
+def test_receiver_counts_rejected_frames_in_store(tmp_path):
+    async def main():
+        learner = LearnerEndpoint(_ipc(tmp_path))
+        store = RolloutBuffer(capacity=4, max_staleness=None)
+        task = asyncio.create_task(Receiver(learner, store, lambda m: None).run())
+        ctx = zmq.asyncio.Context()
+        raw = ctx.socket(zmq.PUSH)
+        raw.connect(_ipc(tmp_path))
+        try:
+            await raw.send(b"\x81\xa1xgarbage")
+            await raw.send(encode(make_group("ok")))
+            batch = await store.get_batch(1, learner_version=0, timeout=5)
+            assert batch[0].group_id == "ok"
+            assert store.stats.rejected == 1 and learner.rejected == 1
+            assert "trailing bytes" in learner.last_error
+        finally:
+            task.cancel()
+            raw.close(linger=0)
+            ctx.term()
+            learner.close()
+
+    asyncio.run(main())
