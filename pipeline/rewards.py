@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -140,7 +141,7 @@ def load_callable(path: str) -> Any:
             raise ImportError(f"reward path {path!r}: file {file} does not exist")
         # A stable per-file module name, so repeated loads (and pickling by reference inside the
         # same process) see one module object.
-        mod_name = f"_reward_file_{abs(hash(str(file))):x}"
+        mod_name = f"_reward_file_{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
         module = sys.modules.get(mod_name)
         if module is None:
             spec = importlib.util.spec_from_file_location(mod_name, file)
