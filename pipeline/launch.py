@@ -1,0 +1,192 @@
+"""Process management: validate config, then run the learner and N producers as processes.
+
+Every child runs in its own process group so that stopping it also stops what it started (vLLM's
+engine-core processes). On Ctrl-C/SIGTERM the learner gets SIGINT first (it saves a final
+checkpoint), producers get SIGTERM, and whatever is left after a grace period gets SIGKILL; the
+launcher returns only when no child process group is left. A child that dies stops the whole run
+unless ``max_producer_restarts`` allows restarting a dead producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import ConfigError, RunConfig, load_config, to_dict
+
+log = logging.getLogger("pipeline")
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("vllm", "transformers", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def prepare(cfg: RunConfig) -> str:
+    """Fail fast, before any process starts: model, data and rewards must all resolve."""
+    from pipeline.data import load_records
+    from pipeline.models import resolve_model
+    from pipeline.rewards import validate_specs
+
+    try:
+        model_path = str(resolve_model(cfg.model.path, Path(cfg.model.cache_dir)))
+    except ValueError as e:
+        raise ConfigError(f"model.path: {e}") from None
+    if not load_records(cfg.data.path):
+        raise ConfigError(f"data.path: {cfg.data.path} holds no records")
+    try:
+        validate_specs(cfg.rewards.specs)
+    except (ImportError, ValueError, AttributeError, TypeError) as e:
+        raise ConfigError(f"rewards.specs: {e}") from None
+    return model_path
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM if the launcher dies (even by kill -9), so no child is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _child_setup() -> None:
+    os.setpgrp()  # own process group: killpg stops vLLM's children with us
+    _die_with_parent()
+    setup_logging()
+    # Children ignore the terminal's Ctrl-C; the launcher decides who stops and in which order.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+async def _run_with_sigterm(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    await task
+
+
+def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
+    _child_setup()
+    from pipeline.learner import Learner
+
+    cfg = load_config(overrides=_flatten(cfg_dict))
+    try:
+        asyncio.run(_run_with_sigterm(Learner(cfg, model_path, resume=resume).run()))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.info("learner stopped")
+
+
+def producer_entry(cfg_dict: dict, model_path: str, index: int) -> None:
+    _child_setup()
+    from pipeline.producer import producer_main
+
+    cfg = load_config(overrides=_flatten(cfg_dict))
+    try:
+        asyncio.run(_run_with_sigterm(producer_main(cfg, index, model_path)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.info("producer %d stopped", index)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("extra",):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _stop(proc: mp.Process, sig: int) -> None:
+    if proc.pid is None:
+        return
+    for kill in (os.killpg, os.kill):  # the group; the process itself if it has none yet
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(proc.pid, sig)
+
+
+def _reap(procs: list[mp.Process], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        _stop(p, signal.SIGKILL)  # the whole group, including vLLM engine cores
+        p.join(5)
+
+
+def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_index: int = 0,
+        max_producer_restarts: int = 0) -> int:
+    """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
+    model_path = prepare(cfg)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    ctx = mp.get_context("spawn")
+    cfg_dict = to_dict(cfg)
+    learner = None
+    if role in ("all", "learner"):
+        learner = ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume),
+                              name="learner")
+    indices = range(cfg.num_producers) if role == "all" else (
+        [producer_index] if role == "producer" else [])
+    producers = {i: ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
+                                name=f"producer{i}") for i in indices}
+    procs = ([learner] if learner else []) + list(producers.values())
+    # SIGTERM (e.g. from `timeout` or a job scheduler) stops the run like Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    for p in procs:
+        p.start()
+    restarts = 0
+    code = 0
+    try:
+        while True:
+            if learner is not None and not learner.is_alive():
+                code = learner.exitcode or 0
+                if code:
+                    log.error("learner exited with code %d; stopping producers", code)
+                break
+            for i, p in list(producers.items()):
+                if p.is_alive():
+                    continue
+                if learner is None:  # producer-only role: its exit is the end
+                    return p.exitcode or 0
+                if restarts < max_producer_restarts:
+                    restarts += 1
+                    log.warning("producer %d died (exit %s); restarting (%d/%d)", i, p.exitcode,
+                                restarts, max_producer_restarts)
+                    _stop(p, signal.SIGKILL)
+                    new = ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
+                                      name=f"producer{i}")
+                    new.start()
+                    producers[i] = new
+                    procs.append(new)
+                else:
+                    log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
+                    code = 1
+                    raise SystemExit(code)
+            time.sleep(0.5)
+    except (KeyboardInterrupt, SystemExit):
+        code = code or 130
+        log.warning("stopping: learner saves a checkpoint, producers shut down")
+        if learner is not None and learner.is_alive():
+            _stop(learner, signal.SIGINT)
+            learner.join(120)
+    finally:
+        for p in producers.values():
+            _stop(p, signal.SIGTERM)
+        _reap(procs, grace_s=20.0)
+    return code

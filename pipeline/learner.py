@@ -1,0 +1,269 @@
+"""The learner process: receives groups into the rollout buffer, trains, publishes snapshots.
+
+Three coroutines under one TaskGroup: ``_receive`` (socket -> buffer, control messages ->
+producer table), ``_announce`` (re-broadcasts the current version every second, so producers
+that (re)connect catch up before they generate), and ``_train`` (batch -> optimiser step in a
+worker thread -> snapshot -> announce). Sync mode is the same loop with max_staleness 0 and
+admission budgets of exactly one batch: generate with v, train on that batch, publish v+1.
+
+Counts kept per producer: ``received`` (groups that arrived) and, derived, ``consumed`` (received
+minus still held), which producers use for admission control.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from buffer.schema import Ack, Announce, Heartbeat, Hello, Message, RolloutGroup
+from buffer.store import RolloutBuffer
+from buffer.transport import LearnerEndpoint
+from pipeline.checkpoint import (
+    CheckpointError,
+    LearnerState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from pipeline.config import RunConfig
+from pipeline.metrics import MetricsLogger, plot_run
+from pipeline.trainer import PolicyTrainer
+from sync.snapshot import SnapshotRef, prune_snapshots, write_snapshot
+
+log = logging.getLogger(__name__)
+ALIVE_S = 10.0  # a producer silent for longer is reported as not alive
+
+
+@dataclass
+class ProducerInfo:
+    pid: int = 0
+    version: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Learner:
+    def __init__(self, cfg: RunConfig, model_path: str, resume: bool = False):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.session = uuid.uuid4().hex[:8]
+        self.trainer = PolicyTrainer(cfg, model_path)
+        self.state = LearnerState()
+        buf_args = (cfg.buffer_capacity, cfg.train.max_staleness, cfg.buffer_order)
+        self.buffer = RolloutBuffer(*buf_args)
+        if resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is None:
+                raise CheckpointError(f"--resume: no checkpoint under {self.run_dir}/checkpoints")
+            self.state, tensors, buf = load_checkpoint(ckpt)
+            self.trainer.load_state(tensors)
+            self.buffer = RolloutBuffer.restore(buf, *buf_args)
+            log.info("resumed from %s: step %d, version %d, %d groups buffered", ckpt,
+                     self.state.step, self.state.version, len(self.buffer))
+        self.snapshot_dir = Path(cfg.sync.snapshot_dir) if cfg.sync.snapshot_dir else (
+            Path("/dev/shm") / f"pipeline-grpo-{self.session}" if Path("/dev/shm").is_dir()
+            else self.run_dir / "snapshots")
+        self.snapshot: SnapshotRef | None = None
+        self.producers: dict[str, ProducerInfo] = {}
+        self.acks: dict[int, dict[str, Ack]] = {}
+        self.last_sync: dict[str, float] = {}
+        self.endpoint: LearnerEndpoint | None = None
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard,
+                                     progress=cfg.progress, total_steps=cfg.train.steps)
+        self.counters = dict(self.state.counters)
+
+    # ------------------------------------------------------------------ messages
+    def _on_group(self, g: RolloutGroup) -> None:
+        pid = g.producer_id
+        self.state.received[pid] = self.state.received.get(pid, 0) + 1
+        cursor = g.metadata.get("cursor")
+        if isinstance(cursor, int):
+            self.state.cursors[pid] = max(self.state.cursors.get(pid, 0), cursor)
+
+    def _on_control(self, msg: Message) -> None:
+        if isinstance(msg, (Hello, Heartbeat)):
+            info = self.producers.setdefault(msg.producer_id, ProducerInfo())
+            info.last_seen = time.monotonic()
+            info.version = msg.policy_version
+            if isinstance(msg, Hello):
+                info.pid = msg.pid
+                log.info("producer %s (pid %d) connected at version %d", msg.producer_id,
+                         msg.pid, msg.policy_version)
+            else:
+                info.stats = msg.stats
+        elif isinstance(msg, Ack):
+            self.acks.setdefault(msg.version if msg.ok else -1, {})[msg.producer_id] = msg
+            info = self.producers.setdefault(msg.producer_id, ProducerInfo())
+            info.last_seen = time.monotonic()
+            if msg.ok:
+                info.version = msg.version
+            else:
+                self.counters["sync_failures"] = self.counters.get("sync_failures", 0) + 1
+                log.error("producer %s failed to sync: %s", msg.producer_id, msg.error)
+
+    async def _receive(self) -> None:
+        assert self.endpoint is not None
+        while True:
+            msg = await self.endpoint.recv()
+            if msg is None:
+                self.buffer.note_rejected()
+                continue
+            if isinstance(msg, RolloutGroup):
+                await self.buffer.wait_for_space()
+                self._on_group(msg)
+                self.buffer.put(msg)
+            else:
+                self._on_control(msg)
+
+    def announcement(self) -> Announce:
+        held = self.buffer.held_by_producer()
+        received = dict(self.state.received)
+        consumed = {p: n - held.get(p, 0) for p, n in received.items()}
+        ref = self.snapshot
+        return Announce(version=self.state.version, snapshot_uri=ref.uri if ref else "",
+                        snapshot_checksum=ref.checksum if ref else "",
+                        learner_session=self.session, received=received, consumed=consumed,
+                        cursors=dict(self.state.cursors))
+
+    async def _announce(self) -> None:
+        assert self.endpoint is not None
+        while True:
+            await self.endpoint.publish(self.announcement())
+            await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------------ snapshots
+    def _publish_snapshot(self, version: int) -> SnapshotRef:
+        ref = write_snapshot(self.trainer.snapshot_tensors(), version, self.snapshot_dir)
+        prune_snapshots(self.snapshot_dir, self.cfg.sync.keep_snapshots)
+        return ref
+
+    async def _collect_acks(self, version: int, published_at: float) -> None:
+        """Wait for every live producer's ack; report the ones that did not (never block)."""
+        deadline = published_at + self.cfg.sync.ack_timeout_s
+        while time.monotonic() < deadline:
+            alive = {p for p, i in self.producers.items()
+                     if time.monotonic() - i.last_seen < ALIVE_S}
+            got = self.acks.get(version, {})
+            if alive and alive <= set(got):
+                break
+            await asyncio.sleep(0.02)
+        got = self.acks.pop(version, {})
+        missing = sorted(set(self.producers) - set(got))
+        if missing:
+            log.warning("version %d: no ack from %s within %.0fs; training goes on without "
+                        "them", version, missing, self.cfg.sync.ack_timeout_s)
+        if got:
+            timings = [a.timings for a in got.values()]
+            self.last_sync = {
+                "sync_s": time.monotonic() - published_at,
+                "swap_idle_s": max(t.get("idle_s", 0.0) for t in timings),
+                "swap_drain_s": max(t.get("drain_s", 0.0) for t in timings),
+                "swap_load_s": max(t.get("load_s", 0.0) for t in timings),
+                "producers_acked": float(len(got)),
+            }
+
+    # ------------------------------------------------------------------ training
+    async def _train(self) -> None:
+        t = self.cfg.train
+        st = self.state
+        last_end = time.monotonic()
+        while st.step < t.steps:
+            t0 = time.monotonic()
+            try:
+                batch = await self.buffer.get_batch(t.batch_groups, st.version,
+                                                    timeout=t.batch_timeout_s)
+            except TimeoutError as e:
+                alive = [p for p, i in self.producers.items()
+                         if time.monotonic() - i.last_seen < ALIVE_S]
+                raise TimeoutError(f"no batch of {t.batch_groups} groups within "
+                                   f"{t.batch_timeout_s:.0f}s (producers alive: {alive or 'none'}"
+                                   f"): {e}") from None
+            wait_s = time.monotonic() - t0
+            m = await asyncio.to_thread(self.trainer.step, batch, st.version)
+            st.step += 1
+            if m["skipped_nonfinite"]:
+                self.counters["skipped_nonfinite"] = self.counters.get("skipped_nonfinite", 0) + 1
+                log.error("step %d: non-finite loss or gradient; update skipped, no snapshot",
+                          st.step)
+            elif st.step % self.cfg.sync.sync_every == 0 and st.step < t.steps:
+                ref = await asyncio.to_thread(self._publish_snapshot, st.version + 1)
+                self.snapshot = ref
+                st.version += 1
+                assert self.endpoint is not None
+                await self.endpoint.publish(self.announcement())
+                asyncio.get_running_loop().create_task(
+                    self._collect_acks(st.version, time.monotonic()))
+            now = time.monotonic()
+            bs = self.buffer.stats
+            m.update({
+                "version": float(st.version), "wait_s": wait_s, "step_s": now - last_end,
+                "tokens_per_s": m["trained_tokens"] / max(now - last_end, 1e-9),
+                "samples_per_s": t.batch_groups * self.cfg.generation.group_size
+                / max(now - last_end, 1e-9),
+                "buffer_size": float(len(self.buffer)), "dropped_stale": float(bs.dropped_stale),
+                "rejected_frames": float(bs.rejected), "received": float(bs.received),
+                "producers_alive": float(sum(1 for i in self.producers.values()
+                                             if now - i.last_seen < ALIVE_S)),
+                "gen_tokens_per_s": sum(i.stats.get("tokens_per_s", 0.0)
+                                        for i in self.producers.values()),
+                **{k: float(v) for k, v in self.counters.items()},
+                **self.last_sync,
+            })
+            last_end = now
+            if st.first_reward is None:
+                st.first_reward = m["reward_mean"]
+            self.metrics.log(st.step, m)
+            ce = t.checkpoint_every
+            if ce and st.step % ce == 0 and st.step < t.steps:
+                await self.checkpoint()
+
+    async def checkpoint(self) -> Path:
+        self.state.counters = dict(self.counters)
+        state = self.trainer.state()
+        buf = self.buffer.snapshot()
+        path = await asyncio.to_thread(save_checkpoint, self.run_dir, self.state, state, buf)
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    async def run(self) -> None:
+        if self.state.version > 0:  # resumed: producers must load this version first
+            self.snapshot = await asyncio.to_thread(self._publish_snapshot, self.state.version)
+        self.endpoint = LearnerEndpoint(self.cfg.bind_addr, insecure=self.cfg.insecure)
+        finished = False
+        try:
+            async with asyncio.TaskGroup() as tg:
+                background = [tg.create_task(self._receive()), tg.create_task(self._announce())]
+                await self._train()
+                finished = True
+                for task in background:
+                    task.cancel()
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.checkpoint())
+            self.endpoint.close()
+            self.metrics.close()
+            if not self.cfg.sync.snapshot_dir:
+                shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            if finished:
+                self.summary()
+
+    def summary(self) -> None:
+        from pipeline.metrics import read_metrics
+
+        path = self.run_dir / "metrics.jsonl"
+        rows = [r for r in read_metrics(path) if "reward_mean" in r]
+        if not rows:
+            return
+        png = plot_run(path, self.run_dir / "reward.png")
+        k = max(1, min(5, len(rows) // 4))
+        first = sum(r["reward_mean"] for r in rows[:k]) / k
+        last = sum(r["reward_mean"] for r in rows[-k:]) / k
+        print(f"\nreward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
+              f"({len(rows)} steps, {rows[-1]['time'] / 60:.1f} min)\nplot: {png}\n"
+              f"metrics: {path}", flush=True)

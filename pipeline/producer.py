@@ -1,0 +1,295 @@
+"""A producer: one vLLM AsyncLLM turning prompts into scored GRPO groups, pushed to the learner.
+
+Three coroutines under one TaskGroup (an error in any stops the producer):
+- ``_admit``: starts a group whenever the admission budget allows (in-flight + sent-but-not-yet-
+  consumed groups <= this producer's share of (max_staleness + 1) x batch_groups), so no
+  generation is spent on a group that would be too stale to train;
+- ``_listen``: applies announces: new snapshot -> sync barrier -> ack; consumption counts;
+- ``_heartbeat``: liveness and stats for the learner.
+Completions stream with RequestOutputKind.DELTA: each delta is tagged with the version the
+engine holds when it arrives (the barrier settles outputs before switching versions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from buffer.schema import Ack, Announce, Completion, Heartbeat, Hello, RolloutGroup
+from buffer.transport import ProducerEndpoint
+from pipeline.config import RunConfig, producer_budget
+from pipeline.data import PromptRecord, PromptSource, render_prompt
+from pipeline.rewards import RewardSet
+from sync.barrier import RequestTracker, SwapBarrier
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProducerStats:
+    groups_started: int = 0
+    groups_sent: int = 0
+    groups_dropped_reward: int = 0
+    prompts_skipped_too_long: int = 0
+    completions_resubmitted: int = 0
+    tokens: int = 0
+    swaps: int = 0
+    swap_failures: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    def to_dict(self) -> dict[str, float]:
+        d = {k: float(v) for k, v in self.__dict__.items() if k != "started_at"}
+        d["tokens_per_s"] = self.tokens / max(time.monotonic() - self.started_at, 1e-9)
+        return d
+
+
+class Producer:
+    def __init__(self, cfg: RunConfig, index: int, engine: Any, tokenizer: Any,
+                 endpoint: ProducerEndpoint, rewards: RewardSet, prompts: PromptSource):
+        self.cfg, self.index = cfg, index
+        self.producer_id = f"p{index}"
+        self.engine, self.tokenizer, self.endpoint = engine, tokenizer, endpoint
+        self.rewards, self.prompts = rewards, prompts
+        self.tracker = RequestTracker()
+        s = cfg.sync
+        self.barrier = SwapBarrier(engine, self.tracker, mode=s.barrier,
+                                   drain_timeout_s=s.drain_timeout_s,
+                                   pause_timeout_s=s.pause_timeout_s,
+                                   load_timeout_s=s.load_timeout_s)
+        self.budget = producer_budget(cfg.train.batch_groups, cfg.train.max_staleness,
+                                      cfg.num_producers, index)
+        self.stats = ProducerStats()
+        self.in_flight_groups = 0
+        self.sent = 0            # groups sent in the current learner session
+        self.consumed = 0        # of ours, served or dropped by the learner (from announces)
+        self.learner_session = ""
+        self._budget_changed = asyncio.Event()
+        self._synced = asyncio.Event()   # set once we hold the learner's current version
+        self._group_tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ admission
+    def outstanding(self) -> int:
+        return self.in_flight_groups + max(self.sent - self.consumed, 0)
+
+    async def _admit(self) -> None:
+        await self._synced.wait()
+        for record in self.prompts:
+            while self.outstanding() >= self.budget or not self._synced.is_set():
+                self._budget_changed.clear()
+                await self._budget_changed.wait()
+            ids = render_prompt(self.tokenizer, self.cfg.data, record.prompt)
+            if len(ids) > self.cfg.data.max_prompt_tokens or \
+                    len(ids) + 1 >= self.cfg.engine.max_model_len:
+                self.stats.prompts_skipped_too_long += 1
+                continue
+            self.in_flight_groups += 1
+            self.stats.groups_started += 1
+            task = asyncio.create_task(self._run_group(record, ids))
+            self._group_tasks.add(task)
+            task.add_done_callback(self._group_done)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self._group_tasks.discard(task)
+        self.in_flight_groups -= 1
+        self._budget_changed.set()
+        if not task.cancelled() and task.exception() is not None:
+            # A group failing is a bug in our code or the engine: stop the producer loudly.
+            self._fatal = task.exception()
+            self._budget_changed.set()
+
+    # ------------------------------------------------------------------ one group
+    async def _run_group(self, record: PromptRecord, prompt_ids: list[int]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        g = self.cfg.generation
+        group_id = f"{self.producer_id}-{uuid.uuid4().hex[:12]}"
+        admitted_at = time.time()
+        t0 = time.perf_counter()
+        completions = await asyncio.gather(*(
+            self._generate_one(f"{group_id}-{j}", prompt_ids, SamplingParams(
+                n=1, max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
+                stop=list(g.stop) or None, ignore_eos=g.ignore_eos, logprobs=0,
+                seed=None, output_kind=RequestOutputKind.DELTA))
+            for j in range(g.group_size)))
+        gen_s = time.perf_counter() - t0
+        texts = [c[1] for c in completions]
+        meta = dict(record.meta, prompt_id=record.prompt_id)
+        result = await self.rewards.score_group(record.prompt, texts, meta)
+        if result.dropped:
+            self.stats.groups_dropped_reward += 1
+            log.warning("group for prompt %s dropped: a reward failed (on_failure=drop)",
+                        record.prompt_id)
+            return
+        comps = []
+        for (comp, _text), total, breakdown in zip(completions, result.total, result.breakdown,
+                                                  strict=True):
+            comp.reward = float(total)
+            comp.reward_breakdown = {k: float(v) for k, v in breakdown.items()}
+            comps.append(comp)
+        group = RolloutGroup(
+            group_id=group_id, producer_id=self.producer_id, prompt_id=record.prompt_id,
+            prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32), completions=comps,
+            timing={"admitted_at": admitted_at, "generate_s": gen_s,
+                    "reward_s": time.perf_counter() - t0 - gen_s},
+            metadata={"cursor": record.cursor, "producer_index": self.index})
+        await self.endpoint.send(group)
+        self.sent += 1
+        self.stats.groups_sent += 1
+
+    async def _generate_one(self, rid: str, prompt_ids: list[int], sp: Any
+                            ) -> tuple[Completion, str]:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        segments: list[tuple[int, int]] = []
+        text: list[str] = []
+        attempt = 0
+        while True:
+            request_id = f"{rid}-a{attempt}"
+            version = await self.tracker.admit(request_id)
+            # The salt keeps prefix-cache hits within one weights version: KV computed by old
+            # weights is never reused for a request admitted after a swap.
+            prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
+            finish = ""
+            try:
+                async for out in self.engine.generate(prompt, sp, request_id):
+                    c = out.outputs[0]
+                    new = list(c.token_ids)
+                    v = self.tracker.on_output(request_id, len(new))
+                    if new:
+                        if not segments or segments[-1][1] != v:
+                            segments.append((len(tokens), v))
+                        tokens.extend(new)
+                        logprobs.extend(_sampled_logprobs(c.logprobs, new))
+                        text.append(c.text)
+                    if out.finished:
+                        finish = c.finish_reason or ""
+            finally:
+                self.tracker.finish(request_id)
+            if finish == "abort" and attempt < 100:
+                # Aborted by an abort-mode swap: regenerate from scratch under the new weights.
+                tokens, logprobs, segments, text = [], [], [], []
+                attempt += 1
+                self.stats.completions_resubmitted += 1
+                continue
+            break
+        self.stats.tokens += len(tokens)
+        if not segments:
+            segments = [(0, self.tracker.version)]
+        comp = Completion(token_ids=np.asarray(tokens, dtype=np.int32),
+                          logprobs=np.asarray(logprobs, dtype=np.float32),
+                          version_segments=segments, finish_reason=finish)
+        return comp, "".join(text)
+
+    # ------------------------------------------------------------------ control
+    async def _listen(self) -> None:
+        while True:
+            ann = await self.endpoint.recv_announce(timeout=1.0)
+            if ann is None:
+                continue
+            await self._apply_announce(ann)
+
+    async def _apply_announce(self, ann: Announce) -> None:
+        if ann.learner_session != self.learner_session:
+            # New learner (first contact or a restart): what we sent that it never received is
+            # gone, so re-base our count on what it knows.
+            self.learner_session = ann.learner_session
+            self.sent = ann.received.get(self.producer_id, 0)
+            # Prompts the learner already has are not generated again after a restart.
+            self.prompts.cursor = max(self.prompts.cursor, ann.cursors.get(self.producer_id, 0))
+            log.info("%s: learner session %s at version %d", self.producer_id,
+                     ann.learner_session, ann.version)
+        if ann.version != self.tracker.version and ann.snapshot_uri:
+            self._synced.clear()  # generate nothing more on weights the learner has left
+            report = await self.barrier.swap(ann.version, lambda: self._load(ann))
+            self.stats.swaps = self.barrier.swaps
+            self.stats.swap_failures = self.barrier.failures
+            if not report.ok:
+                log.error("%s: %s", self.producer_id, report.error)
+            await self.endpoint.send(Ack(producer_id=self.producer_id, version=report.version,
+                                         ok=report.ok, error=report.error,
+                                         timings=report.timings))
+        self.consumed = ann.consumed.get(self.producer_id, 0)
+        if self.tracker.version == ann.version or not ann.snapshot_uri:
+            if not ann.snapshot_uri:
+                self.tracker.version = ann.version
+            self._synced.set()
+        self._budget_changed.set()
+
+    async def _load(self, ann: Announce) -> dict[str, float]:
+        results = await self.engine.collective_rpc(
+            "sync_load_snapshot", args=(ann.version, ann.snapshot_uri, ann.snapshot_checksum))
+        first = results[0] if isinstance(results, list) and results else {}
+        return first if isinstance(first, dict) else {}
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await self.endpoint.send(Heartbeat(producer_id=self.producer_id,
+                                               policy_version=self.tracker.version,
+                                               stats=self.stats.to_dict()))
+            await asyncio.sleep(2.0)
+
+    async def _watch(self) -> None:
+        while True:
+            await self._budget_changed.wait()
+            err = getattr(self, "_fatal", None)
+            if err is not None:
+                raise err
+            await asyncio.sleep(0.05)
+
+    async def run(self) -> None:
+        await self.endpoint.send(Hello(producer_id=self.producer_id,
+                                       policy_version=self.tracker.version, pid=os.getpid()))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._listen())
+                tg.create_task(self._heartbeat())
+                tg.create_task(self._admit())
+                tg.create_task(self._watch())
+        finally:
+            for t in list(self._group_tasks):
+                t.cancel()
+            for rid in list(self.tracker.in_flight):
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(rid)
+
+
+def _sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
+    """Behaviour logprob of each sampled token from vLLM's per-position logprob dicts."""
+    if lp is None:
+        return [math.nan] * len(token_ids)
+    out = []
+    for pos, tok in zip(lp, token_ids, strict=False):
+        entry = pos.get(tok) if pos is not None else None
+        out.append(float(entry.logprob) if entry is not None else math.nan)
+    return out
+
+
+async def producer_main(cfg: RunConfig, index: int, model_path: str, start_cursor: int = 0
+                        ) -> None:
+    """Entry point of a producer process (called under ``if __name__ == '__main__'``)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.engine import build_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = PromptSource(cfg.data, index, cfg.num_producers, start_cursor=start_cursor)
+    rewards = RewardSet(cfg.rewards.specs, on_failure=cfg.rewards.on_failure,
+                        pool_workers=cfg.rewards.pool_workers)
+    endpoint = ProducerEndpoint(cfg.bind_addr)
+    engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index)
+    try:
+        await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts).run()
+    finally:
+        endpoint.close()
+        rewards.close()
+        engine.shutdown()

@@ -1,0 +1,120 @@
+"""Versioned weight snapshots: named tensors + policy version + checksum, as one safetensors file.
+
+A snapshot is written once by the learner and read by every producer's vLLM workers. Invariants:
+- a snapshot file is complete or absent: it is written under a temporary name and renamed;
+- the checksum (blake2b of the file bytes) travels separately, in the announce, so a torn or
+  tampered file is refused before any weight is touched;
+- names and shapes are checked against the model's manifest before loading, so a wrong-shape
+  snapshot never reaches ``load_weights`` (a half-applied update is the failure to avoid).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+_NAME = re.compile(r"^policy_v(\d+)\.safetensors$")
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot that must not be loaded (bad checksum, wrong shapes, unknown names...)."""
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    """What travels in an announce: enough to find and verify a snapshot."""
+
+    version: int
+    uri: str
+    checksum: str
+
+
+def checksum_bytes(data: bytes | memoryview) -> str:
+    return "blake2b:" + hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def write_snapshot(tensors: dict[str, torch.Tensor], version: int, directory: str | Path
+                   ) -> SnapshotRef:
+    """Serialise ``tensors`` as snapshot ``version`` in ``directory`` (atomic rename)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    data = st_save(cpu, metadata={"policy_version": str(version)})
+    final = d / f"policy_v{version}.safetensors"
+    tmp = d / f".{final.name}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, final)
+    return SnapshotRef(version=version, uri=str(final), checksum=checksum_bytes(data))
+
+
+def read_snapshot(ref: SnapshotRef) -> dict[str, torch.Tensor]:
+    """Read and verify a snapshot; raises SnapshotError on any mismatch."""
+    try:
+        data = Path(ref.uri).read_bytes()
+    except OSError as e:
+        raise SnapshotError(f"snapshot v{ref.version}: cannot read {ref.uri}: {e}") from None
+    got = checksum_bytes(data)
+    if got != ref.checksum:
+        raise SnapshotError(f"snapshot v{ref.version}: checksum mismatch for {ref.uri} "
+                            f"(expected {ref.checksum}, got {got}); refusing to load")
+    try:
+        tensors = st_load(data)
+    except Exception as e:
+        raise SnapshotError(f"snapshot v{ref.version}: not a valid safetensors file: {e}"
+                            ) from None
+    return tensors
+
+
+def model_manifest(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a HF checkpoint's tensors, read from the safetensors headers only."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise SnapshotError(f"no *.safetensors in {model_dir}; cannot build a weight manifest")
+    manifest: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():  # noqa: SIM118 (safe_open is not a dict)
+                manifest[name] = tuple(fh.get_slice(name).get_shape())
+    return manifest
+
+
+def check_against_manifest(tensors: dict[str, torch.Tensor],
+                           manifest: dict[str, tuple[int, ...]], version: int) -> None:
+    """Refuse unknown names and wrong shapes (before anything is loaded)."""
+    unknown = sorted(set(tensors) - set(manifest))
+    if unknown:
+        raise SnapshotError(f"snapshot v{version}: {len(unknown)} tensor(s) not in the model, "
+                            f"e.g. {unknown[:3]}")
+    bad = [(k, tuple(t.shape), manifest[k]) for k, t in tensors.items()
+           if tuple(t.shape) != manifest[k]]
+    if bad:
+        name, got, want = bad[0]
+        raise SnapshotError(f"snapshot v{version}: wrong shape for {name}: {got}, model has "
+                            f"{want} ({len(bad)} mismatched tensor(s))")
+
+
+def base_snapshot_files(model_dir: str | Path) -> list[str]:
+    """The model's own weight files: version 0, the rollback target before any snapshot."""
+    return [str(p) for p in sorted(Path(model_dir).glob("*.safetensors"))]
+
+
+def prune_snapshots(directory: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest snapshot files; returns what was deleted."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = sorted((int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name)))
+    doomed = [p for _, p in found[:-keep]] if keep > 0 else [p for _, p in found]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    return doomed
+
