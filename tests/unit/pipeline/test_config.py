@@ -1,0 +1,106 @@
+"""pipeline.config: YAML + dotted overrides, validation naming the option, admission shares."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import (
+    ConfigError,
+    RunConfig,
+    admission_budget,
+    load_config,
+    producer_budget,
+)
+
+
+def test_defaults_load():
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig)
+    assert cfg.train.mode == "async" and cfg.run_dir.endswith("run")
+
+
+def test_yaml_and_dotted_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("name: exp\ntrain:\n  lr: 0.001\n  batch_groups: 4\n"
+                 "generation:\n  group_size: 4\nengine:\n  extra: {swap_space: 1}\n")
+    cfg = load_config(p, {"train.lr": 2e-5, "generation.max_tokens": 16,
+                          "train.loss.kl_coef": 0.1, "engine.max_num_seqs": 8})
+    assert cfg.name == "exp"
+    assert cfg.train.lr == 2e-5            # the override wins over the file
+    assert cfg.train.batch_groups == 4     # the file wins over the default
+    assert cfg.generation.group_size == 4 and cfg.generation.max_tokens == 16
+    assert cfg.train.loss.kl_coef == 0.1
+    assert cfg.engine.max_num_seqs == 8 and cfg.engine.extra == {"swap_space": 1}
+    assert cfg.engine.enable_prefix_caching is None  # unset stays unset
+
+
+def test_unknown_key_names_the_option(tmp_path):
+    with pytest.raises(ConfigError, match=r"train: unknown option\(s\) learning_rate"):
+        load_config(None, {"train.learning_rate": 1e-5})
+    with pytest.raises(ConfigError, match=r"unknown option.*bogus"):
+        load_config(None, {"bogus": 1})
+    p = tmp_path / "c.yaml"
+    p.write_text("engine:\n  prefix_cache: true\n")
+    with pytest.raises(ConfigError, match=r"engine: unknown option.*prefix_cache"):
+        load_config(p)
+
+
+def test_missing_file_and_bad_top_level(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "none.yaml")
+    p = tmp_path / "c.yaml"
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"train.lr.x: lr is not a section"):
+        load_config(None, {"train.lr": 1.0, "train.lr.x": 2})
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("train.lr", 0.0, "train.lr"),
+    ("train.max_staleness", -1, "train.max_staleness"),
+    ("train.mode", "semi", "train.mode"),
+    ("generation.group_size", 1, "generation.group_size"),
+    ("generation.temperature", 0.0, "generation.temperature"),
+    ("engine.gpu_memory_utilization", 1.5, "engine.gpu_memory_utilization"),
+    ("model.dtype", "int8", "model.dtype"),
+    ("sync.barrier", "yolo", "sync.barrier"),
+    ("sync.keep_snapshots", 1, "sync.keep_snapshots"),
+    ("rewards.on_failure", "ignore", "rewards.on_failure"),
+    ("rewards.specs", [{"weight": 1.0}], r"rewards.specs\[0\]"),
+    ("num_producers", 0, "num_producers"),
+    ("buffer_order", "random", "buffer_order"),
+])
+def test_invalid_values_name_the_option(key, value, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, {key: value})
+
+
+def test_sync_mode_is_on_policy_and_checks_divisibility():
+    cfg = load_config(None, {"train.mode": "sync", "train.max_staleness": 3,
+                             "train.batch_groups": 4, "num_producers": 2})
+    assert cfg.train.max_staleness == 0
+    with pytest.raises(ConfigError, match="divisible by num_producers"):
+        load_config(None, {"train.mode": "sync", "train.batch_groups": 5, "num_producers": 2})
+    # Async mode has no such constraint.
+    cfg = load_config(None, {"train.batch_groups": 5, "num_producers": 2})
+    assert cfg.train.max_staleness == 1
+
+
+def test_buffer_capacity_default_and_check():
+    cfg = load_config(None, {"train.batch_groups": 4, "train.max_staleness": 2})
+    assert cfg.buffer_capacity == 4 * admission_budget(4, 2) == 48
+    with pytest.raises(ConfigError, match="buffer_capacity"):
+        load_config(None, {"train.batch_groups": 4, "buffer_capacity": 3})
+
+
+@pytest.mark.parametrize("batch_groups", [1, 4, 7, 8])
+@pytest.mark.parametrize("max_staleness", [0, 1, 3])
+@pytest.mark.parametrize("num_producers", [1, 2, 3, 5])
+def test_producer_budget_shares_sum_to_budget(batch_groups, max_staleness, num_producers):
+    total = admission_budget(batch_groups, max_staleness)
+    assert total == (max_staleness + 1) * batch_groups
+    shares = [producer_budget(batch_groups, max_staleness, num_producers, k)
+              for k in range(num_producers)]
+    assert sum(shares) == total
+    assert max(shares) - min(shares) <= 1
