@@ -153,9 +153,11 @@ class SwapBarrier:
                 tk.swap_aborting = True
             pause_mode = {"drain_prefill": "keep", "keep": "keep", "wait": "wait",
                           "abort": "abort"}[self.mode]
+            # Set before awaiting: vLLM pauses its scheduler before pause_generation returns
+            # (mode "wait" then waits for requests), so a timed-out pause must still resume.
+            paused = True
             await self._step("pause", self.pause_timeout_s,
                              self.engine.pause_generation(mode=pause_mode, clear_cache=False))
-            paused = True
             await self._step("settle", self.pause_timeout_s, self._settle())
             lap("pause_s")
             result = await self._step("load", self.load_timeout_s, load())
