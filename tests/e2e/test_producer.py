@@ -1,0 +1,259 @@
+"""Producer end to end: a real vLLM CPU AsyncLLM on the tiny model, real ZMQ, real rewards.
+
+The test plays the learner: it binds a LearnerEndpoint (ipc:// in a temp dir), publishes
+Announce(version=0, snapshot_uri="") periodically with the consumed counts it chooses, and
+receives the groups. One engine (and one event loop, which the AsyncLLM is bound to) serves the
+whole module; the last test cancels a producer mid-generation and shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_no_children
+
+from buffer.schema import Announce, Hello, RolloutGroup
+from buffer.transport import LearnerEndpoint, ProducerEndpoint
+from pipeline.config import RunConfig, load_config
+from pipeline.data import PromptSource, render_prompt
+from pipeline.producer import Producer
+from pipeline.rewards import RewardSet
+
+pytestmark = pytest.mark.slow
+
+GROUP_SIZE = 4
+MAX_TOKENS = 12
+SESSION = "test-learner"
+
+
+@pytest.fixture(scope="module")
+def engine_env(tiny_model):
+    """(loop, engine, tokenizer): one AsyncLLM for the module, built inside its own loop."""
+    from transformers import AutoTokenizer
+
+    from pipeline.engine import build_engine
+
+    cfg = _config(tiny_model, "ipc:///tmp/unused")
+    loop = asyncio.new_event_loop()
+
+    async def build():
+        return build_engine(cfg.model, cfg.engine, str(tiny_model), cfg.engine.seed)
+
+    engine = loop.run_until_complete(build())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    try:
+        yield loop, engine, tokenizer
+    finally:
+        engine.shutdown()  # idempotent: the last test already shut it down
+        # Let the engine's output-handler task see its cancellation before the loop closes.
+        pending = asyncio.all_tasks(loop)
+        for t in pending:
+            t.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.close()
+
+
+def _config(model: Path, addr: str, **over) -> RunConfig:
+    base = {
+        "addr": addr, "run_dir": str(Path(tempfile.gettempdir()) / "producer-e2e"),
+        "model.path": str(model), "model.dtype": "float32",
+        "engine.max_model_len": 512, "engine.gpu_memory_utilization": 0.1,
+        "engine.max_num_seqs": 16,
+        "generation.group_size": GROUP_SIZE, "generation.max_tokens": MAX_TOKENS,
+        "data.path": "arithmetic:64",
+        "rewards.specs": [{"fn": "examples.rewards:exact_match"},
+                          {"fn": "examples.rewards:length_reward", "weight": 0.01}],
+        "train.batch_groups": 2, "train.max_staleness": 0,
+    }
+    base.update(over)
+    return load_config(None, base)
+
+
+class FakeLearner:
+    """The learner side of the wire: receives groups, announces version 0 and consumption."""
+
+    def __init__(self, addr: str):
+        self.endpoint = LearnerEndpoint(addr)
+        self.groups: list[RolloutGroup] = []
+        self.hellos: list[Hello] = []
+        self.consumed = 0
+        self.announcing = False
+
+    def announce_msg(self) -> Announce:
+        return Announce(version=0, snapshot_uri="", snapshot_checksum="",
+                        learner_session=SESSION, received={"p0": len(self.groups)},
+                        consumed={"p0": self.consumed})
+
+    async def run(self) -> None:
+        async def receive():
+            while True:
+                msg = await self.endpoint.recv()
+                if isinstance(msg, RolloutGroup):
+                    self.groups.append(msg)
+                elif isinstance(msg, Hello):
+                    self.hellos.append(msg)
+
+        async def announce():
+            while True:
+                if self.announcing:
+                    await self.endpoint.publish(self.announce_msg())
+                await asyncio.sleep(0.1)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(receive())
+            tg.create_task(announce())
+
+
+def _make_producer(cfg: RunConfig, engine, tokenizer) -> Producer:
+    prompts = PromptSource(cfg.data, 0, cfg.num_producers)
+    rewards = RewardSet(cfg.rewards.specs, on_failure=cfg.rewards.on_failure,
+                        pool_workers=cfg.rewards.pool_workers)
+    return Producer(cfg, 0, engine, tokenizer, ProducerEndpoint(cfg.bind_addr), rewards, prompts)
+
+
+async def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def _running(cfg: RunConfig, engine, tokenizer):
+    learner = FakeLearner(cfg.bind_addr)
+    producer = _make_producer(cfg, engine, tokenizer)
+    ltask = asyncio.create_task(learner.run())
+    ptask = asyncio.create_task(producer.run())
+    try:
+        yield learner, producer, ptask
+    finally:
+        for t in (ptask, ltask):
+            t.cancel()
+        for t in (ptask, ltask):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        producer.endpoint.close()
+        producer.rewards.close()
+        learner.endpoint.close()
+
+
+def _short_dir() -> str:
+    # ipc:// paths must fit in a sockaddr_un (~107 bytes): pytest's tmp_path can be too long.
+    return tempfile.mkdtemp(prefix="pe2e-", dir="/tmp")
+
+
+def test_groups_shapes_rewards_and_admission_cap(engine_env, tiny_model):
+    loop, engine, tokenizer = engine_env
+    cfg = _config(tiny_model, f"ipc://{_short_dir()}/l.sock")
+    budget = (cfg.train.max_staleness + 1) * cfg.train.batch_groups
+    target = 6
+    violations: list[str] = []
+
+    async def scenario():
+        async with _running(cfg, engine, tokenizer) as (learner, producer, ptask):
+            assert producer.budget == budget
+
+            async def monitor():
+                # Invariant: never more than `budget` groups generated-or-unconsumed. The
+                # producer only learns consumption from our announces, so every group it ever
+                # started is within `budget` of what we have announced as consumed.
+                while True:
+                    if producer.stats.groups_started > learner.consumed + budget:
+                        violations.append(f"started {producer.stats.groups_started} with "
+                                          f"consumed {learner.consumed}")
+                    if len(learner.groups) > learner.consumed + budget:
+                        violations.append(f"received {len(learner.groups)} with consumed "
+                                          f"{learner.consumed}")
+                    if producer.outstanding() > budget:
+                        violations.append(f"outstanding {producer.outstanding()}")
+                    await asyncio.sleep(0.005)
+
+            mon = asyncio.create_task(monitor())
+            # 1. No admission before the first announce.
+            await _wait_for(lambda: learner.hellos, 30, "the producer's Hello")
+            await asyncio.sleep(2.0)
+            assert producer.stats.groups_started == 0 and not learner.groups
+            assert not producer.tracker.in_flight
+
+            # 2. Announce version 0 but consume nothing: exactly `budget` groups, then it waits.
+            learner.announcing = True
+            await _wait_for(lambda: len(learner.groups) >= budget, 120, f"{budget} groups")
+            await asyncio.sleep(2.0)
+            assert len(learner.groups) == budget
+            assert producer.stats.groups_started == budget
+            assert not producer.tracker.in_flight
+
+            # 3. A slow consumer: one group per 0.5 s; the producer follows, within the budget.
+            while len(learner.groups) < target:
+                await asyncio.sleep(0.5)
+                learner.consumed = min(learner.consumed + 1, len(learner.groups))
+                assert not ptask.done(), ptask
+            mon.cancel()
+            return learner.groups
+
+    groups = loop.run_until_complete(asyncio.wait_for(scenario(), 300))
+    assert not violations, violations[:5]
+
+    for g in groups:
+        assert g.producer_id == "p0"
+        assert len(g.completions) == GROUP_SIZE
+        assert g.policy_version == 0
+        assert g.prompt_token_ids.dtype == np.int32 and len(g.prompt_token_ids) > 0
+        for c in g.completions:
+            n = len(c.token_ids)
+            assert 1 <= n <= MAX_TOKENS
+            assert c.logprobs.shape == c.token_ids.shape
+            assert np.all(np.isfinite(c.logprobs)) and np.all(c.logprobs <= 1e-3)
+            assert [tuple(s) for s in c.version_segments] == [(0, 0)]
+            assert c.finish_reason in ("length", "stop")
+            assert set(c.reward_breakdown) == {"exact_match", "length_reward"}
+            assert c.reward == pytest.approx(c.reward_breakdown["exact_match"]
+                                             + 0.01 * c.reward_breakdown["length_reward"])
+            # length_reward = -|20 - len(text)|, text of at most MAX_TOKENS byte tokens.
+            assert -20.0 <= c.reward_breakdown["length_reward"] <= -(20.0 - MAX_TOKENS)
+    # The prompt tokens are the chat-templated prompt of the record the group names.
+    by_id = {r["prompt_id"]: r for r in _records(cfg)}
+    g = groups[0]
+    assert g.prompt_token_ids.tolist() == render_prompt(tokenizer, cfg.data,
+                                                        by_id[g.prompt_id]["prompt"])
+    assert len({g.group_id for g in groups}) == len(groups)
+
+
+def _records(cfg: RunConfig):
+    from pipeline.data import load_records
+
+    return load_records(cfg.data.path)
+
+
+def test_cancel_aborts_in_flight_requests_and_leaves_no_children(engine_env, tiny_model):
+    loop, engine, tokenizer = engine_env
+    # Long completions so that requests are certainly running when the producer is cancelled.
+    cfg = _config(tiny_model, f"ipc://{_short_dir()}/l.sock", **{
+        "generation.max_tokens": 400, "generation.ignore_eos": True,
+        "train.batch_groups": 2, "train.max_staleness": 1})
+
+    async def scenario():
+        async with _running(cfg, engine, tokenizer) as (learner, producer, ptask):
+            learner.announcing = True
+            await _wait_for(lambda: producer.stats.tokens == 0 and
+                            sum(producer.tracker.in_flight.values()) >= GROUP_SIZE, 120,
+                            "running requests")
+            assert engine.get_num_unfinished_requests() > 0
+            ptask.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ptask
+            assert not producer.tracker.in_flight
+            await _wait_for(lambda: engine.get_num_unfinished_requests() == 0, 10,
+                            "the engine to drop the aborted requests")
+            assert not learner.groups  # nothing half-done was sent
+
+    loop.run_until_complete(asyncio.wait_for(scenario(), 200))
+    engine.shutdown()
+    assert_no_children()
