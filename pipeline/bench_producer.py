@@ -1,0 +1,171 @@
+"""Generation throughput: offline vLLM ``LLM.generate`` vs the producer's streaming path.
+
+    python -m pipeline.bench_producer [--model tiny|smollm2-135m|PATH] [--prompts 64]
+                                      [--group-size 8] [--max-tokens 64]
+
+In one run, on the same chat-templated prompts and the same engine arguments (built by
+``pipeline.engine.engine_kwargs``):
+1. offline: ``LLM.generate`` with ``n=group_size``, ``ignore_eos``, ``max_tokens`` (FINAL_ONLY
+   outputs, no logprobs); the engine is then shut down;
+2. producer: an AsyncLLM from ``pipeline.engine.build_engine`` driven through
+   ``Producer._generate_one`` (RequestOutputKind.DELTA streaming, ``logprobs=0``, per-token version
+   tagging), G requests per prompt as ``Producer._run_group`` issues them, no rewards, no ZMQ.
+All requests are submitted at once in both (no admission budget), so the ratio measures the cost
+of streaming + logprobs + tagging, not of admission. Each engine gets one untimed warm-up request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    from examples.arithmetic import make_arithmetic_prompts
+    from pipeline.config import DataConfig
+    from pipeline.data import render_prompt
+
+    cfg = DataConfig()
+    return [render_prompt(tokenizer, cfg, r["prompt"])
+            for r in make_arithmetic_prompts(n, seed=1234)]
+
+
+def _sampling(args: argparse.Namespace, n: int, streaming: bool) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    if streaming:  # exactly the parameters of Producer._run_group (one request per completion)
+        return SamplingParams(n=1, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
+                              ignore_eos=True, logprobs=0, seed=None,
+                              output_kind=RequestOutputKind.DELTA)
+    return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
+                          ignore_eos=True)
+
+
+def _wait_children(timeout: float = 30.0) -> None:
+    """Wait for the previous engine's processes to exit, so the two runs never overlap."""
+    import psutil
+
+    procs = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(p.cmdline()):
+                procs.append(p)
+        except psutil.Error:  # already gone, or a zombie about to be reaped
+            continue
+    psutil.wait_procs(procs, timeout=timeout)
+
+
+def bench_offline(args, model_path: Path, kw: dict, prompts: list[list[int]]
+                  ) -> tuple[int, float]:
+    from vllm import LLM
+
+    llm = LLM(**kw)
+    try:
+        llm.generate([{"prompt_token_ids": prompts[0]}], _sampling(args, 1, False),
+                     use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            _sampling(args, args.group_size, False), use_tqdm=False)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        _wait_children()
+    return tokens, dt
+
+
+def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
+                   prompts: list[list[int]]) -> tuple[int, float]:
+    from pipeline.engine import build_engine
+    from pipeline.producer import Producer
+
+    async def run() -> tuple[int, float]:
+        engine = build_engine(cfg.model, cfg.engine, str(model_path), cfg.engine.seed)
+        try:
+            # No endpoint, rewards or prompt source: only the generation path is exercised.
+            producer = Producer(cfg, 0, engine, tokenizer, None, None, None)
+            sp = _sampling(args, 1, True)
+            await producer._generate_one("warmup", prompts[0], sp)
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(
+                producer._generate_one(f"b{i}-{j}", p, sp)
+                for i, p in enumerate(prompts) for j in range(args.group_size)))
+            dt = time.perf_counter() - t0
+            tokens = 0
+            for comp, _text in results:
+                assert len(comp.logprobs) == len(comp.token_ids)
+                assert [tuple(s) for s in comp.version_segments] == [(0, 0)]
+                tokens += len(comp.token_ids)
+            return tokens, dt
+        finally:
+            engine.shutdown()
+
+    out = asyncio.run(run())
+    _wait_children()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.bench_producer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="tiny | smollm2-135m | a local HF directory")
+    p.add_argument("--cache-dir", default=".cache/models", help="where tiny/smollm2 are built")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="engine.max_num_seqs for both engines (default: vLLM's)")
+    args = p.parse_args(argv)
+
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers import AutoTokenizer
+
+    from pipeline.config import load_config
+    from pipeline.engine import engine_kwargs
+    from pipeline.models import resolve_model
+
+    model_path = resolve_model(args.model, Path(args.cache_dir))
+    cfg = load_config(None, {
+        "model.path": str(model_path), "model.dtype": args.dtype,
+        "engine.max_num_seqs": args.max_num_seqs,
+        "engine.max_model_len": 512 if args.max_tokens < 400 else args.max_tokens + 256,
+        "generation.group_size": args.group_size, "generation.max_tokens": args.max_tokens,
+        "generation.ignore_eos": True})
+    # Same variable build_engine sets for the CPU backend; the offline LLM needs it too.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.cpu_kvcache_space_gib))
+    import vllm
+    from vllm.platforms import current_platform
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = _prompts(tokenizer, args.prompts)
+    kw = engine_kwargs(cfg.model, cfg.engine, str(model_path), cfg.engine.seed, current_platform)
+
+    n_req = args.prompts * args.group_size
+    print(f"[bench_producer] vLLM {vllm.__version__}, model {model_path}, {args.prompts} "
+          f"prompts x G={args.group_size}, max_tokens={args.max_tokens} (ignore_eos), "
+          f"{n_req} completions", flush=True)
+    off_tok, off_s = bench_offline(args, model_path, kw, prompts)
+    off_tps = off_tok / off_s
+    print(f"[bench_producer] offline LLM.generate : {off_tok} tokens in {off_s:.2f} s = "
+          f"{off_tps:.0f} tok/s", flush=True)
+    pr_tok, pr_s = bench_producer(args, cfg, model_path, tokenizer, prompts)
+    pr_tps = pr_tok / pr_s
+    print(f"[bench_producer] producer (AsyncLLM DELTA + logprobs + tagging): {pr_tok} tokens in "
+          f"{pr_s:.2f} s = {pr_tps:.0f} tok/s", flush=True)
+    print(f"[bench_producer] ratio producer/offline = {pr_tps / off_tps:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
