@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 return await run_bench(engine, model_dir, Path(snap), a)
         finally:
             engine.shutdown()
+            del engine  # finalised here, not during interpreter exit (vLLM's __del__ warns)
 
     table = asyncio.run(amain())
     print(f"\nsync.bench: model={model_dir} requests={a.requests} swaps/mode={a.swaps} "
