@@ -13,18 +13,28 @@ _INT = re.compile(r"-?\d+")
 _JUST_A_NUMBER = re.compile(r"-?\d+\.?")
 
 
+_AFTER_EQUALS = re.compile(r"=\s*(-?\d+)")
+
+
 def _first_int(text: str) -> int | None:
     m = _INT.search(text.replace(",", ""))  # "1,024" is one number
     return int(m.group()) if m else None
 
 
-def exact_match(prompt: str, completion: str, answer: str | None = None, **meta) -> float:
-    """1.0 if the first integer in the completion equals ``answer``, else 0.0.
+def _stated_answer(text: str) -> int | None:
+    """The integer right after the first '=' ("12 + 7 = 19"), else the first integer."""
+    text = text.replace(",", "")
+    m = _AFTER_EQUALS.search(text)
+    return int(m.group(1)) if m else _first_int(text)
 
-    The first integer, because the prompt asks for just the number: "19" and "19. Because ..."
-    score, while restating the question ("12 + 7 = 19") does not, so the model is pushed to
-    answer directly rather than to hide the answer somewhere in the text. A record without a
-    usable answer scores 0 (nothing to verify), not an error.
+
+def exact_match(prompt: str, completion: str, answer: str | None = None, **meta) -> float:
+    """1.0 if the completion's stated answer equals ``answer``, else 0.0.
+
+    The stated answer is the integer right after the first '=' when there is one (small instruct
+    models restate the sum: "12 + 7 = 19"), else the first integer ("19", "The answer is 19").
+    Only one number is read, so listing candidates does not pay. A record without a usable
+    answer scores 0 (nothing to verify), not an error.
     """
     if answer is None:
         return 0.0
@@ -32,7 +42,7 @@ def exact_match(prompt: str, completion: str, answer: str | None = None, **meta)
         expected = int(str(answer).strip())
     except ValueError:
         return 0.0
-    return 1.0 if _first_int(completion) == expected else 0.0
+    return 1.0 if _stated_answer(completion) == expected else 0.0
 
 
 def format_reward(prompt: str, completion: str, **meta) -> float:

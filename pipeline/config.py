@@ -148,7 +148,7 @@ class GenerationConfig:
 @dataclass
 class DataConfig:
     path: str = opt("arithmetic:2000", "prompts: a JSONL file, a `datasets` dir saved to disk, "
-                                       "or 'arithmetic:N' (N synthetic sums)")
+                                       "or 'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
     prompt_key: str = opt("prompt", "record field holding the prompt text")
     id_key: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
     chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
@@ -219,6 +219,8 @@ class TrainConfig:
     warmup_steps: int = opt(0, "linear LR warm-up steps")
     grad_clip: float = opt(1.0, "max grad norm (0 disables)")
     micro_batch: int = opt(16, "completions per forward/backward (gradient accumulation)")
+    freeze_layers: int = opt(0, "freeze the embeddings and the first k decoder layers (cheap "
+                                "partial fine-tune: backward stops at layer k; 0 trains all)")
     loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "GRPO loss"})
     checkpoint_every: int = opt(0, "save a checkpoint every k steps (0: only at the end/stop)")
     batch_timeout_s: float = opt(600.0, "learner gives up waiting for a batch after this long")
@@ -234,6 +236,7 @@ class TrainConfig:
         _check(self.max_staleness >= 0, "train.max_staleness", "must be >= 0")
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(self.micro_batch >= 1, "train.micro_batch", "must be >= 1")
+        _check(self.freeze_layers >= 0, "train.freeze_layers", "must be >= 0")
         if self.mode == "sync":
             self.max_staleness = 0  # sync mode is on-policy by definition
 

@@ -30,14 +30,16 @@ def load_records(path: str) -> list[dict[str, Any]]:
     if path.startswith("arithmetic:"):
         from examples.arithmetic import make_arithmetic_prompts
         try:
-            n = int(path.split(":", 1)[1])
+            n, *rest = (int(x) for x in path.split(":")[1:])
+            max_operand = rest[0] if rest else 20
         except ValueError:
-            raise ConfigError(f"data.path: expected 'arithmetic:N', got {path!r}") from None
-        return make_arithmetic_prompts(n, seed=1234)
+            raise ConfigError(f"data.path: expected 'arithmetic:N' or 'arithmetic:N:MAX_OPERAND',"
+                              f" got {path!r}") from None
+        return make_arithmetic_prompts(n, seed=1234, max_operand=max_operand)
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"data.path: {p} does not exist (a JSONL file, a datasets dir saved "
-                          f"with save_to_disk, or 'arithmetic:N')")
+                          f"with save_to_disk, or 'arithmetic:N[:MAX_OPERAND]')")
     if p.is_dir():
         try:
             from datasets import load_from_disk

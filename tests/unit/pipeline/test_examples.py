@@ -65,7 +65,9 @@ def test_write_jsonl_and_cli(tmp_path):
         (" 19\n", 1.0),
         ("19. Because 12 + 7 is 19.", 1.0),
         ("The answer is 19", 1.0),
-        ("12 + 7 = 19", 0.0),  # restating the question: first integer is 12
+        ("12 + 7 = 19", 1.0),  # restating the sum: the integer after '=' is the answer
+        ("12 + 7 = 9", 0.0),
+        ("12 + 7 = 19. And 19 + 1 = 20", 1.0),  # only the first '=' counts
         ("9", 0.0),
         ("", 0.0),
         ("nineteen", 0.0),
