@@ -44,6 +44,6 @@ def live_children() -> list[psutil.Process]:
 
 def assert_no_children(timeout: float = 15.0) -> None:
     """Every child process (vLLM engine cores, workers) has exited."""
-    gone, alive = psutil.wait_procs(live_children(), timeout=timeout)
+    _gone, alive = psutil.wait_procs(live_children(), timeout=timeout)
     alive = [p for p in alive if "resource_tracker" not in " ".join(p.cmdline())]
     assert not alive, f"child processes left behind: {[(p.pid, p.name()) for p in alive]}"
