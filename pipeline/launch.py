@@ -35,7 +35,7 @@ def setup_logging(level: int = logging.INFO) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def prepare(cfg: RunConfig) -> str:
+def prepare(cfg: RunConfig, role: str = "all") -> str:
     """Fail fast, before any process starts: model, data and rewards must all resolve."""
     from pipeline.data import load_records
     from pipeline.models import resolve_model
@@ -51,6 +51,13 @@ def prepare(cfg: RunConfig) -> str:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
         raise ConfigError(f"rewards.specs: {e}") from None
+    from buffer.transport import check_bind_addr
+
+    if role in ("all", "learner"):  # producers connect; only the learner binds
+        try:  # the learner would refuse it only after the producers' engines had started
+            check_bind_addr(cfg.bind_addr, None, cfg.insecure)
+        except ValueError as e:
+            raise ConfigError(f"addr: {e}") from None
     return model_path
 
 
@@ -131,7 +138,7 @@ def _reap(procs: list[mp.Process], grace_s: float) -> None:
 def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_index: int = 0,
         max_producer_restarts: int = 0) -> int:
     """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
-    model_path = prepare(cfg)
+    model_path = prepare(cfg, role)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
