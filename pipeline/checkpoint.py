@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -92,6 +93,7 @@ def load_checkpoint(path: Path, map_location: str = "cpu"
         state = LearnerState(**json.loads((path / "state.json").read_text()))
         tensors = torch.load(path / "trainer.pt", map_location=map_location, weights_only=True)
         buf = (path / "buffer.msgpack").read_bytes()
-    except (OSError, ValueError, TypeError, RuntimeError) as e:
+    except (OSError, ValueError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError
+            ) as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e
     return state, tensors, buf
