@@ -91,6 +91,8 @@ def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
     async def run() -> tuple[int, float]:
         engine = build_engine(cfg.model, cfg.engine, str(model_path), cfg.engine.seed)
         try:
+            if args.ablation:
+                await _async_final_only(args, engine, prompts)
             # No endpoint, rewards or prompt source: only the generation path is exercised.
             producer = Producer(cfg, 0, engine, tokenizer, None, None, None)
             sp = _sampling(args, 1, True)
@@ -114,6 +116,29 @@ def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
     return out
 
 
+async def _async_final_only(args, engine: Any, prompts: list[list[int]]) -> None:
+    """Ablation on the producer's engine: the offline request shape (n=G, FINAL_ONLY, no
+    logprobs) through AsyncLLM, to split the gap into engine front-end vs streaming costs."""
+    from vllm.sampling_params import RequestOutputKind
+
+    sp = _sampling(args, args.group_size, False)
+    sp.output_kind = RequestOutputKind.FINAL_ONLY  # what LLM.generate sets
+
+    async def one(i: int, p: list[int]) -> int:
+        n = 0
+        async for out in engine.generate({"prompt_token_ids": p}, sp, f"abl{i}"):
+            if out.finished:
+                n = sum(len(c.token_ids) for c in out.outputs)
+        return n
+
+    await one(-1, prompts[0])  # warm-up
+    t0 = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    dt = time.perf_counter() - t0
+    print(f"[bench_producer] ablation AsyncLLM n=G FINAL_ONLY no logprobs: {tokens} tokens in "
+          f"{dt:.2f} s = {tokens / dt:.0f} tok/s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.bench_producer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine.max_num_seqs for both engines (default: vLLM's)")
+    p.add_argument("--ablation", action="store_true",
+                   help="also time AsyncLLM with the offline request shape (n=G, FINAL_ONLY, "
+                        "no logprobs) on the producer's engine, before the producer path")
     args = p.parse_args(argv)
 
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
