@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import os
@@ -293,3 +294,7 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
         endpoint.close()
         rewards.close()
         engine.shutdown()
+        # Collect the engine now: AsyncLLM.__del__ calls shutdown() again, which fails noisily
+        # when it runs at interpreter teardown.
+        del engine
+        gc.collect()
