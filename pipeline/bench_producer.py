@@ -92,7 +92,7 @@ def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
         engine = build_engine(cfg.model, cfg.engine, str(model_path), cfg.engine.seed)
         try:
             if args.ablation:
-                await _async_final_only(args, engine, prompts)
+                await _async_ablations(args, engine, prompts)
             # No endpoint, rewards or prompt source: only the generation path is exercised.
             producer = Producer(cfg, 0, engine, tokenizer, None, None, None)
             sp = _sampling(args, 1, True)
@@ -116,27 +116,34 @@ def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
     return out
 
 
-async def _async_final_only(args, engine: Any, prompts: list[list[int]]) -> None:
-    """Ablation on the producer's engine: the offline request shape (n=G, FINAL_ONLY, no
-    logprobs) through AsyncLLM, to split the gap into engine front-end vs streaming costs."""
+async def _async_ablations(args, engine: Any, prompts: list[list[int]]) -> None:
+    """Ablations on the producer's engine, to split the gap to offline into its causes:
+    (a) the offline request shape (n=G, FINAL_ONLY, no logprobs) through AsyncLLM;
+    (b) the producer's request shape (G requests of n=1, DELTA) without logprobs or tagging."""
     from vllm.sampling_params import RequestOutputKind
 
-    sp = _sampling(args, args.group_size, False)
-    sp.output_kind = RequestOutputKind.FINAL_ONLY  # what LLM.generate sets
+    final = _sampling(args, args.group_size, False)
+    final.output_kind = RequestOutputKind.FINAL_ONLY  # what LLM.generate sets
+    delta = _sampling(args, 1, False)
+    delta.output_kind = RequestOutputKind.DELTA
 
-    async def one(i: int, p: list[int]) -> int:
+    async def one(rid: str, p: list[int], sp: Any) -> int:
         n = 0
-        async for out in engine.generate({"prompt_token_ids": p}, sp, f"abl{i}"):
-            if out.finished:
-                n = sum(len(c.token_ids) for c in out.outputs)
+        async for out in engine.generate({"prompt_token_ids": p}, sp, rid):
+            n += sum(len(c.token_ids) for c in out.outputs) if sp is delta or out.finished else 0
         return n
 
-    await one(-1, prompts[0])  # warm-up
-    t0 = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-    dt = time.perf_counter() - t0
-    print(f"[bench_producer] ablation AsyncLLM n=G FINAL_ONLY no logprobs: {tokens} tokens in "
-          f"{dt:.2f} s = {tokens / dt:.0f} tok/s", flush=True)
+    await one("warm", prompts[0], final)
+    for label, sp, reqs in (
+            ("(a) AsyncLLM n=G FINAL_ONLY, no logprobs", final,
+             [(f"a{i}", p) for i, p in enumerate(prompts)]),
+            ("(b) AsyncLLM G x n=1 DELTA, no logprobs ", delta,
+             [(f"b{i}-{j}", p) for i, p in enumerate(prompts) for j in range(args.group_size)])):
+        t0 = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(rid, p, sp) for rid, p in reqs)))
+        dt = time.perf_counter() - t0
+        print(f"[bench_producer] ablation {label}: {tokens} tokens in {dt:.2f} s = "
+              f"{tokens / dt:.0f} tok/s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine.max_num_seqs for both engines (default: vLLM's)")
     p.add_argument("--ablation", action="store_true",
-                   help="also time AsyncLLM with the offline request shape (n=G, FINAL_ONLY, "
-                        "no logprobs) on the producer's engine, before the producer path")
+                   help="also time, on the producer's engine, (a) the offline request shape and "
+                        "(b) the producer's request shape without logprobs")
     args = p.parse_args(argv)
 
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
