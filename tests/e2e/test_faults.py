@@ -1,0 +1,222 @@
+"""Fault injection on real runs of `pipeline-train` (launcher, vLLM CPU engines, 2 producers):
+kill -9 of a producer (restarted, run completes) and of the learner (everything stops, --resume
+continues from the last checkpoint)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+CONNECTED = re.compile(r"producer (p\d+) \(pid (\d+)\) connected at version (\d+)")
+
+
+class Launcher:
+    """`python -m pipeline.cli ...` under Popen; stderr is collected line by line as it runs."""
+
+    def __init__(self, tiny_model: Path, run_dir: Path, *extra: str):
+        cmd = [sys.executable, "-m", "pipeline.cli", "--model", str(tiny_model),
+               "--data", "arithmetic:200", "--reward", "examples.rewards:length_reward",
+               "--num-producers", "2", "--batch-groups", "2", "--group-size", "4",
+               "--max-tokens", "8", "--run-dir", str(run_dir),
+               "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
+               "--tensorboard", "false", "--progress", "false", *extra]
+        self.run_dir = run_dir
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self._out: list[str] = []
+        self.descendants: set[int] = set()  # every process the launcher started, polled
+        threading.Thread(target=self._pump, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
+        threading.Thread(target=lambda: self._out.extend(self.proc.stdout), daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def _watch(self) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            me = psutil.Process(self.proc.pid)
+            while self.proc.poll() is None:
+                with contextlib.suppress(psutil.Error):
+                    self.descendants.update(c.pid for c in me.children(recursive=True))
+                time.sleep(0.5)
+
+    def connects(self) -> list[tuple[str, int, int]]:
+        with self._cond:
+            return [(m[1], int(m[2]), int(m[3])) for ln in self.lines
+                    if (m := CONNECTED.search(ln))]
+
+    def wait_for(self, pred, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = pred()
+            if got:
+                return got
+            if self.proc.poll() is not None:
+                break
+            with self._cond:
+                self._cond.wait(0.5)
+        got = pred()
+        assert got, f"timed out waiting for {what}; stderr tail:\n" + self.tail()
+        return got
+
+    def steps_done(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return 0
+        rows = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        return len(rows)
+
+    def tail(self, n: int = 60) -> str:
+        with self._cond:
+            return "\n".join(self.lines[-n:])
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError("launcher did not finish; stderr tail:\n" + self.tail()
+                                 ) from None
+
+    def stop(self) -> None:
+        """Only on failure: Ctrl-C the launcher (it stops its children), then kill it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+def _assert_gone(pids, what: str = "processes") -> None:
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    _gone, alive = psutil.wait_procs(procs, timeout=15)
+    assert not alive, f"{what} left behind: {[p.pid for p in alive]}"
+
+
+def test_producer_killed_is_restarted_and_run_completes(tiny_model, tmp_path):
+    """Sync mode: a batch needs both producers' shares, so the learner waits for the restarted
+    producer; the run must still finish every step."""
+    run_dir = tmp_path / "kill_producer"
+    steps = 4
+    la = Launcher(tiny_model, run_dir, "--mode", "sync", "--steps", str(steps),
+                  "--max-producer-restarts", "1")
+    try:
+        first = la.wait_for(lambda: {p: pid for p, pid, _v in la.connects()}
+                            if {"p0", "p1"} <= {c[0] for c in la.connects()} else None,
+                            240, "both producers to connect")
+        la.wait_for(lambda: la.steps_done() >= 1, 240, "the first step")
+        victim = first["p1"]
+        assert psutil.Process(victim).ppid() == la.proc.pid  # a launcher child
+        victim_group = [c.pid for c in psutil.Process(victim).children(recursive=True)]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = la.steps_done()
+        assert killed_at < steps, "run finished before the producer was killed"
+        la.wait_for(lambda: [c for c in la.connects() if c[0] == "p1" and c[1] != victim],
+                    240, "the restarted producer p1 to reconnect")
+        code = la.wait(300)
+        assert code == 0, la.tail()
+    finally:
+        la.stop()
+    log = "\n".join(la.lines)
+    assert "producer 1 died" in log and "restarting (1/1)" in log
+    p1 = [c for c in la.connects() if c[0] == "p1"]
+    assert len(p1) == 2 and p1[1][1] != victim
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["skipped_nonfinite"] == 0 for r in rows)
+    assert all(r["staleness_max"] == 0 for r in rows)  # sync mode stays on-policy
+    served = 2 * steps
+    assert rows[-1]["received"] >= served
+    received = [r["received"] for r in rows]
+    assert received == sorted(received)  # cumulative counter never goes backwards
+    state = json.loads((run_dir / "checkpoints" / f"step_{steps}" / "state.json").read_text())
+    assert state["step"] == steps
+    assert sum(state["received"].values()) >= served
+    assert state["received"].get("p1", 0) >= 1
+    _assert_gone(victim_group)  # the killed producer's engine core was reaped too
+    _assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
+
+
+def test_learner_killed_stops_everything_then_resume_continues(tiny_model, tmp_path):
+    run_dir = tmp_path / "kill_learner"
+    steps = 6
+    args = ("--mode", "async", "--max-staleness", "1", "--steps", str(steps),
+            "--train.checkpoint_every", "1")
+    la = Launcher(tiny_model, run_dir, *args)
+    latest = run_dir / "checkpoints" / "LATEST"
+    try:
+        la.wait_for(lambda: latest.exists() and la.steps_done() >= 2, 300,
+                    "two steps and a checkpoint")
+        producers = {pid for _p, pid, _v in la.connects()}
+        kids = psutil.Process(la.proc.pid).children()
+        learner = [c for c in kids if c.pid not in producers
+                   and "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(learner) == 1, [(c.pid, c.cmdline()) for c in kids]
+        every = psutil.Process(la.proc.pid).children(recursive=True)
+        names = [c.name() for c in every]
+        every = [c.pid for c in every]
+        os.kill(learner[0].pid, signal.SIGKILL)
+        code = la.wait(120)
+    finally:
+        la.stop()
+    assert code != 0
+    assert "learner exited with code -9" in la.tail(200)
+    assert any("VLLM" in n for n in names), names  # the engines were running
+    _assert_gone(every)
+    _assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
+
+    ckpt = run_dir / "checkpoints" / latest.read_text().strip()
+    state = json.loads((ckpt / "state.json").read_text())
+    k, v = state["step"], state["version"]
+    assert 1 <= k < steps
+    n_before = len(_metrics(run_dir))
+    assert n_before >= k
+
+    la = Launcher(tiny_model, run_dir, *args, "--resume")
+    try:
+        code = la.wait(300)
+    finally:
+        la.stop()
+    assert code == 0, la.tail()
+    assert f"step {k}, version {v}" in "\n".join(la.lines)
+    resumed = _metrics(run_dir)[n_before:]
+    assert [r["step"] for r in resumed] == list(range(k + 1, steps + 1))
+    versions = [r["version"] for r in resumed]
+    assert versions[0] >= v and versions == sorted(versions)
+    assert versions[0] >= v + 1 or steps == k + 1  # publishes v+1 after its first step
+    # Producers reconnected to the resumed learner and caught up to its version first.
+    assert {c[0] for c in la.connects()} == {"p0", "p1"}
+    final = json.loads((run_dir / "checkpoints" / f"step_{steps}" / "state.json").read_text())
+    assert final["step"] == steps and final["version"] >= v
+    assert sum(final["received"].values()) >= sum(state["received"].values())
+    _assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
