@@ -154,6 +154,9 @@ class Announce:
     """Groups consumed (served to training) per producer so far."""
     cursors: dict[str, int] = field(default_factory=dict)
     """Highest dataset cursor received per producer (where a restarted producer resumes)."""
+    durable: dict[str, int] = field(default_factory=dict)
+    """Per producer incarnation: every group with seq below this is in the learner's last
+    checkpoint, so the producer may forget it (it keeps the rest to resend after a restart)."""
 
 
 @dataclass
@@ -256,6 +259,7 @@ def _encode_body(msg: Message) -> tuple[str, dict[str, Any]]:
             "received": {str(k): int(v) for k, v in msg.received.items()},
             "consumed": {str(k): int(v) for k, v in msg.consumed.items()},
             "cursors": {str(k): int(v) for k, v in msg.cursors.items()},
+            "durable": {str(k): int(v) for k, v in msg.durable.items()},
         }
     if isinstance(msg, Ack):
         return "ack", {
@@ -532,7 +536,7 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
     _fields(
         b,
         frozenset(("version", "snapshot_uri", "snapshot_checksum", "learner_session",
-                   "received", "consumed", "cursors")),
+                   "received", "consumed", "cursors", "durable")),
         "announce",
     )
     return Announce(
@@ -543,6 +547,7 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
         received=_int_map(b["received"], "announce.received"),
         consumed=_int_map(b["consumed"], "announce.consumed"),
         cursors=_int_map(b["cursors"], "announce.cursors"),
+        durable=_int_map(b["durable"], "announce.durable"),
     )
 
 

@@ -33,6 +33,7 @@ class LearnerState:
     cursors: dict[str, int] = field(default_factory=dict)    # dataset cursor per producer
     counters: dict[str, float] = field(default_factory=dict)  # cumulative run counters
     first_reward: float | None = None
+    ledger: dict = field(default_factory=dict)  # buffer.ledger.GroupLedger.to_dict()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-producer-restarts", type=int, default=0,
                      help="restart a dead producer up to this many times (0: a dead producer "
                           "stops the run)")
+    run.add_argument("--max-learner-restarts", type=int, default=0,
+                     help="restart a dead learner from its last checkpoint up to this many times "
+                          "while producers keep running (0: a dead learner stops the run)")
     run.add_argument("--reward", action="append", metavar="MODULE:ATTR[@WEIGHT]",
                      help="reward function(s); replaces rewards.specs (repeatable)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
     try:
         return run(cfg, role=args.role, resume=args.resume, producer_index=args.producer_index,
-                   max_producer_restarts=args.max_producer_restarts)
+                   max_producer_restarts=args.max_producer_restarts,
+                   max_learner_restarts=args.max_learner_restarts)
     except ConfigError as e:
         print(f"pipeline-train: config error: {e}", file=sys.stderr)
         return 2

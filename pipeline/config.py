@@ -192,6 +192,8 @@ class SyncConfig:
     snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run>, else run_dir)")
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
     keep_snapshots: int = opt(2, "snapshot files kept on disk")
+    retain_groups: int = opt(4096, "groups a producer keeps until the learner has checkpointed "
+                                   "them (resent after a learner restart; oldest dropped first)")
     ack_timeout_s: float = opt(120.0, "learner waits this long for producer acks, then goes on")
     drain_timeout_s: float = opt(30.0, "barrier: max wait for running prefills")
     pause_timeout_s: float = opt(60.0, "barrier: max wait for pause_generation")

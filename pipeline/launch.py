@@ -136,7 +136,7 @@ def _reap(procs: list[mp.Process], grace_s: float) -> None:
 
 
 def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_index: int = 0,
-        max_producer_restarts: int = 0) -> int:
+        max_producer_restarts: int = 0, max_learner_restarts: int = 0) -> int:
     """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
     model_path = prepare(cfg, role)
     run_dir = Path(cfg.run_dir)
@@ -158,11 +158,29 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     for p in procs:
         p.start()
     restarts = 0
+    learner_restarts = 0
     code = 0
     try:
         while True:
             if learner is not None and not learner.is_alive():
                 code = learner.exitcode or 0
+                if code and learner_restarts < max_learner_restarts:
+                    # Producers keep running: they hold every group the learner's last
+                    # checkpoint lacks and resend it to the restored learner.
+                    learner_restarts += 1
+                    from pipeline.checkpoint import latest_checkpoint
+
+                    has_ckpt = latest_checkpoint(run_dir) is not None
+                    log.warning("learner died (exit %s); restarting it %s(%d/%d)", code,
+                                "from its last checkpoint " if has_ckpt else "",
+                                learner_restarts, max_learner_restarts)
+                    _stop(learner, signal.SIGKILL)
+                    learner = ctx.Process(target=learner_entry,
+                                          args=(cfg_dict, model_path, has_ckpt), name="learner")
+                    learner.start()
+                    procs.append(learner)
+                    code = 0
+                    continue
                 if code:
                     log.error("learner exited with code %d; stopping producers", code)
                 break

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import shutil
 import time
@@ -21,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from buffer.ledger import GroupLedger
 from buffer.schema import Ack, Announce, Heartbeat, Hello, Message, RolloutGroup
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
@@ -66,8 +68,11 @@ class Learner:
             self.buffer = RolloutBuffer.restore(buf, *buf_args)
             log.info("resumed from %s: step %d, version %d, %d groups buffered", ckpt,
                      self.state.step, self.state.version, len(self.buffer))
+        # One snapshot dir per run (not per session): a learner restarted after kill -9 reuses
+        # and prunes it instead of leaking the old one in shared memory.
+        run_key = hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
         self.snapshot_dir = Path(cfg.sync.snapshot_dir) if cfg.sync.snapshot_dir else (
-            Path("/dev/shm") / f"pipeline-grpo-{self.session}" if Path("/dev/shm").is_dir()
+            Path("/dev/shm") / f"pipeline-grpo-{run_key}" if Path("/dev/shm").is_dir()
             else self.run_dir / "snapshots")
         self.snapshot: SnapshotRef | None = None
         self.producers: dict[str, ProducerInfo] = {}
@@ -77,6 +82,8 @@ class Learner:
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard,
                                      progress=cfg.progress, total_steps=cfg.train.steps)
         self.counters = dict(self.state.counters)
+        self.ledger = GroupLedger.from_dict(self.state.ledger)
+        self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
 
     # ------------------------------------------------------------------ messages
     def _on_group(self, g: RolloutGroup) -> None:
@@ -116,6 +123,10 @@ class Learner:
                 continue
             if isinstance(msg, RolloutGroup):
                 await self.buffer.wait_for_space()
+                inc, seq = msg.metadata.get("incarnation"), msg.metadata.get("seq")
+                if isinstance(inc, str) and isinstance(seq, int) \
+                        and not self.ledger.accept(inc, seq):
+                    continue  # a resend of a group we already have (counted in the ledger)
                 self._on_group(msg)
                 self.buffer.put(msg)
             else:
@@ -129,7 +140,7 @@ class Learner:
         return Announce(version=self.state.version, snapshot_uri=ref.uri if ref else "",
                         snapshot_checksum=ref.checksum if ref else "",
                         learner_session=self.session, received=received, consumed=consumed,
-                        cursors=dict(self.state.cursors))
+                        cursors=dict(self.state.cursors), durable=dict(self.durable))
 
     async def _announce(self) -> None:
         assert self.endpoint is not None
@@ -213,6 +224,7 @@ class Learner:
                 "gen_tokens_per_s": sum(i.stats.get("tokens_per_s", 0.0)
                                         for i in self.producers.values()),
                 **{k: float(v) for k, v in self.counters.items()},
+                "duplicates_ignored": float(self.ledger.duplicates),
                 **self.last_sync,
             })
             last_end = now
@@ -225,9 +237,13 @@ class Learner:
 
     async def checkpoint(self) -> Path:
         self.state.counters = dict(self.counters)
+        self.state.ledger = self.ledger.to_dict()
+        # Buffer and ledger are captured together, before any await, so they agree exactly.
+        prefixes = self.ledger.prefixes()
         state = self.trainer.state()
         buf = self.buffer.snapshot()
         path = await asyncio.to_thread(save_checkpoint, self.run_dir, self.state, state, buf)
+        self.durable = prefixes  # producers may now forget these groups
         log.info("checkpoint saved: %s", path)
         return path
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,6 +44,8 @@ class ProducerStats:
     groups_dropped_reward: int = 0
     prompts_skipped_too_long: int = 0
     completions_resubmitted: int = 0
+    groups_resent: int = 0
+    retention_overflow: int = 0
     tokens: int = 0
     swaps: int = 0
     swap_failures: int = 0
@@ -73,6 +77,14 @@ class Producer:
         self.sent = 0            # groups sent in the current learner session
         self.consumed = 0        # of ours, served or dropped by the learner (from announces)
         self.learner_session = ""
+        # Exactly-once delivery across learner restarts: this process numbers its groups and
+        # keeps each until the learner announces it durable (in a checkpoint); a restored learner
+        # gets the rest again and drops what it already has (buffer.ledger).
+        self.incarnation = f"{self.producer_id}-{os.getpid()}-{time.time_ns() % 10**12}"
+        self.seq = 0
+        self.retained: dict[int, RolloutGroup] = {}
+        self.sent_log = Path(cfg.run_dir) / "producers" / f"{self.incarnation}.jsonl"
+        self.sent_log.parent.mkdir(parents=True, exist_ok=True)
         self._budget_changed = asyncio.Event()
         self._synced = asyncio.Event()   # set once we hold the learner's current version
         self._group_tasks: set[asyncio.Task] = set()
@@ -128,6 +140,7 @@ class Producer:
         result = await self.rewards.score_group(record.prompt, texts, meta)
         if result.dropped:
             self.stats.groups_dropped_reward += 1
+            self._log_sent({"dropped_by_reward": group_id, "prompt_id": record.prompt_id})
             log.warning("group for prompt %s dropped: a reward failed (on_failure=drop)",
                         record.prompt_id)
             return
@@ -142,10 +155,23 @@ class Producer:
             prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32), completions=comps,
             timing={"admitted_at": admitted_at, "generate_s": gen_s,
                     "reward_s": time.perf_counter() - t0 - gen_s},
-            metadata={"cursor": record.cursor, "producer_index": self.index})
+            metadata={"cursor": record.cursor, "producer_index": self.index,
+                      "incarnation": self.incarnation, "seq": self.seq})
+        self.retained[self.seq] = group
+        self.seq += 1
+        if len(self.retained) > self.cfg.sync.retain_groups:
+            self.retained.pop(min(self.retained))
+            self.stats.retention_overflow += 1
         await self.endpoint.send(group)
+        self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
         self.sent += 1
         self.stats.groups_sent += 1
+
+    def _log_sent(self, record: dict[str, Any]) -> None:
+        """One line per group handed to the transport: the producer side of the soak's
+        conservation check (groups produced = trained + dropped + held)."""
+        with self.sent_log.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     async def _generate_one(self, rid: str, prompt_ids: list[int], sp: Any
                             ) -> tuple[Completion, str]:
@@ -200,11 +226,18 @@ class Producer:
             await self._apply_announce(ann)
 
     async def _apply_announce(self, ann: Announce) -> None:
+        durable = ann.durable.get(self.incarnation, 0)
+        for seq in [s for s in self.retained if s < durable]:
+            del self.retained[seq]
         if ann.learner_session != self.learner_session:
-            # New learner (first contact or a restart): what we sent that it never received is
-            # gone, so re-base our count on what it knows.
+            # New learner (first contact or a restart): resend what its checkpoint lacks (it
+            # drops duplicates), and re-base the admission count on what it knows.
             self.learner_session = ann.learner_session
-            self.sent = ann.received.get(self.producer_id, 0)
+            resend = [self.retained[s] for s in sorted(self.retained)]
+            for group in resend:
+                await self.endpoint.send(group)
+            self.stats.groups_resent += len(resend)
+            self.sent = ann.received.get(self.producer_id, 0) + len(resend)
             # Prompts the learner already has are not generated again after a restart.
             self.prompts.cursor = max(self.prompts.cursor, ann.cursors.get(self.producer_id, 0))
             log.info("%s: learner session %s at version %d", self.producer_id,
