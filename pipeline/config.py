@@ -227,6 +227,17 @@ class TrainConfig:
     checkpoint_every: int = opt(0, "save a checkpoint every k steps (0: only at the end/stop)")
     batch_timeout_s: float = opt(600.0, "learner gives up waiting for a batch after this long")
     seed: int = opt(0, "learner seed")
+    lora_rank: int = opt(0, "LoRA rank through peft (0: full fine-tune); snapshots carry the "
+                            "targeted weights with the adapter merged in")
+    lora_alpha: float = opt(16.0, "LoRA alpha (scale = alpha / rank)")
+    lora_target_modules: list = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"], "module names LoRA adapts")
+    lora_dropout: float = opt(0.0, "LoRA dropout")
+    learner_processes: int = opt(1, "learner processes; > 1 starts the learner with `accelerate "
+                                    "launch --num_processes N` (DDP; rank 0 does all I/O)")
+    accelerate_config: str = opt("", "accelerate config file for the learner (e.g. DeepSpeed "
+                                     "ZeRO-2/3, CPU offload); set: `accelerate launch "
+                                     "--config_file FILE` even with one process")
 
     def __post_init__(self) -> None:
         if isinstance(self.loss, dict):
@@ -239,6 +250,17 @@ class TrainConfig:
         _check(self.lr > 0, "train.lr", "must be > 0")
         _check(self.micro_batch >= 1, "train.micro_batch", "must be >= 1")
         _check(self.freeze_layers >= 0, "train.freeze_layers", "must be >= 0")
+        _check(self.lora_rank >= 0, "train.lora_rank", "must be >= 0")
+        _check(self.lora_alpha > 0, "train.lora_alpha", "must be > 0")
+        _check(0.0 <= self.lora_dropout < 1.0, "train.lora_dropout", "must be in [0, 1)")
+        _check(isinstance(self.lora_target_modules, list) and bool(self.lora_target_modules)
+               and all(isinstance(m, str) for m in self.lora_target_modules),
+               "train.lora_target_modules", "must be a non-empty list of module names")
+        _check(not (self.lora_rank and self.freeze_layers), "train.lora_rank",
+               "LoRA and train.freeze_layers cannot be combined (LoRA already freezes the base)")
+        _check(self.learner_processes >= 1, "train.learner_processes", "must be >= 1")
+        _check(not self.accelerate_config or Path(self.accelerate_config).is_file(),
+               "train.accelerate_config", f"file {self.accelerate_config!r} does not exist")
         if self.mode == "sync":
             self.max_staleness = 0  # sync mode is on-policy by definition
 

@@ -1,13 +1,21 @@
 """The policy and its optimiser: turns a batch of rollout groups into one GRPO optimiser step.
 
 Synchronous torch code only (the learner runs it in a worker thread so that its event loop keeps
-receiving groups). Owns: model loading, batch packing, micro-batched forward/backward with the
-loss from ``pipeline.loss``, the non-finite-step guard, and the weights that go into snapshots.
+receiving groups). Owns: model loading (optionally LoRA through peft), batch packing, micro-batched
+forward/backward with the loss from ``pipeline.loss``, the non-finite-step guard, and the weights
+that go into snapshots (LoRA merged into plain HF names, so vLLM loads them as full weights).
+
+Model and optimiser go through an ``accelerate.Accelerator``: one process by default; under
+``accelerate launch`` (DDP, DeepSpeed ZeRO) rank 0 drives and the other ranks ``follow()``: every
+public method that runs a collective first broadcasts its command (``pipeline.distributed``), and
+each rank trains on its slice of the batch's completions with a batch-global token normaliser.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +25,7 @@ import numpy as np
 import torch
 
 from buffer.schema import RolloutGroup
+from pipeline import distributed as D
 from pipeline.config import RunConfig
 from pipeline.loss import group_advantages, grpo_loss
 
@@ -79,6 +88,8 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     The output projection and softmax run only on the masked (completion) positions: with a
     large vocabulary they dominate the cost, and prompt positions carry no loss.
     """
+    if hasattr(model, "get_base_model"):  # peft: the HF model with LoRA layers injected
+        model = model.get_base_model()
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask
                               ).last_hidden_state[:, :-1]
     logits = model.get_output_embeddings()(hidden[mask]).float()
@@ -87,28 +98,90 @@ def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     return out.masked_scatter(mask, picked.squeeze(-1))
 
 
+class _Policy(torch.nn.Module):
+    """The model behind one ``forward`` that returns token logprobs: DDP and DeepSpeed hook
+    their gradient reduction into the wrapped module's forward, so it must be called, not
+    ``model.base_model`` directly."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, mask):
+        return token_logprobs(self.model, input_ids, attention_mask, mask)
+
+
+def lora_modules(model: Any) -> dict[str, float]:
+    """peft LoRA layers of ``model``: state-dict prefix -> scaling of the default adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: float(m.scaling["default"]) for name, m in model.named_modules()
+            if isinstance(m, LoraLayer) and "default" in m.scaling}
+
+
+def hf_name(peft_name: str) -> str:
+    """peft state-dict name -> the base model's name (as in its safetensors files)."""
+    name = peft_name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def merge_lora(state: dict[str, torch.Tensor], modules: dict[str, float]
+               ) -> dict[str, torch.Tensor]:
+    """W + scale * B @ A for each LoRA module of a peft state dict, under the base model's name.
+
+    Computed from a (gathered) state dict, not from the live modules, so it works for ZeRO-3
+    partitioned parameters too; only the LoRA-targeted weights are returned (nothing else
+    changes under LoRA)."""
+    out = {}
+    for prefix, scale in modules.items():
+        w = state[f"{prefix}.base_layer.weight"].float()
+        a = state[f"{prefix}.lora_A.default.weight"].float()
+        b = state[f"{prefix}.lora_B.default.weight"].float()
+        out[hf_name(f"{prefix}.weight")] = w + scale * (b @ a)
+    return out
+
+
 class PolicyTrainer:
     def __init__(self, cfg: RunConfig, model_path: str, device: str | None = None):
+        from accelerate import Accelerator
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
-        torch.manual_seed(cfg.train.seed)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        t = cfg.train
+        torch.manual_seed(t.seed)
+        cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+        # One process on CPU/GPU by default; under `accelerate launch` the launcher's env (and
+        # its --config_file: DDP, DeepSpeed ZeRO-2/3, offload) decides.
+        self.accelerator = Accelerator(cpu=not cuda)
+        self.device = self.accelerator.device
+        self.world = D.world_size() if D.is_distributed() else 1
+        self.rank = D.rank() if self.world > 1 else 0
+        self._lock = threading.Lock()  # a command and its collectives are never interleaved
+        self._released = False
         # fp32 master weights; bf16 autocast on GPUs (CPU autocast is slower than fp32 here).
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.model.to(self.device).train()
-        if cfg.train.freeze_layers:
-            self._freeze(cfg.train.freeze_layers)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if t.freeze_layers:
+            self._freeze(model, t.freeze_layers)
+        self._lora: dict[str, float] = {}
+        if t.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(
+                r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout,
+                target_modules=list(t.lora_target_modules), bias="none"))
+            self._lora = lora_modules(model)
+        model.train()
+        self.model = model
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
-        t = cfg.train
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=t.lr,
-                                           weight_decay=t.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
         warm = max(t.warmup_steps, 0)
+        # The scheduler stays outside accelerate: it steps once per optimiser step, not per rank.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+            optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.policy, self.optimizer = self.accelerator.prepare(_Policy(self.model), optimizer)
         self.ref_model = None
         if t.loss.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -117,11 +190,12 @@ class PolicyTrainer:
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         self._skip = {"lm_head.weight"} if tied else set()
 
-    def _freeze(self, k: int) -> None:
-        layers = self.model.base_model.layers
+    @staticmethod
+    def _freeze(model: Any, k: int) -> None:
+        layers = model.base_model.layers
         if k > len(layers):
             raise ValueError(f"train.freeze_layers={k} but the model has {len(layers)} layers")
-        self.model.get_input_embeddings().requires_grad_(False)
+        model.get_input_embeddings().requires_grad_(False)
         for layer in layers[:k]:
             layer.requires_grad_(False)
 
@@ -134,47 +208,104 @@ class PolicyTrainer:
             return torch.autocast("cpu", enabled=False)
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
+    # -------------------------------------------------------------- rank 0 leads, others follow
+    def _lead(self, *cmd: Any) -> None:
+        if self.world > 1 and self.rank == 0:
+            D.broadcast_object(cmd)
+
+    def follow(self) -> None:
+        """Non-zero ranks: run rank 0's commands until it says stop (or the job dies)."""
+        while True:
+            cmd = D.broadcast_object(None)
+            op, args = cmd[0], cmd[1:]
+            if op == "stop":
+                return
+            {"step": self._step, "grads": self._accumulate, "snapshot": self._snapshot,
+             "state": self._state, "load": self._load_state}[op](*args)
+
+    def release_followers(self) -> None:
+        """Rank 0, at the end: let the other ranks return from ``follow()``."""
+        with self._lock:
+            if not self._released:
+                self._released = True
+                self._lead("stop")
+
+    # -------------------------------------------------------------- training
     def step(self, groups: list[RolloutGroup], learner_version: int) -> dict[str, float]:
         """One optimiser step on ``groups``; returns metrics. A non-finite loss or gradient
         skips the update (``skipped_nonfinite`` = 1) so bad weights never reach producers."""
-        t0 = time.perf_counter()
+        with self._lock:
+            self._lead("step", groups, learner_version)
+            return self._step(groups, learner_version)
+
+    def accumulate_gradients(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """Forward/backward only: leaves the (rank-averaged) gradients of the batch loss in
+        ``.grad`` (for tests and debugging); returns the loss metrics."""
+        with self._lock:
+            self._lead("grads", groups)
+            return self._accumulate(groups)[1]
+
+    def _accumulate(self, groups: list[RolloutGroup]) -> tuple[PackedBatch, dict[str, float],
+                                                              bool, int]:
         lc = self.cfg.train.loss
         pb = pack_groups(groups, lc.scale_rewards, lc.std_eps)
         n = len(pb.sequences)
         mb = self.cfg.train.micro_batch
+        # Global normaliser: every completion token of the whole batch, on every rank.
         total_tokens = sum(len(s) - p for s, p in zip(pb.sequences, pb.prompt_lens,
                                                        strict=True))
         normalizer = float(max(total_tokens, 1))
+        mine = D.shard_rows(n, self.rank, self.world)
+        # A rank without rows still runs one zero-weighted backward: DDP/ZeRO reductions are
+        # collectives that every rank must enter.
+        chunks = [(mine[i: i + mb], 1.0) for i in range(0, len(mine), mb)] or [([0], 0.0)]
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, float] = {}
         finite = True
-        for start in range(0, n, mb):
-            rows = list(range(start, min(start + mb, n)))
+        for ci, (rows, keep) in enumerate(chunks):
             b = {k: v.to(self.device) for k, v in collate(pb, rows, self.pad_id).items()}
-            with self._autocast():
-                lp = token_logprobs(self.model, b["input_ids"], b["attention_mask"], b["mask"])
-                ref = None
-                if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref = token_logprobs(self.ref_model, b["input_ids"],
-                                             b["attention_mask"], b["mask"])
-            out = grpo_loss(lp, b["behaviour"], b["advantages"], b["mask"].float(), lc,
-                            ref_logprobs=ref,
-                            normalizer=normalizer if lc.agg == "token_mean" else None)
-            loss = out.loss if lc.agg == "token_mean" else out.loss * len(rows) / n
-            if not torch.isfinite(loss):
-                finite = False
-                break
-            loss.backward()
-            weight = b["mask"].sum().item() / normalizer
-            for k, v in out.metrics.items():
-                acc[k] = acc.get(k, 0.0) + float(v) * (1.0 if k == "loss" else weight)
+            last = ci == len(chunks) - 1
+            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.policy)
+            with sync:
+                with self._autocast():
+                    lp = self.policy(b["input_ids"], b["attention_mask"], b["mask"])
+                    ref = None
+                    if self.ref_model is not None:
+                        with torch.no_grad():
+                            ref = token_logprobs(self.ref_model, b["input_ids"],
+                                                 b["attention_mask"], b["mask"])
+                out = grpo_loss(lp, b["behaviour"], b["advantages"], b["mask"].float(), lc,
+                                ref_logprobs=ref,
+                                normalizer=normalizer if lc.agg == "token_mean" else None)
+                loss = out.loss if lc.agg == "token_mean" else out.loss * len(rows) / n
+                if not torch.isfinite(loss):
+                    finite = False
+                    if self.world == 1:
+                        break
+                    # Ranks must stay in step: back-propagate anyway; the NaN reaches every
+                    # rank's gradient and all_true() below makes all of them skip the update.
+                # Gradient reduction averages over ranks; the loss is a sum over the global
+                # batch, so undo the 1/world.
+                self.accelerator.backward(loss * (keep * self.world))
+            if keep:
+                weight = b["mask"].sum().item() / normalizer
+                for k, v in out.metrics.items():
+                    acc[k] = acc.get(k, 0.0) + float(v) * (1.0 if k == "loss" else weight)
+        acc = D.sum_dicts(acc)
+        return pb, acc, finite, total_tokens
+
+    def _step(self, groups: list[RolloutGroup], learner_version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        pb, acc, finite, total_tokens = self._accumulate(groups)
+        n = len(pb.sequences)
         grad_norm = math.nan
-        if finite:
+        if finite or self.world > 1:
             clip = self.cfg.train.grad_clip
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), clip if clip > 0 else float("inf")))
-            finite = math.isfinite(grad_norm)
+            params = [p for p in self.policy.parameters() if p.requires_grad]
+            grad_norm = float(self.accelerator.clip_grad_norm_(
+                params, clip if clip > 0 else float("inf")))
+            finite = finite and math.isfinite(grad_norm)
+        finite = D.all_true(finite, self.device)
         if finite:
             self.optimizer.step()
             self.scheduler.step()
@@ -196,6 +327,7 @@ class PolicyTrainer:
             "lr": self.scheduler.get_last_lr()[0],
             "skipped_nonfinite": 0.0 if finite else 1.0,
             "train_s": time.perf_counter() - t0,
+            "learner_processes": float(self.world),
         })
         for s in stale:
             metrics[f"staleness_hist/{s}"] = metrics.get(f"staleness_hist/{s}", 0.0) + 1
@@ -205,22 +337,49 @@ class PolicyTrainer:
             metrics[f"reward/{k}"] = float(np.mean(vals))
         return metrics
 
+    # -------------------------------------------------------------- weights
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The full (unwrapped, gathered under ZeRO-3) model state dict; a collective."""
+        sd = self.accelerator.get_state_dict(self.policy)
+        return {k.removeprefix("model."): v for k, v in sd.items()}
+
     def snapshot_tensors(self) -> dict[str, torch.Tensor]:
         """Weights for producers, in the engines' dtype, HF names (tied lm_head left out).
 
-        Only trainable tensors travel: frozen ones never change, so engines keep theirs.
+        Only tensors that can change travel: trainable ones, or under LoRA the targeted
+        modules' weights with the adapter merged in (W + scale * B @ A).
         """
-        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        return {k: v.detach().to(self.snapshot_dtype) for k, v in self.model.state_dict().items()
-                if k not in self._skip and k in trainable}
+        with self._lock:
+            self._lead("snapshot")
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        sd = self._model_state()
+        if self._lora:
+            merged = merge_lora(sd, self._lora)
+        else:
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            merged = {k: v for k, v in sd.items() if k in trainable}
+        return {k: v.detach().to(self.snapshot_dtype) for k, v in merged.items()
+                if k not in self._skip}
 
     # -------------------------------------------------------------- checkpoint state
     def state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": torch.get_rng_state()}
+        with self._lock:
+            self._lead("state")
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
+        # Under ZeRO the optimiser state is sharded: this saves rank 0's shard only (see README).
+        return {"model": self._model_state(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
 
     def load_state(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            self._lead("load", state)
+            self._load_state(state)
+
+    def _load_state(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
