@@ -33,6 +33,8 @@ from pipeline.config import RunConfig, producer_budget
 from pipeline.data import PromptRecord, PromptSource, render_prompt
 from pipeline.rewards import RewardSet
 from sync.barrier import RequestTracker, SwapBarrier
+from sync.snapshot import SnapshotRef
+from sync.transfer import FileTransport
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class Producer:
                                    load_timeout_s=s.load_timeout_s)
         self.budget = producer_budget(cfg.train.batch_groups, cfg.train.max_staleness,
                                       cfg.num_producers, index)
+        self.transport = FileTransport(engine)
         self.stats = ProducerStats()
         self.in_flight_groups = 0
         self.sent = 0            # groups sent in the current learner session
@@ -244,7 +247,9 @@ class Producer:
                      ann.learner_session, ann.version)
         if ann.version != self.tracker.version and ann.snapshot_uri:
             self._synced.clear()  # generate nothing more on weights the learner has left
-            report = await self.barrier.swap(ann.version, lambda: self._load(ann))
+            ref = SnapshotRef(ann.version, ann.snapshot_uri, ann.snapshot_checksum)
+            report = await self.barrier.swap(ann.version, lambda: self.transport.apply(ref.version),
+                                             prepare=lambda: self.transport.stage(ref))
             self.stats.swaps = self.barrier.swaps
             self.stats.swap_failures = self.barrier.failures
             if not report.ok:
@@ -258,12 +263,6 @@ class Producer:
                 self.tracker.version = ann.version
             self._synced.set()
         self._budget_changed.set()
-
-    async def _load(self, ann: Announce) -> dict[str, float]:
-        results = await self.engine.collective_rpc(
-            "sync_load_snapshot", args=(ann.version, ann.snapshot_uri, ann.snapshot_checksum))
-        first = results[0] if isinstance(results, list) and results else {}
-        return first if isinstance(first, dict) else {}
 
     async def _heartbeat(self) -> None:
         while True:

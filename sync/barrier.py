@@ -127,8 +127,14 @@ class SwapBarrier:
     swaps: int = 0
     failures: int = 0
 
-    async def swap(self, new_version: int, load: Callable[[], Awaitable[Any]]) -> SwapReport:
-        """Run the barrier around ``load``; never raises for a failed load (see report.ok)."""
+    async def swap(self, new_version: int, load: Callable[[], Awaitable[Any]],
+                   prepare: Callable[[], Awaitable[Any]] | None = None) -> SwapReport:
+        """Run the barrier around ``load``; never raises for a failed load (see report.ok).
+
+        ``prepare`` (optional) runs first, while the engine still serves and admits: work that
+        needs no pause (reading and verifying the snapshot) stays out of the engine's idle time,
+        and a snapshot it refuses never pauses the engine at all.
+        """
         t: dict[str, float] = {}
         tk = self.tracker
         start = time.perf_counter()
@@ -141,6 +147,18 @@ class SwapBarrier:
             t[name] = now - mark
             mark = now
 
+        if prepare is not None:
+            try:
+                staged = await self._step("prepare", self.load_timeout_s, prepare())
+            except Exception as e:
+                self.failures += 1
+                return SwapReport(version=tk.version, ok=False, error=f"swap to v{new_version} "
+                                  f"refused before pausing: {e}",
+                                  timings={"prepare_s": time.perf_counter() - start})
+            lap("prepare_s")
+            if isinstance(staged, dict):
+                t.update({f"prepare_{k}": float(v) for k, v in staged.items()
+                          if isinstance(v, (int, float))})
         tk.close_gate()
         try:
             lap("gate_s")

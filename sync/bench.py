@@ -24,6 +24,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,10 @@ from safetensors.torch import load_file
 
 from sync.barrier import BarrierMode, RequestTracker, SwapBarrier, SwapReport
 from sync.snapshot import SnapshotRef
+from sync.transfer import FileTransport
 
 MODES: tuple[BarrierMode, ...] = ("drain_prefill", "keep", "wait", "abort")
-STEPS = ("gate_s", "drain_s", "pause_s", "load_s", "resume_s", "idle_s", "total_s")
+STEPS = ("prepare_s", "gate_s", "drain_s", "pause_s", "load_s", "resume_s", "idle_s", "total_s")
 
 
 # ------------------------------------------------------------------ snapshots
@@ -168,11 +170,14 @@ async def bench_mode(engine: Any, mode: BarrierMode, refs: list[SnapshotRef], vo
     async with asyncio.TaskGroup() as tg:
         workers = [tg.create_task(worker(i)) for i in range(a.requests)]
         version = first_version
+        tr = FileTransport(engine)
         for s in range(a.swaps):
             await asyncio.sleep(a.interval_s)  # let the engine fill up with fresh prefills
             ref = refs[s % len(refs)]
             ref = SnapshotRef(version, ref.uri, ref.checksum)
-            rep = await barrier.swap(version, load_via_worker_ext(engine, ref))
+            # Stage (read + verify) while serving; only the apply runs inside the pause.
+            rep = await barrier.swap(version, partial(tr.apply, version),
+                                     prepare=partial(tr.stage, ref))
             if not rep.ok:
                 raise RuntimeError(f"mode {mode}: {rep.error}")
             reports.append(rep)
