@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,6 +98,58 @@ def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
         log.info("learner stopped")
 
 
+class LaunchedLearner:
+    """The learner as ``accelerate launch ... -m pipeline.learner_main`` (``learner_processes``
+    > 1 or an accelerate config), behind the slice of ``mp.Process`` that ``run`` uses: its own
+    process group (``_stop`` signals the launcher and every rank), SIGTERM if we die."""
+
+    def __init__(self, cfg: RunConfig, model_path: str, resume: bool):
+        t = cfg.train
+        self.cmd = [sys.executable, "-m", "accelerate.commands.launch",
+                    "--num_processes", str(t.learner_processes), "--num_machines", "1"]
+        if t.accelerate_config:
+            self.cmd += ["--config_file", t.accelerate_config]
+        elif t.learner_processes > 1:
+            # torchrun launcher: one process per GPU, or gloo on CPU (PolicyTrainer's
+            # Accelerator(cpu=True)); accelerate's --cpu launcher would need mpirun.
+            self.cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        self.cmd += ["-m", "pipeline.learner_main", str(Path(cfg.run_dir) / "config.yaml"),
+                     "--model", model_path] + (["--resume"] if resume else [])
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log.info("learner: %s", " ".join(self.cmd))
+        self.proc = subprocess.Popen(self.cmd, preexec_fn=_popen_setup)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+
+
+def _popen_setup() -> None:
+    os.setpgrp()
+    _die_with_parent()
+
+
+def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, resume: bool
+                  ) -> Any:
+    if cfg.train.learner_processes > 1 or cfg.train.accelerate_config:
+        return LaunchedLearner(cfg, model_path, resume)
+    return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume), name="learner")
+
+
 def producer_entry(cfg_dict: dict, model_path: str, index: int) -> None:
     _child_setup()
     from pipeline.producer import producer_main
@@ -146,8 +199,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     cfg_dict = to_dict(cfg)
     learner = None
     if role in ("all", "learner"):
-        learner = ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume),
-                              name="learner")
+        learner = _make_learner(ctx, cfg, cfg_dict, model_path, resume)
     indices = range(cfg.num_producers) if role == "all" else (
         [producer_index] if role == "producer" else [])
     producers = {i: ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
@@ -175,8 +227,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                                 "from its last checkpoint " if has_ckpt else "",
                                 learner_restarts, max_learner_restarts)
                     _stop(learner, signal.SIGKILL)
-                    learner = ctx.Process(target=learner_entry,
-                                          args=(cfg_dict, model_path, has_ckpt), name="learner")
+                    learner = _make_learner(ctx, cfg, cfg_dict, model_path, has_ckpt)
                     learner.start()
                     procs.append(learner)
                     code = 0
