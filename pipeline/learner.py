@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -248,6 +249,8 @@ class Learner:
         return path
 
     async def run(self) -> None:
+        log.info("learner pid %d, session %s, step %d, version %d", os.getpid(), self.session,
+                 self.state.step, self.state.version)
         if self.state.version > 0:  # resumed: producers must load this version first
             self.snapshot = await asyncio.to_thread(self._publish_snapshot, self.state.version)
         self.endpoint = LearnerEndpoint(self.cfg.bind_addr, insecure=self.cfg.insecure)

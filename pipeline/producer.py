@@ -31,6 +31,7 @@ from buffer.schema import Ack, Announce, Completion, Heartbeat, Hello, RolloutGr
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig, producer_budget
 from pipeline.data import PromptRecord, PromptSource, render_prompt
+from pipeline.outbox import Outbox
 from pipeline.rewards import RewardSet
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.snapshot import SnapshotRef
@@ -85,9 +86,9 @@ class Producer:
         # gets the rest again and drops what it already has (buffer.ledger).
         self.incarnation = f"{self.producer_id}-{os.getpid()}-{time.time_ns() % 10**12}"
         self.seq = 0
-        self.retained: dict[int, RolloutGroup] = {}
-        self.sent_log = Path(cfg.run_dir) / "producers" / f"{self.incarnation}.jsonl"
-        self.sent_log.parent.mkdir(parents=True, exist_ok=True)
+        out_dir = Path(cfg.run_dir) / "producers"
+        self.outbox = Outbox(out_dir, self.producer_id, self.incarnation, cfg.sync.retain_groups)
+        self.sent_log = out_dir / f"{self.incarnation}.jsonl"
         self._budget_changed = asyncio.Event()
         self._synced = asyncio.Event()   # set once we hold the learner's current version
         self._group_tasks: set[asyncio.Task] = set()
@@ -160,11 +161,9 @@ class Producer:
                     "reward_s": time.perf_counter() - t0 - gen_s},
             metadata={"cursor": record.cursor, "producer_index": self.index,
                       "incarnation": self.incarnation, "seq": self.seq})
-        self.retained[self.seq] = group
         self.seq += 1
-        if len(self.retained) > self.cfg.sync.retain_groups:
-            self.retained.pop(min(self.retained))
-            self.stats.retention_overflow += 1
+        self.outbox.add(group)
+        self.stats.retention_overflow = self.outbox.overflow
         await self.endpoint.send(group)
         self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
         self.sent += 1
@@ -229,14 +228,13 @@ class Producer:
             await self._apply_announce(ann)
 
     async def _apply_announce(self, ann: Announce) -> None:
-        durable = ann.durable.get(self.incarnation, 0)
-        for seq in [s for s in self.retained if s < durable]:
-            del self.retained[seq]
+        self.outbox.forget_durable(ann.durable)
         if ann.learner_session != self.learner_session:
-            # New learner (first contact or a restart): resend what its checkpoint lacks (it
-            # drops duplicates), and re-base the admission count on what it knows.
+            # New learner (first contact or a restart): resend what its checkpoint lacks, ours
+            # and any a killed predecessor left in its log (the learner drops duplicates), and
+            # re-base the admission count on what it knows.
             self.learner_session = ann.learner_session
-            resend = [self.retained[s] for s in sorted(self.retained)]
+            resend = self.outbox.unconfirmed()
             for group in resend:
                 await self.endpoint.send(group)
             self.stats.groups_resent += len(resend)
@@ -289,6 +287,7 @@ class Producer:
                 tg.create_task(self._admit())
                 tg.create_task(self._watch())
         finally:
+            self.outbox.close()
             for t in list(self._group_tasks):
                 t.cancel()
             for rid in list(self.tracker.in_flight):

@@ -1,0 +1,107 @@
+"""A producer's outbox: every group sent but not yet durable at the learner, in memory and on disk.
+
+The learner announces, per producer incarnation, the seq below which every group is in its last
+checkpoint (``Announce.durable``); the outbox forgets those. What is left is resent to a
+restarted learner (which drops duplicates, see ``buffer.ledger``). The same groups are appended to
+a log file (``<run_dir>/producers/<incarnation>.wal``, length-prefixed msgpack frames), so a
+producer killed with groups still in its socket queue loses nothing either: the next producer with
+the same id recovers the dead incarnation's log and resends it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from pathlib import Path
+
+from buffer.schema import DecodeError, RolloutGroup, decode, encode
+
+log = logging.getLogger(__name__)
+_LEN = struct.Struct("<I")
+COMPACT_BYTES = 64 << 20  # rewrite our log once it is this big and mostly durable
+
+
+def read_log(path: Path) -> list[RolloutGroup]:
+    """Groups in a log file; a torn last frame (killed mid-write) is ignored."""
+    data = path.read_bytes()
+    out, pos = [], 0
+    while pos + _LEN.size <= len(data):
+        (n,) = _LEN.unpack_from(data, pos)
+        frame = data[pos + _LEN.size: pos + _LEN.size + n]
+        if len(frame) < n:
+            break
+        try:
+            msg = decode(frame)
+        except DecodeError as e:
+            log.warning("%s: skipping an unreadable frame at byte %d: %s", path, pos, e)
+        else:
+            if isinstance(msg, RolloutGroup):
+                out.append(msg)
+        pos += _LEN.size + n
+    return out
+
+
+def _key(group: RolloutGroup) -> tuple[str, int]:
+    return str(group.metadata["incarnation"]), int(group.metadata["seq"])
+
+
+class Outbox:
+    def __init__(self, directory: Path, producer_id: str, incarnation: str, max_groups: int):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.incarnation = incarnation
+        self.max_groups = max_groups
+        self.pending: dict[tuple[str, int], RolloutGroup] = {}
+        self.overflow = 0
+        self.recovered = 0
+        self._foreign: dict[str, Path] = {}  # dead incarnations' logs we took over
+        for path in sorted(self.dir.glob(f"{producer_id}-*.wal")):
+            inc = path.stem
+            if inc == incarnation:
+                continue
+            groups = read_log(path)
+            for g in groups:
+                self.pending[_key(g)] = g
+            self.recovered += len(groups)
+            self._foreign[inc] = path
+        if self.recovered:
+            log.info("%s: recovered %d unconfirmed group(s) of earlier %s process(es)",
+                     incarnation, self.recovered, producer_id)
+        self._path = self.dir / f"{incarnation}.wal"
+        self._fh = self._path.open("ab")
+
+    def add(self, group: RolloutGroup) -> None:
+        frame = encode(group)
+        self._fh.write(_LEN.pack(len(frame)) + frame)
+        self._fh.flush()  # in the page cache: survives kill -9 of this process
+        self.pending[_key(group)] = group
+        if len(self.pending) > self.max_groups:
+            del self.pending[min(self.pending, key=lambda k: k[1])]
+            self.overflow += 1
+
+    def forget_durable(self, durable: dict[str, int]) -> None:
+        for key in [k for k in self.pending if k[1] < durable.get(k[0], 0)]:
+            del self.pending[key]
+        live = {inc for inc, _ in self.pending}
+        for inc in [i for i in self._foreign if i not in live]:
+            self._foreign.pop(inc).unlink(missing_ok=True)
+        if self._fh.tell() > COMPACT_BYTES:
+            self._compact()
+
+    def _compact(self) -> None:
+        tmp = self._path.with_suffix(".tmp")
+        with tmp.open("wb") as fh:
+            for key in sorted(self.pending, key=lambda k: k[1]):
+                if key[0] == self.incarnation:
+                    frame = encode(self.pending[key])
+                    fh.write(_LEN.pack(len(frame)) + frame)
+        self._fh.close()
+        os.replace(tmp, self._path)
+        self._fh = self._path.open("ab")
+
+    def unconfirmed(self) -> list[RolloutGroup]:
+        return [self.pending[k] for k in sorted(self.pending)]
+
+    def close(self) -> None:
+        self._fh.close()
