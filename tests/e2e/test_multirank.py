@@ -57,6 +57,19 @@ def _grads(model_dir: str, out: str, micro_batch: int) -> None:
         tr.follow()
 
 
+def _assert_no_process_left(tag: str) -> None:
+    import psutil
+
+    def tagged(p: psutil.Process) -> bool:
+        try:
+            return p.environ().get("PIPELINE_TEST_RUN") == tag
+        except (psutil.Error, OSError):
+            return False
+
+    _gone, alive = psutil.wait_procs([p for p in psutil.process_iter() if tagged(p)], timeout=10)
+    assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
+
+
 def _accelerate(n: int, *args: str, timeout: float, env: dict | None = None
                 ) -> subprocess.CompletedProcess:
     # --multi_gpu picks accelerate's torchrun launcher; Accelerator(cpu=True) then runs gloo
@@ -93,9 +106,11 @@ def test_learner_on_two_processes_runs_to_the_end(tiny_model, tmp_path):
            "--max-tokens", "8", "--run-dir", str(run_dir), "--steps", "2",
            "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
            "--tensorboard", "false", "--train.learner_processes", "2"]
+    tag = f"multirank{os.getpid()}"
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PIPELINE_TEST_RUN=tag))
     assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_no_process_left(tag)  # accelerate's launcher and both ranks are gone
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     rows = [r for r in rows if "reward_mean" in r]
