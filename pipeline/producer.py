@@ -32,7 +32,7 @@ from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig, producer_budget
 from pipeline.data import PromptRecord, PromptSource, render_prompt
 from pipeline.outbox import Outbox
-from pipeline.rewards import RewardSet
+from pipeline.rewards import RewardSet, rate_limiter
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.snapshot import SnapshotRef
 from sync.transfer import FileTransport
@@ -99,10 +99,14 @@ class Producer:
 
     async def _admit(self) -> None:
         await self._synced.wait()
+        rate = self.cfg.generation.admit_rate_per_s
+        throttle = rate_limiter(rate) if rate else contextlib.nullcontext()
         for record in self.prompts:
             while self.outstanding() >= self.budget or not self._synced.is_set():
                 self._budget_changed.clear()
                 await self._budget_changed.wait()
+            async with throttle:  # asyncio-throttle: at most `rate` admissions per second
+                pass
             ids = render_prompt(self.tokenizer, self.cfg.data, record.prompt)
             if len(ids) > self.cfg.data.max_prompt_tokens or \
                     len(ids) + 1 >= self.cfg.engine.max_model_len:

@@ -300,7 +300,8 @@ class _Actor:
         return self._sem
 
 
-def _make_throttler(rate_per_s: float) -> Any:
+def rate_limiter(rate_per_s: float) -> Any:
+    """An asyncio-throttle Throttler allowing ``rate_per_s`` entries per second (async with)."""
     from asyncio_throttle import Throttler
 
     # Throttler counts whole calls per period: express a float rate as n calls per n/rate s.
@@ -336,7 +337,7 @@ class RewardSet:
             else:
                 scorer = _instantiate(obj, spec.kwargs)
                 accepts = _meta_filter(scorer)
-            throttler = _make_throttler(spec.rate_per_s) if spec.rate_per_s else None
+            throttler = rate_limiter(spec.rate_per_s) if spec.rate_per_s else None
             self.actors.append(_Actor(spec, d["name"], d["weight"], d["batched"], scorer,
                                       accepts, throttler))
             for kind in STAT_KINDS:

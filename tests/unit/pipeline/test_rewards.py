@@ -448,3 +448,20 @@ def test_spec_validation(kwargs):
 def test_reward_set_argument_validation():
     with pytest.raises(ValueError, match="on_failure"):
         RewardSet([], on_failure="ignore")
+
+
+def test_rate_limiter_spaces_entries():
+    """The admission/reward throttle (asyncio-throttle) really limits the rate."""
+    import time
+
+    from pipeline.rewards import rate_limiter
+
+    async def go() -> float:
+        limiter = rate_limiter(20.0)
+        t0 = time.monotonic()
+        for _ in range(30):
+            async with limiter:
+                pass
+        return time.monotonic() - t0
+
+    assert asyncio.run(go()) >= 0.9  # 30 entries at 20/s need >= ~1 s after the first 20
