@@ -137,6 +137,9 @@ class GenerationConfig:
     top_p: float = opt(1.0, "nucleus sampling")
     stop: list = opt([], "stop strings")
     ignore_eos: bool = opt(False, "generate exactly max_tokens (throughput benchmarks)")
+    stream: Literal["final", "delta"] = opt(
+        "final", "final: one output per completion (engine progress read from vLLM's request "
+                 "state: near-offline throughput); delta: every token streamed to the producer")
     admit_rate_per_s: float | None = opt(None, "max prompts admitted per second per producer "
                                                "(asyncio-throttle; None = no limit)")
 
@@ -145,6 +148,7 @@ class GenerationConfig:
         _check(self.max_tokens >= 1, "generation.max_tokens", "must be >= 1")
         _check(self.temperature > 0, "generation.temperature", "must be > 0")
         _check(0 < self.top_p <= 1, "generation.top_p", "must be in (0, 1]")
+        _check(self.stream in ("final", "delta"), "generation.stream", "must be final or delta")
         _check(self.admit_rate_per_s is None or self.admit_rate_per_s > 0,
                "generation.admit_rate_per_s", "must be > 0 (or None for no limit)")
 

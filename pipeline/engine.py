@@ -91,3 +91,18 @@ def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: i
     kw = engine_kwargs(model, eng, model_path, seed, current_platform)
     log.info("starting vLLM %s AsyncLLM: %s", vllm.__version__, kw)
     return AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
+
+
+def engine_progress(engine: Any) -> dict[str, tuple[bool, int]]:
+    """{request id: (still prefilling, tokens generated so far)} for an AsyncLLM's requests.
+
+    Read from the engine's client-side output processor (present in vLLM 0.25 and 0.32), which
+    sees every step's tokens even when nothing is streamed to us: it lets FINAL_ONLY requests
+    drive the prefill drain and per-token version tags (``sync.barrier.RequestTracker.probe``).
+    """
+    out: dict[str, tuple[bool, int]] = {}
+    for st in list(engine.output_processor.request_states.values()):
+        det = st.detokenizer
+        out[st.external_req_id] = (st.is_prefilling,
+                                   det.num_output_tokens() if det is not None else 0)
+    return out

@@ -22,6 +22,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from buffer.schema import Ack, Announce, Completion, Heartbeat, Hello, RolloutGr
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig, producer_budget
 from pipeline.data import PromptRecord, PromptSource, render_prompt
+from pipeline.engine import engine_progress
 from pipeline.outbox import Outbox
 from pipeline.rewards import RewardSet, rate_limiter
 from sync.barrier import RequestTracker, SwapBarrier
@@ -67,7 +69,9 @@ class Producer:
         self.producer_id = f"p{index}"
         self.engine, self.tokenizer, self.endpoint = engine, tokenizer, endpoint
         self.rewards, self.prompts = rewards, prompts
-        self.tracker = RequestTracker()
+        self.final = cfg.generation.stream == "final"
+        self.tracker = RequestTracker(probe=partial(engine_progress, engine) if self.final
+                                      else None)
         s = cfg.sync
         self.barrier = SwapBarrier(engine, self.tracker, mode=s.barrier,
                                    drain_timeout_s=s.drain_timeout_s,
@@ -140,7 +144,8 @@ class Producer:
             self._generate_one(f"{group_id}-{j}", prompt_ids, SamplingParams(
                 n=1, max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
                 stop=list(g.stop) or None, ignore_eos=g.ignore_eos, logprobs=0,
-                seed=None, output_kind=RequestOutputKind.DELTA))
+                seed=None, output_kind=RequestOutputKind.FINAL_ONLY if self.final
+                else RequestOutputKind.DELTA))
             for j in range(g.group_size)))
         gen_s = time.perf_counter() - t0
         texts = [c[1] for c in completions]
@@ -199,7 +204,9 @@ class Producer:
                     new = list(c.token_ids)
                     v = self.tracker.on_output(request_id, len(new))
                     if new:
-                        if not segments or segments[-1][1] != v:
+                        if self.final:  # the one output: versions from the swap boundaries
+                            segments = self.tracker.segments(request_id, version, len(new))
+                        elif not segments or segments[-1][1] != v:
                             segments.append((len(tokens), v))
                         tokens.extend(new)
                         logprobs.extend(_sampled_logprobs(c.logprobs, new))

@@ -44,14 +44,20 @@ class PausableEngine(Protocol):
 class RequestTracker:
     """In-flight requests of one engine, the admission gate and the current policy version.
 
-    Pure bookkeeping (no engine calls), shared by the producer's request coroutines and the
-    barrier; single event loop, so no locks.
+    Shared by the producer's request coroutines and the barrier; single event loop, no locks.
+    Progress (first token seen, tokens so far) comes from one of two places: output deltas
+    (``on_output``, DELTA streaming) or, when ``probe`` is set, from the engine's own request
+    state, so that FINAL_ONLY streaming (one output per completion, no per-token Python work)
+    still drives the prefill drain and per-token version tags. ``probe`` returns
+    {request id: (still prefilling, tokens generated so far)}.
     """
 
     version: int = 0
     in_flight: dict[str, bool] = field(default_factory=dict)  # request id -> first token seen
     last_output_at: float = 0.0
     swap_aborting: bool = False  # abort mode: aborted requests must be resubmitted
+    probe: Callable[[], dict[str, tuple[bool, int]]] | None = None
+    boundaries: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # probe mode
     _open: asyncio.Event | None = None
     _changed: asyncio.Event | None = None
 
@@ -83,10 +89,47 @@ class RequestTracker:
 
     def finish(self, request_id: str) -> None:
         self.in_flight.pop(request_id, None)
+        self.boundaries.pop(request_id, None)
         self._notify()
 
+    def _refresh(self) -> dict[str, tuple[bool, int]]:
+        state = self.probe() if self.probe is not None else {}
+        for rid, (prefilling, _n) in state.items():
+            if not prefilling and rid in self.in_flight:
+                self.in_flight[rid] = True
+        return state
+
     def pending_prefills(self) -> int:
+        self._refresh()
         return sum(1 for seen in self.in_flight.values() if not seen)
+
+    def activity(self) -> float:
+        """Changes whenever the engine produces output (for the barrier's settle step)."""
+        if self.probe is None:
+            return self.last_output_at
+        return float(sum(n for _p, n in self._refresh().values()))
+
+    def set_version(self, version: int) -> None:
+        """Tokens generated from now on belong to ``version`` (engine paused and settled)."""
+        if self.probe is not None:
+            state = self._refresh()
+            for rid in self.in_flight:
+                self.boundaries.setdefault(rid, []).append((state.get(rid, (True, 0))[1],
+                                                            version))
+        self.version = version
+
+    def segments(self, request_id: str, start_version: int, num_tokens: int
+                 ) -> list[tuple[int, int]]:
+        """Probe mode: (first token index, version) runs of a finished request's tokens."""
+        segs = [(0, start_version)]
+        for n, v in self.boundaries.get(request_id, []):
+            if n >= num_tokens:
+                break
+            if n == segs[-1][0]:
+                segs[-1] = (n, v)  # no token generated under the previous version
+            else:
+                segs.append((n, v))
+        return segs
 
     def _notify(self) -> None:
         _, changed = self._events()
@@ -96,7 +139,10 @@ class RequestTracker:
         _, changed = self._events()
         while not pred():
             changed.clear()
-            await changed.wait()
+            if self.probe is not None:  # engine progress is polled, not signalled
+                await asyncio.sleep(0.005)
+            else:
+                await changed.wait()
 
     def close_gate(self) -> None:
         self._events()[0].clear()
@@ -180,7 +226,7 @@ class SwapBarrier:
             lap("pause_s")
             result = await self._step("load", self.load_timeout_s, load())
             lap("load_s")
-            tk.version = new_version
+            tk.set_version(new_version)
             await self._step("resume", self.pause_timeout_s, self.engine.resume_generation())
             paused = False
             lap("resume_s")
@@ -205,8 +251,18 @@ class SwapBarrier:
 
     async def _settle(self) -> None:
         """After a pause, wait until outputs stop arriving (they were sampled by old weights)."""
-        while time.monotonic() - self.tracker.last_output_at < self.settle_s:
+        tk = self.tracker
+        if tk.probe is None:
+            while time.monotonic() - tk.last_output_at < self.settle_s:
+                await asyncio.sleep(self.settle_s / 2)
+            return
+        before = tk.activity()
+        while True:
             await asyncio.sleep(self.settle_s / 2)
+            now = tk.activity()
+            if now == before:
+                return
+            before = now
 
     @staticmethod
     async def _step(name: str, timeout: float, aw: Awaitable[Any]) -> Any:

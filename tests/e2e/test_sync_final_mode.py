@@ -1,0 +1,76 @@
+"""FINAL_ONLY streaming (the producer's default): engine progress is read from vLLM's request
+state, and a swap under load still tags every token with the weights that produced it.
+
+Checked by effect with greedy decoding: the new weights have the final norm zeroed, so every logit
+is 0 and greedy picks token 0 at every step. A completion whose swap boundary is at token n must
+then hold token 0 from n on, and its token n-1 (from the old weights) must not be 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+import pytest
+from conftest import assert_no_children
+from test_sync_swap import EngineLoop
+
+from pipeline.engine import engine_progress
+from sync.barrier import RequestTracker, SwapBarrier
+from sync.bench import model_tensors
+from sync.snapshot import write_snapshot
+from sync.transfer import FileTransport
+
+pytestmark = pytest.mark.slow
+
+
+async def _final(engine, tracker, rid: str, prompt: list[int], max_tokens: int):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    v0 = await tracker.admit(rid)
+    try:
+        async for out in engine.generate({"prompt_token_ids": prompt}, sp, rid):
+            tokens = list(out.outputs[0].token_ids)
+        return tokens, tracker.segments(rid, v0, len(tokens))
+    finally:
+        tracker.finish(rid)
+
+
+@pytest.mark.parametrize("mode", ["drain_prefill", "keep"])
+def test_final_mode_swap_tags_tokens_by_effect(tiny_model, tmp_path, mode):
+    new = dict(model_tensors(tiny_model))
+    new["model.norm.weight"] = new["model.norm.weight"] * 0
+    ref = write_snapshot(new, 1, tmp_path)
+    prompts = [[65 + (i * 7 + k) % 26 for k in range(40 + 13 * i)] for i in range(24)]
+    e = EngineLoop(tiny_model)
+    try:
+        async def scenario():
+            tracker = RequestTracker(probe=partial(engine_progress, e.engine))
+            barrier = SwapBarrier(e.engine, tracker, mode=mode)
+            tasks = [asyncio.create_task(_final(e.engine, tracker, f"r{i}", p, 160))
+                     for i, p in enumerate(prompts)]
+            await asyncio.sleep(0.5)
+            tr = FileTransport(e.engine)
+            report = await barrier.swap(1, partial(tr.apply, 1), prepare=partial(tr.stage, ref))
+            return await asyncio.gather(*tasks), report
+
+        results, report = e.run(scenario(), timeout=600)
+        assert report.ok, report.error
+        spanning = 0
+        for tokens, segs in results:
+            assert len(tokens) == 160
+            assert segs[0][0] == 0 and [v for _, v in segs] == sorted(v for _, v in segs)
+            start_v1 = dict((v, n) for n, v in segs).get(1)
+            if start_v1 is None:
+                continue
+            assert all(t == 0 for t in tokens[start_v1:]), f"a token tagged v1 is not v1's: {segs}"
+            if start_v1 > 0:
+                spanning += 1
+                assert tokens[start_v1 - 1] != 0, f"a v1 token was tagged v0: {segs}"
+        assert spanning >= 3, "too few completions spanned the swap to check anything"
+    finally:
+        e.close()
+    assert_no_children()
