@@ -8,8 +8,9 @@ In one run, on the same chat-templated prompts and the same engine arguments (bu
 1. offline: ``LLM.generate`` with ``n=group_size``, ``ignore_eos``, ``max_tokens`` (FINAL_ONLY
    outputs, no logprobs); the engine is then shut down;
 2. producer: an AsyncLLM from ``pipeline.engine.build_engine`` driven through
-   ``Producer._generate_one`` (RequestOutputKind.DELTA streaming, ``logprobs=0``, per-token version
-   tagging), G requests per prompt as ``Producer._run_group`` issues them, no rewards, no ZMQ.
+   ``Producer._generate_one`` for each ``generation.stream`` mode (FINAL_ONLY or DELTA,
+   ``logprobs=0``, per-token version tagging), G requests per prompt as
+   ``Producer._run_group`` issues them, no rewards, no ZMQ.
 All requests are submitted at once in both (no admission budget), so the ratio measures the cost
 of streaming + logprobs + tagging, not of admission. Each engine gets one untimed warm-up request.
 """
@@ -36,14 +37,14 @@ def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
             for r in make_arithmetic_prompts(n, seed=1234)]
 
 
-def _sampling(args: argparse.Namespace, n: int, streaming: bool) -> Any:
+def _sampling(args: argparse.Namespace, n: int, streaming: str | None) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     if streaming:  # exactly the parameters of Producer._run_group (one request per completion)
+        kind = RequestOutputKind.FINAL_ONLY if streaming == "final" else RequestOutputKind.DELTA
         return SamplingParams(n=1, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
-                              ignore_eos=True, logprobs=0, seed=None,
-                              output_kind=RequestOutputKind.DELTA)
+                              ignore_eos=True, logprobs=0, seed=None, output_kind=kind)
     return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
                           ignore_eos=True)
 
@@ -84,30 +85,38 @@ def bench_offline(args, model_path: Path, kw: dict, prompts: list[list[int]]
 
 
 def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
-                   prompts: list[list[int]]) -> tuple[int, float]:
+                   prompts: list[list[int]]) -> dict[str, tuple[int, float]]:
+    """Producer path per streaming mode (generation.stream), on one engine: {mode: (tokens, s)}."""
+    import dataclasses
+
     from pipeline.engine import build_engine
     from pipeline.producer import Producer
 
-    async def run() -> tuple[int, float]:
+    async def run() -> dict[str, tuple[int, float]]:
         engine = build_engine(cfg.model, cfg.engine, str(model_path), cfg.engine.seed)
+        out: dict[str, tuple[int, float]] = {}
         try:
             if args.ablation:
                 await _async_ablations(args, engine, prompts)
-            # No endpoint, rewards or prompt source: only the generation path is exercised.
-            producer = Producer(cfg, 0, engine, tokenizer, None, None, None)
-            sp = _sampling(args, 1, True)
-            await producer._generate_one("warmup", prompts[0], sp)
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(
-                producer._generate_one(f"b{i}-{j}", p, sp)
-                for i, p in enumerate(prompts) for j in range(args.group_size)))
-            dt = time.perf_counter() - t0
-            tokens = 0
-            for comp, _text in results:
-                assert len(comp.logprobs) == len(comp.token_ids)
-                assert [tuple(s) for s in comp.version_segments] == [(0, 0)]
-                tokens += len(comp.token_ids)
-            return tokens, dt
+            for mode in args.streams.split(","):
+                gen = dataclasses.replace(cfg.generation, stream=mode)
+                mcfg = dataclasses.replace(cfg, generation=gen)
+                # No endpoint, rewards or prompt source: only the generation path is exercised.
+                producer = Producer(mcfg, 0, engine, tokenizer, None, None, None)
+                sp = _sampling(args, 1, mode)
+                await producer._generate_one(f"warmup-{mode}", prompts[0], sp)
+                t0 = time.perf_counter()
+                results = await asyncio.gather(*(
+                    producer._generate_one(f"{mode}{i}-{j}", p, sp)
+                    for i, p in enumerate(prompts) for j in range(args.group_size)))
+                dt = time.perf_counter() - t0
+                tokens = 0
+                for comp, _text in results:
+                    assert len(comp.logprobs) == len(comp.token_ids)
+                    assert [tuple(s) for s in comp.version_segments] == [(0, 0)]
+                    tokens += len(comp.token_ids)
+                out[mode] = (tokens, dt)
+            return out
         finally:
             engine.shutdown()
 
@@ -157,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="engine.max_num_seqs for both engines (default: vLLM's)")
+    p.add_argument("--streams", default="final,delta",
+                   help="producer streaming modes to time (generation.stream), comma-separated")
     p.add_argument("--ablation", action="store_true",
                    help="also time, on the producer's engine, (a) the offline request shape and "
                         "(b) the producer's request shape without logprobs")
@@ -194,11 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     off_tps = off_tok / off_s
     print(f"[bench_producer] offline LLM.generate : {off_tok} tokens in {off_s:.2f} s = "
           f"{off_tps:.0f} tok/s", flush=True)
-    pr_tok, pr_s = bench_producer(args, cfg, model_path, tokenizer, prompts)
-    pr_tps = pr_tok / pr_s
-    print(f"[bench_producer] producer (AsyncLLM DELTA + logprobs + tagging): {pr_tok} tokens in "
-          f"{pr_s:.2f} s = {pr_tps:.0f} tok/s", flush=True)
-    print(f"[bench_producer] ratio producer/offline = {pr_tps / off_tps:.2f}", flush=True)
+    for mode, (pr_tok, pr_s) in bench_producer(args, cfg, model_path, tokenizer,
+                                               prompts).items():
+        pr_tps = pr_tok / pr_s
+        print(f"[bench_producer] producer, stream={mode} (AsyncLLM + logprobs + version tags): "
+              f"{pr_tok} tokens in {pr_s:.2f} s = {pr_tps:.0f} tok/s; ratio producer/offline = "
+              f"{pr_tps / off_tps:.2f}", flush=True)
     return 0
 
 
