@@ -207,6 +207,8 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     procs = ([learner] if learner else []) + list(producers.values())
     # SIGTERM (e.g. from `timeout` or a job scheduler) stops the run like Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Also SIGINT: a launcher started in the background (`cmd &`) inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for p in procs:
         p.start()
     restarts = 0
