@@ -157,6 +157,9 @@ class Announce:
     durable: dict[str, int] = field(default_factory=dict)
     """Per producer incarnation: every group with seq below this is in the learner's last
     checkpoint, so the producer may forget it (it keeps the rest to resend after a restart)."""
+    accepted: dict[str, int] = field(default_factory=dict)
+    """Per producer incarnation: groups the learner has accepted so far (the producer's
+    in-transit count is what it sent minus this)."""
 
 
 @dataclass
@@ -260,6 +263,7 @@ def _encode_body(msg: Message) -> tuple[str, dict[str, Any]]:
             "consumed": {str(k): int(v) for k, v in msg.consumed.items()},
             "cursors": {str(k): int(v) for k, v in msg.cursors.items()},
             "durable": {str(k): int(v) for k, v in msg.durable.items()},
+            "accepted": {str(k): int(v) for k, v in msg.accepted.items()},
         }
     if isinstance(msg, Ack):
         return "ack", {
@@ -536,7 +540,8 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
     _fields(
         b,
         frozenset(("version", "snapshot_uri", "snapshot_checksum", "learner_session",
-                   "received", "consumed", "cursors", "durable")),
+                   "received", "consumed", "cursors", "durable",
+                   "accepted")),
         "announce",
     )
     return Announce(
@@ -548,6 +553,7 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
         consumed=_int_map(b["consumed"], "announce.consumed"),
         cursors=_int_map(b["cursors"], "announce.cursors"),
         durable=_int_map(b["durable"], "announce.durable"),
+        accepted=_int_map(b["accepted"], "announce.accepted"),
     )
 
 

@@ -141,7 +141,8 @@ class Learner:
         return Announce(version=self.state.version, snapshot_uri=ref.uri if ref else "",
                         snapshot_checksum=ref.checksum if ref else "",
                         learner_session=self.session, received=received, consumed=consumed,
-                        cursors=dict(self.state.cursors), durable=dict(self.durable))
+                        cursors=dict(self.state.cursors), durable=dict(self.durable),
+                        accepted={k: st.accepted for k, st in self.ledger.streams.items()})
 
     async def _announce(self) -> None:
         assert self.endpoint is not None

@@ -82,8 +82,8 @@ class Producer:
         self.transport = FileTransport(engine)
         self.stats = ProducerStats()
         self.in_flight_groups = 0
-        self.sent = 0            # groups sent in the current learner session
-        self.consumed = 0        # of ours, served or dropped by the learner (from announces)
+        self.held = 0            # our groups in the learner's buffer (from announces)
+        self.accepted = 0        # groups of this process the learner has (from announces)
         self.learner_session = ""
         # Exactly-once delivery across learner restarts: this process numbers its groups and
         # keeps each until the learner announces it durable (in a checkpoint); a restored learner
@@ -99,7 +99,9 @@ class Producer:
 
     # ------------------------------------------------------------------ admission
     def outstanding(self) -> int:
-        return self.in_flight_groups + max(self.sent - self.consumed, 0)
+        """Groups generating, in transit, or waiting in the learner's buffer."""
+        in_transit = max(self.seq - self.accepted, 0)
+        return self.in_flight_groups + in_transit + self.held
 
     async def _admit(self) -> None:
         await self._synced.wait()
@@ -175,7 +177,6 @@ class Producer:
         self.stats.retention_overflow = self.outbox.overflow
         await self.endpoint.send(group)
         self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
-        self.sent += 1
         self.stats.groups_sent += 1
 
     def _log_sent(self, record: dict[str, Any]) -> None:
@@ -242,14 +243,13 @@ class Producer:
         self.outbox.forget_durable(ann.durable)
         if ann.learner_session != self.learner_session:
             # New learner (first contact or a restart): resend what its checkpoint lacks, ours
-            # and any a killed predecessor left in its log (the learner drops duplicates), and
-            # re-base the admission count on what it knows.
+            # and any a killed predecessor left in its log (the learner drops duplicates).
+            # Resends do not count against admission: they were budgeted when first sent.
             self.learner_session = ann.learner_session
             resend = self.outbox.unconfirmed()
             for group in resend:
                 await self.endpoint.send(group)
             self.stats.groups_resent += len(resend)
-            self.sent = ann.received.get(self.producer_id, 0) + len(resend)
             # Prompts the learner already has are not generated again after a restart.
             self.prompts.cursor = max(self.prompts.cursor, ann.cursors.get(self.producer_id, 0))
             log.info("%s: learner session %s at version %d", self.producer_id,
@@ -266,7 +266,9 @@ class Producer:
             await self.endpoint.send(Ack(producer_id=self.producer_id, version=report.version,
                                          ok=report.ok, error=report.error,
                                          timings=report.timings))
-        self.consumed = ann.consumed.get(self.producer_id, 0)
+        pid = self.producer_id
+        self.held = max(ann.received.get(pid, 0) - ann.consumed.get(pid, 0), 0)
+        self.accepted = ann.accepted.get(self.incarnation, 0)
         if self.tracker.version == ann.version or not ann.snapshot_uri:
             if not ann.snapshot_uri:
                 self.tracker.version = ann.version

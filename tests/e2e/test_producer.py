@@ -86,9 +86,13 @@ class FakeLearner:
         self.announcing = False
 
     def announce_msg(self) -> Announce:
+        accepted: dict[str, int] = {}
+        for g in self.groups:
+            inc = str(g.metadata["incarnation"])
+            accepted[inc] = accepted.get(inc, 0) + 1
         return Announce(version=0, snapshot_uri="", snapshot_checksum="",
                         learner_session=SESSION, received={"p0": len(self.groups)},
-                        consumed={"p0": self.consumed})
+                        consumed={"p0": self.consumed}, accepted=accepted)
 
     async def run(self) -> None:
         async def receive():
