@@ -210,7 +210,7 @@ class Producer:
                         elif not segments or segments[-1][1] != v:
                             segments.append((len(tokens), v))
                         tokens.extend(new)
-                        logprobs.extend(_sampled_logprobs(c.logprobs, new))
+                        logprobs.extend(sampled_logprobs(c.logprobs, new))
                         text.append(c.text)
                     if out.finished:
                         finish = c.finish_reason or ""
@@ -308,7 +308,7 @@ class Producer:
                     await self.engine.abort(rid)
 
 
-def _sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
+def sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
     """Behaviour logprob of each sampled token from vLLM's per-position logprob dicts."""
     if lp is None:
         return [math.nan] * len(token_ids)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import math
 import random
 import statistics
 import time
@@ -93,6 +92,8 @@ async def generate(engine: Any, tracker: RequestTracker, rid: str, prompt_ids: l
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from pipeline.producer import sampled_logprobs  # the producer's own parsing, not a copy
+
     sp = SamplingParams(n=1, max_tokens=max_tokens, temperature=temperature,
                         ignore_eos=ignore_eos, logprobs=0, output_kind=RequestOutputKind.DELTA)
     gen = Generation()
@@ -109,7 +110,7 @@ async def generate(engine: Any, tracker: RequestTracker, rid: str, prompt_ids: l
                 v = tracker.on_output(request_id, len(new))
                 gen.tokens.extend(new)
                 gen.versions.extend([v] * len(new))
-                gen.logprobs.extend(_sampled_logprobs(c.logprobs, new))
+                gen.logprobs.extend(sampled_logprobs(c.logprobs, new))
                 if out.finished:
                     gen.finish_reason = c.finish_reason or ""
         finally:
@@ -118,16 +119,6 @@ async def generate(engine: Any, tracker: RequestTracker, rid: str, prompt_ids: l
             attempt += 1  # aborted by an abort-mode swap: start again under the new weights
             continue
         return gen
-
-
-def _sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
-    if lp is None:
-        return [math.nan] * len(token_ids)
-    out = []
-    for pos, tok in zip(lp, token_ids, strict=False):
-        entry = pos.get(tok) if pos is not None else None
-        out.append(float(entry.logprob) if entry is not None else math.nan)
-    return out
 
 
 def random_prompt(rng: random.Random, length: int, vocab: int) -> list[int]:
