@@ -22,6 +22,7 @@ import asyncio
 import gc
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model(args.model, Path(args.cache_dir))
     cfg = load_config(None, {
+        "run_dir": tempfile.mkdtemp(prefix="bench-producer-"),  # the producer's outbox goes here
         "model.path": str(model_path), "model.dtype": args.dtype,
         "engine.max_num_seqs": args.max_num_seqs,
         "engine.max_model_len": 512 if args.max_tokens < 400 else args.max_tokens + 256,

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="producer role: this producer's index (its data shard)")
     run.add_argument("--resume", action="store_true",
                      help="continue from run_dir's latest checkpoint (model, optimizer, step, "
-                          "version, dataset cursors, buffered groups)")
+                          "version, dataset cursors, buffered groups); producers resend what "
+                          "their killed predecessors left in run_dir/producers (without "
+                          "--resume those outbox logs are cleared)")
     run.add_argument("--max-producer-restarts", type=int, default=0,
                      help="restart a dead producer up to this many times (0: a dead producer "
                           "stops the run)")

@@ -194,6 +194,10 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     model_path = prepare(cfg, role)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        # A fresh run must not resend the outbox of an earlier run in the same run_dir.
+        for stale in (run_dir / "producers").glob("*.wal"):
+            stale.unlink()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     ctx = mp.get_context("spawn")
     cfg_dict = to_dict(cfg)
