@@ -8,8 +8,9 @@ that checkpoint lacks), stops the run, and then checks from the counters that
     groups produced = trained + dropped as stale + dropped by capacity + held in the buffer
 
 where *produced* is every group a producer handed to its socket (``run_dir/producers/*.jsonl``)
-minus those still in a killed producer's send queue (reported, not hidden), and that no group was
-trained twice. Prints a table and writes ``run_dir/soak.json``.
+minus those a killed producer had not delivered and that still wait in its outbox log for a
+successor to resend (reported as pending), with nothing lost; and that no group was trained
+twice. Prints a table and writes ``run_dir/soak.json``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from buffer.ledger import GroupLedger
 from buffer.store import RolloutBuffer
 from pipeline.checkpoint import latest_checkpoint, load_checkpoint
+from pipeline.outbox import read_log
 
 PRODUCER_RE = re.compile(r"producer (p\d+) \(pid (\d+)\) connected")
 LEARNER_RE = re.compile(r"learner pid (\d+)")
@@ -75,7 +77,13 @@ def tally(run_dir: Path) -> dict[str, float]:
                 dropped_by_reward += 1
     n_produced = sum(len(s) for s in produced.values())
     accepted = {inc: ledger.accepted(inc) for inc in produced}
-    lost = sum(len(produced[i] - accepted[i]) for i in produced)
+    missing = {(i, q) for i in produced for q in produced[i] - accepted[i]}
+    # Groups a killed producer had not delivered sit in its outbox log until a successor (or a
+    # --resume) resends them: pending, not lost.
+    in_outbox = {(str(g.metadata["incarnation"]), int(g.metadata["seq"]))
+                 for f in (run_dir / "producers").glob("*.wal") for g in read_log(f)}
+    pending = len(missing & in_outbox)
+    lost = len(missing - in_outbox)
     unknown = sum(len(ledger.accepted(i)) for i in ledger.streams if i not in produced)
     return {
         "incarnations": len(produced),
@@ -87,12 +95,13 @@ def tally(run_dir: Path) -> dict[str, float]:
         "dropped_capacity": st.dropped_capacity,
         "held": st.size,
         "duplicates_ignored": ledger.duplicates,
-        "lost_in_killed_producer_queue": lost,
+        "pending_in_outbox_logs": pending,
+        "lost": lost,
         "accepted_without_producer_record": unknown,
         "frames_rejected": st.rejected,
         "buffer_invariant_ok": st.received == st.served + st.dropped_stale
         + st.dropped_capacity + st.size,
-        "conservation_ok": n_produced - lost
+        "conservation_ok": lost == 0 and n_produced - pending
         == st.served + st.dropped_stale + st.dropped_capacity + st.size,
         "steps": state.step,
         "version": state.version,
