@@ -47,3 +47,16 @@ def assert_no_children(timeout: float = 15.0) -> None:
     _gone, alive = psutil.wait_procs(live_children(), timeout=timeout)
     alive = [p for p in alive if "resource_tracker" not in " ".join(p.cmdline())]
     assert not alive, f"child processes left behind: {[(p.pid, p.name()) for p in alive]}"
+
+
+def assert_no_process_left(tag: str) -> None:
+    """No process that inherited ``PIPELINE_TEST_RUN=tag`` (a launcher's children, vLLM engine
+    cores and workers) is still alive."""
+    def tagged(p: psutil.Process) -> bool:
+        try:
+            return p.environ().get("PIPELINE_TEST_RUN") == tag
+        except (psutil.Error, OSError):
+            return False
+
+    _gone, alive = psutil.wait_procs([p for p in psutil.process_iter() if tagged(p)], timeout=10)
+    assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"

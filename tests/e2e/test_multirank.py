@@ -57,17 +57,6 @@ def _grads(model_dir: str, out: str, micro_batch: int) -> None:
         tr.follow()
 
 
-def _assert_no_process_left(tag: str) -> None:
-    import psutil
-
-    def tagged(p: psutil.Process) -> bool:
-        try:
-            return p.environ().get("PIPELINE_TEST_RUN") == tag
-        except (psutil.Error, OSError):
-            return False
-
-    _gone, alive = psutil.wait_procs([p for p in psutil.process_iter() if tagged(p)], timeout=10)
-    assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
 
 
 def _accelerate(n: int, *args: str, timeout: float, env: dict | None = None
@@ -110,7 +99,9 @@ def test_learner_on_two_processes_runs_to_the_end(tiny_model, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PIPELINE_TEST_RUN=tag))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _assert_no_process_left(tag)  # accelerate's launcher and both ranks are gone
+    from conftest import assert_no_process_left  # not at module level: this file is also a script
+
+    assert_no_process_left(tag)  # accelerate's launcher and both ranks are gone
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     rows = [r for r in rows if "reward_mean" in r]

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
+from conftest import assert_no_process_left
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def _train(tiny_model: Path, run_dir: Path, *extra: str, timeout: float = 600
     env = dict(os.environ, PIPELINE_TEST_RUN=run_dir.name + str(os.getpid()))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _assert_no_process_left(env["PIPELINE_TEST_RUN"])
+    assert_no_process_left(env["PIPELINE_TEST_RUN"])
     return proc
 
 
@@ -36,16 +36,6 @@ def _metrics(run_dir: Path) -> list[dict]:
             if line.strip()]
 
 
-def _assert_no_process_left(tag: str) -> None:
-    """No process that inherited this run's tag (vLLM engine cores, workers) is still alive."""
-    def tagged(p: psutil.Process) -> bool:
-        try:
-            return p.environ().get("PIPELINE_TEST_RUN") == tag
-        except (psutil.Error, OSError):
-            return False
-
-    _gone, alive = psutil.wait_procs([p for p in psutil.process_iter() if tagged(p)], timeout=10)
-    assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
 
 
 def test_sync_mode_trains_only_on_current_version(tiny_model, tmp_path):
