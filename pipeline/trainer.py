@@ -18,7 +18,6 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -385,7 +384,3 @@ class PolicyTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
 
-
-def save_pretrained(trainer: PolicyTrainer, out: Path) -> None:
-    trainer.model.save_pretrained(out)
-    trainer.tokenizer.save_pretrained(out)
