@@ -32,7 +32,7 @@ def test_round_trip_keeps_names_dtypes_and_values(tmp_path):
     src = _tensors()
     ref = write_snapshot(src, 3, tmp_path)
     assert ref.version == 3 and Path(ref.uri).name == "policy_v3.safetensors"
-    assert ref.checksum.startswith("blake2b:")
+    assert ref.checksum.startswith("blake3:")
     got = read_snapshot(ref)
     assert set(got) == set(src)
     for k, t in src.items():
@@ -136,3 +136,16 @@ def test_prune_keeps_newest_n(tmp_path):
     assert prune_snapshots(tmp_path, keep=0) and \
         [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
     assert prune_snapshots(tmp_path / "absent", keep=1) == []
+
+
+def test_blake2b_refs_from_older_runs_still_verify(tmp_path):
+    """A ref written with the old algorithm is still checked (and refused when it differs)."""
+    from sync.snapshot import checksum_bytes
+
+    ref = write_snapshot({"w": torch.ones(4, 4)}, 1, tmp_path)
+    old = SnapshotRef(1, ref.uri, checksum_bytes(Path(ref.uri).read_bytes(), "blake2b"))
+    assert torch.equal(read_snapshot(old)["w"], torch.ones(4, 4))
+    with pytest.raises(SnapshotError, match="checksum mismatch"):
+        read_snapshot(SnapshotRef(1, ref.uri, "blake2b:" + "0" * 32))
+    with pytest.raises(SnapshotError, match="unknown checksum"):
+        read_snapshot(SnapshotRef(1, ref.uri, "md5:abc"))
