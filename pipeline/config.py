@@ -9,6 +9,7 @@ bad value fails before any process starts, with a message naming the option.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
 
 
 _OFF_POLICY_MODES = ("decoupled", "ppo")
+_GPU_LIST = re.compile(r"\d+(,\d+)*")
 _AGG_MODES = ("token_mean", "seq_mean")
 
 
@@ -283,6 +285,11 @@ class RunConfig:
     buffer_capacity: int = opt(0, "rollout buffer capacity in groups (0: 4 x the admission "
                                   "budget)")
     buffer_order: Literal["fifo", "freshest"] = opt("fifo", "which groups a batch takes first")
+    producer_gpus: list = opt([], "CUDA_VISIBLE_DEVICES per producer: producer k gets entry "
+                                   "k mod len, e.g. ['1'] or ['1,2', '3,4'] with tensor "
+                                   "parallelism ([] inherits the launcher's)")
+    learner_gpus: str = opt("", "CUDA_VISIBLE_DEVICES of the learner (all ranks), e.g. '0'; "
+                                "the same GPU as a producer = colocated ('' inherits)")
     progress: bool = opt(True, "print a progress line per step")
     tensorboard: bool = opt(True, "write TensorBoard scalars to run_dir/tb")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "model"})
@@ -303,6 +310,16 @@ class RunConfig:
         if not self.run_dir:
             self.run_dir = str(Path("runs") / self.name)
         _check(self.buffer_order in ("fifo", "freshest"), "buffer_order", "must be fifo|freshest")
+        _check(isinstance(self.producer_gpus, list), "producer_gpus", "must be a list")
+        # YAML reads `[1]` and `0` as ints; GPU lists are strings for CUDA_VISIBLE_DEVICES.
+        self.producer_gpus = [str(g) if isinstance(g, int) else g for g in self.producer_gpus]
+        if isinstance(self.learner_gpus, int):
+            self.learner_gpus = str(self.learner_gpus)
+        for name, value in [("learner_gpus", self.learner_gpus or "0")] + [
+                (f"producer_gpus[{i}]", g) for i, g in enumerate(self.producer_gpus)]:
+            _check(isinstance(value, str) and _GPU_LIST.fullmatch(value) is not None, name,
+                   f"must be a comma-separated list of GPU indices like '0' or '0,1', "
+                   f"got {value!r}")
         if self.train.mode == "sync":
             _check(self.train.batch_groups % self.num_producers == 0, "train.batch_groups",
                    f"sync mode needs batch_groups ({self.train.batch_groups}) divisible by "
@@ -316,6 +333,18 @@ class RunConfig:
     @property
     def bind_addr(self) -> str:
         return self.addr or f"ipc://{Path(self.run_dir).resolve()}/learner.sock"
+
+
+def producer_gpu_env(cfg: RunConfig, index: int) -> dict[str, str]:
+    """Environment pinning producer ``index`` to its GPUs ({} = inherit)."""
+    if not cfg.producer_gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": cfg.producer_gpus[index % len(cfg.producer_gpus)]}
+
+
+def learner_gpu_env(cfg: RunConfig) -> dict[str, str]:
+    """Environment pinning the learner (every rank) to its GPUs ({} = inherit)."""
+    return {"CUDA_VISIBLE_DEVICES": cfg.learner_gpus} if cfg.learner_gpus else {}
 
 
 def admission_budget(batch_groups: int, max_staleness: int) -> int:

@@ -23,7 +23,14 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import ConfigError, RunConfig, load_config, to_dict
+from pipeline.config import (
+    ConfigError,
+    RunConfig,
+    learner_gpu_env,
+    load_config,
+    producer_gpu_env,
+    to_dict,
+)
 
 log = logging.getLogger("pipeline")
 
@@ -89,9 +96,10 @@ async def _run_with_sigterm(coro: Any) -> None:
 
 def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
     _child_setup()
+    cfg = load_config(overrides=_flatten(cfg_dict))
+    os.environ.update(learner_gpu_env(cfg))  # before anything initialises CUDA
     from pipeline.learner import Learner
 
-    cfg = load_config(overrides=_flatten(cfg_dict))
     try:
         asyncio.run(_run_with_sigterm(Learner(cfg, model_path, resume=resume).run()))
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -115,11 +123,13 @@ class LaunchedLearner:
             self.cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
         self.cmd += ["-m", "pipeline.learner_main", str(Path(cfg.run_dir) / "config.yaml"),
                      "--model", model_path] + (["--resume"] if resume else [])
+        self.cfg = cfg
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         log.info("learner: %s", " ".join(self.cmd))
-        self.proc = subprocess.Popen(self.cmd, preexec_fn=_popen_setup)
+        self.proc = subprocess.Popen(self.cmd, preexec_fn=_popen_setup,
+                                     env=os.environ | learner_gpu_env(self.cfg))
 
     @property
     def pid(self) -> int | None:
@@ -152,9 +162,10 @@ def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, res
 
 def producer_entry(cfg_dict: dict, model_path: str, index: int) -> None:
     _child_setup()
+    cfg = load_config(overrides=_flatten(cfg_dict))
+    os.environ.update(producer_gpu_env(cfg, index))  # before vLLM initialises CUDA
     from pipeline.producer import producer_main
 
-    cfg = load_config(overrides=_flatten(cfg_dict))
     try:
         asyncio.run(_run_with_sigterm(producer_main(cfg, index, model_path)))
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -104,3 +104,23 @@ def test_producer_budget_shares_sum_to_budget(batch_groups, max_staleness, num_p
               for k in range(num_producers)]
     assert sum(shares) == total
     assert max(shares) - min(shares) <= 1
+
+
+def test_gpu_placement_pins_each_producer_and_the_learner():
+    from pipeline.config import learner_gpu_env, producer_gpu_env
+
+    cfg = load_config(overrides={"num_producers": 3, "producer_gpus": [1, "2,3"],
+                                 "learner_gpus": 0})
+    assert [producer_gpu_env(cfg, i) for i in range(3)] == [
+        {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "2,3"},
+        {"CUDA_VISIBLE_DEVICES": "1"}]
+    assert learner_gpu_env(cfg) == {"CUDA_VISIBLE_DEVICES": "0"}
+    default = load_config()
+    assert producer_gpu_env(default, 0) == {} and learner_gpu_env(default) == {}
+
+
+@pytest.mark.parametrize("key,value", [("producer_gpus", ["0;1"]), ("producer_gpus", [""]),
+                                       ("learner_gpus", "gpu0"), ("producer_gpus", "0")])
+def test_bad_gpu_placement_names_the_option(key, value):
+    with pytest.raises(ConfigError, match=key):
+        load_config(overrides={key: value})
