@@ -1,0 +1,343 @@
+"""Async vs sync (vs TRL's GRPOTrainer): the same GRPO job on the same GPUs, measured in one run.
+
+    python -m bench.gpu_bench --layout split --model 0.5b --steps 12 --out runs/bench \\
+        --runs sync,async1,async2 [--trl colocate,server]
+
+Every run trains the same model on the same prompts (synthetic arithmetic, exact-match reward)
+with the same batch (``--batch-groups`` prompts x ``--group-size`` completions of exactly
+``--max-tokens`` tokens, ``ignore_eos``) for the same number of learner steps; only the mode
+differs. Layouts: ``split`` = producer on GPU 0, learner on GPU 1; ``colocated`` = both on GPU 0
+(the engine gets ``--gpu-mem`` of it). Figures are taken over the steady window (after
+``--warmup-steps``), so engine start and the first batch are not counted:
+- trained samples/s and completion tokens/s, wall time per step;
+- busy fraction of each GPU role (NVML utilization sampled every 0.1 s: the fraction of time a
+  kernel ran), i.e. how much of the time generation and training actually use their GPU;
+- weight-sync time per step (learner publish -> all acks) and engine idle per swap;
+- the staleness distribution of trained groups.
+It writes ``results.json``, ``results.md`` (a Markdown table with the async/sync and ours/TRL
+ratios) and ``results.png`` into ``--out``. Runs without GPUs too (tiny model on the CPU build),
+which is how its own test exercises it; GPU busy fractions are then reported as n/a.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+RUNS = {  # name -> (train.mode, max_staleness)
+    "sync": ("sync", 0),
+    "async1": ("async", 1),
+    "async2": ("async", 2),
+}
+LAYOUTS = {  # name -> (producer_gpus, learner_gpus, GPU indices per role)
+    "split": (["0"], "1", {"generation": [0], "learner": [1]}),
+    "colocated": (["0"], "0", {"generation": [0], "learner": [0]}),
+    "cpu": ([], "", {}),
+}
+
+
+@dataclass
+class RunResult:
+    name: str
+    ok: bool
+    wall_s: float
+    steps: int = 0
+    window_steps: int = 0
+    samples_per_s: float | None = None
+    tokens_per_s: float | None = None
+    step_s_median: float | None = None
+    sync_s_mean: float | None = None
+    swap_idle_s_mean: float | None = None
+    staleness: dict = field(default_factory=dict)
+    gpu_busy: dict = field(default_factory=dict)
+    reward_curve: list = field(default_factory=list)  # [(seconds since first step, reward)]
+    note: str = ""
+
+
+class GpuSampler:
+    """NVML utilization of every visible GPU every ``period`` s, in a daemon thread."""
+
+    def __init__(self, period: float = 0.1):
+        self.period = period
+        self.samples: list[tuple[float, list[int]]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                             for i in range(pynvml.nvmlDeviceGetCount())]
+            self._nvml = pynvml
+        except Exception:  # no NVIDIA driver (CPU machines): busy fractions are n/a
+            self._handles, self._nvml = [], None
+
+    def __enter__(self) -> GpuSampler:
+        if self._handles:
+            self._thread = threading.Thread(target=self._loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+            self.samples.append((time.time(), util))
+
+    def busy(self, gpu: int, t0: float, t1: float) -> float | None:
+        vals = [u[gpu] for ts, u in self.samples if t0 <= ts <= t1 and gpu < len(u)]
+        return round(statistics.fmean(vals) / 100.0, 3) if vals else None
+
+
+def summarize(name: str, metrics: list[dict], wall_s: float, warmup: int,
+              batch_samples: int, sampler: GpuSampler | None, roles: dict) -> RunResult:
+    """Steady-window figures of one run from its metrics.jsonl rows (pure; unit-tested)."""
+    res = RunResult(name=name, ok=bool(metrics), wall_s=round(wall_s, 1), steps=len(metrics))
+    if len(metrics) <= warmup + 1:
+        res.ok = False
+        res.note = f"only {len(metrics)} steps logged (need > {warmup + 1})"
+        return res
+    window = metrics[warmup + 1:]
+    t0, t1 = metrics[warmup]["ts"], metrics[-1]["ts"]
+    span = max(t1 - t0, 1e-9)
+    res.window_steps = len(window)
+    res.samples_per_s = round(len(window) * batch_samples / span, 2)
+    res.tokens_per_s = round(sum(m.get("trained_tokens", 0.0) for m in window) / span, 1)
+    res.step_s_median = round(statistics.median(m["step_s"] for m in window), 3)
+    syncs = [m["sync_s"] for m in window if "sync_s" in m]
+    res.sync_s_mean = round(statistics.fmean(syncs), 3) if syncs else None
+    idles = [m["swap_idle_s"] for m in window if "swap_idle_s" in m]
+    res.swap_idle_s_mean = round(statistics.fmean(idles), 3) if idles else None
+    hist: dict[str, float] = {}
+    for m in window:
+        for k, v in m.items():
+            if k.startswith("staleness_hist/"):
+                key = k.split("/", 1)[1]
+                hist[key] = hist.get(key, 0.0) + float(v)
+    res.staleness = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+    if sampler is not None:
+        for role, gpus in roles.items():
+            vals = [sampler.busy(g, t0, t1) for g in gpus]
+            res.gpu_busy[role] = (round(statistics.fmean(vals), 3)
+                                  if vals and None not in vals else None)
+    first = metrics[0]["ts"]
+    res.reward_curve = [(round(m["ts"] - first, 2), round(m.get("reward_mean", 0.0), 4))
+                        for m in metrics]
+    return res
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunResult:
+    mode, staleness = RUNS[name]
+    producer_gpus, learner_gpus, roles = LAYOUTS[args.layout]
+    run_dir = out / name
+    cmd = [sys.executable, "-m", "pipeline.cli", "--config", str(args.config),
+           "--name", f"bench-{name}", "--run_dir", str(run_dir), "--model.path", model,
+           "--train.mode", mode, "--train.max_staleness", str(staleness),
+           "--train.steps", str(args.steps), "--train.batch_groups", str(args.batch_groups),
+           "--generation.group_size", str(args.group_size),
+           "--generation.max_tokens", str(args.max_tokens), "--generation.ignore_eos",
+           "--engine.gpu_memory_utilization", str(args.gpu_mem),
+           "--producer_gpus", json.dumps(producer_gpus), "--learner_gpus", learner_gpus,
+           "--tensorboard", "false"]
+    for kv in args.set:
+        cmd += ["--set", kv]
+    return _timed(args, name, cmd, run_dir / "metrics.jsonl", roles, out / f"{name}.log")
+
+
+def run_trl(args: argparse.Namespace, name: str, model: str, out: Path) -> RunResult:
+    """TRL's GRPOTrainer through bench/trl_grpo.py (same model, prompts, reward, batch)."""
+    vllm_mode = name.removeprefix("trl-")
+    steps_json = out / f"{name}.json"
+    cmd = [sys.executable, "-m", "bench.trl_grpo", "--model", model, "--vllm-mode", vllm_mode,
+           "--steps", str(args.steps), "--batch-groups", str(args.batch_groups),
+           "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
+           "--ignore-eos", "--lr", str(args.lr), "--out", str(steps_json)]
+    # colocate: trainer and vLLM on GPU 0; server: trainer on GPU 0, vLLM server on GPU 1.
+    roles = {"generation": [0], "learner": [0]} if vllm_mode == "colocate" else (
+        {"generation": [1], "learner": [0]})
+    if args.layout == "cpu":
+        roles = {}
+    return _timed(args, name, cmd, steps_json, roles, out / f"{name}.log", trl=True)
+
+
+def _timed(args: argparse.Namespace, name: str, cmd: list[str], metrics_path: Path,
+           roles: dict, log_path: Path, trl: bool = False) -> RunResult:
+    print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
+    t0 = time.time()
+    with GpuSampler() as sampler, open(log_path, "w") as log:
+        try:
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=args.run_timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+    wall = time.time() - t0
+    rows = _trl_rows(metrics_path) if trl else _read_jsonl(metrics_path)
+    res = summarize(name, rows, wall, args.warmup_steps, args.batch_groups * args.group_size,
+                    sampler if sampler.samples else None, roles)
+    if code != 0:
+        res.ok = False
+        tail = log_path.read_text().splitlines()[-5:] if log_path.exists() else []
+        res.note = f"exit {code}: " + " / ".join(tail)[-400:]
+    print(f"[bench] {name}: {json.dumps(asdict(res) | {'reward_curve': '...'})}", flush=True)
+    return res
+
+
+def _trl_rows(path: Path) -> list[dict]:
+    """bench/trl_grpo.py's JSON as metrics rows ({ts, step_s, trained_tokens, reward_mean})."""
+    if not path.exists():
+        return []
+    rows = json.loads(path.read_text()).get("steps", [])
+    return [{k: v for k, v in r.items() if v is not None} for r in rows]
+
+
+def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
+                 device: str) -> str:
+    by = {r.name: r for r in results}
+
+    def ratio(a: str, b: str) -> str:
+        ra, rb = by.get(a), by.get(b)
+        if ra and rb and ra.ok and rb.ok and ra.samples_per_s and rb.samples_per_s:
+            return f"{ra.samples_per_s / rb.samples_per_s:.2f}x"
+        return "n/a"
+
+    def fmt(v: Any) -> str:
+        return "n/a" if v is None else str(v)
+
+    lines = [f"Device: {device}; layout {args.layout}; model {args.model}; "
+             f"{args.batch_groups} prompts x {args.group_size} completions x "
+             f"{args.max_tokens} tokens per step; {args.steps} steps, "
+             f"steady window after {args.warmup_steps} warm-up steps.", "",
+             "| run | samples/s | tokens/s | s/step | gen GPU busy | learner GPU busy | "
+             "sync s/step | engine idle s/swap | staleness (count) | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(
+            f"| {r.name} | {fmt(r.samples_per_s)} | {fmt(r.tokens_per_s)} | "
+            f"{fmt(r.step_s_median)} | {fmt(r.gpu_busy.get('generation'))} | "
+            f"{fmt(r.gpu_busy.get('learner'))} | {fmt(r.sync_s_mean)} | "
+            f"{fmt(r.swap_idle_s_mean)} | "
+            f"{', '.join(f'{k}: {int(v)}' for k, v in r.staleness.items()) or 'n/a'} | "
+            f"{'' if r.ok else 'FAILED '}{r.note} |")
+    lines += ["", "Ratios (trained samples/s): " + ", ".join(
+        f"{a}/{b} = {ratio(a, b)}" for a, b in
+        [("async1", "sync"), ("async2", "sync"), ("async1", "trl-colocate"),
+         ("async1", "trl-server"), ("sync", "trl-colocate")]
+        if a in by and b in by)]
+    text = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(json.dumps(
+        {"device": device, "args": {k: str(v) for k, v in vars(args).items()},
+         "results": [asdict(r) for r in results]}, indent=1))
+    _plot(out / "results.png", results)
+    return text
+
+
+def _plot(path: Path, results: list[RunResult]) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4))
+    FigureCanvasAgg(fig)
+    ax_bar, ax_rew = fig.subplots(1, 2)
+    names = [r.name for r in results]
+    ax_bar.bar(names, [r.samples_per_s or 0.0 for r in results], color="tab:blue")
+    ax_bar.set_ylabel("trained samples/s (steady)")
+    ax_bar.set_title("throughput")
+    for r in results:
+        if r.reward_curve:
+            xs, ys = zip(*r.reward_curve, strict=True)
+            ax_rew.plot(xs, ys, marker=".", label=r.name)
+    ax_rew.set_xlabel("seconds since first step")
+    ax_rew.set_ylabel("reward mean")
+    ax_rew.set_title("reward vs wall-clock")
+    ax_rew.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+def prepare_model(spec: str, root: Path) -> str:
+    """'0.5b'/'1.5b' -> a random-init Qwen2 of that shape (written once); else a path/name."""
+    if spec not in ("0.5b", "1.5b"):
+        return spec
+    path = root / f"qwen2-{spec}"
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "sync.gpu_model", str(path), "--size", spec],
+                       check=True)
+    return str(path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_bench",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="split")
+    p.add_argument("--model", default="0.5b", help="0.5b | 1.5b (random init) | path | tiny")
+    p.add_argument("--runs", default="sync,async1,async2",
+                   help=f"comma list of {', '.join(RUNS)}")
+    p.add_argument("--trl", default="", help="comma list of colocate,server ('' = no TRL runs)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--batch-groups", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--gpu-mem", type=float, default=0.5,
+                   help="engine.gpu_memory_utilization (of GPU 0)")
+    p.add_argument("--config", type=Path, default=Path(__file__).with_name("bench.yaml"))
+    p.add_argument("--set", action="append", default=[], help="extra KEY=VALUE for our runs")
+    p.add_argument("--run-timeout", type=float, default=600.0)
+    p.add_argument("--models-dir", type=Path, default=Path("/tmp/bench-models"))
+    p.add_argument("--out", type=Path, default=Path("runs/bench"))
+    args = p.parse_args(argv)
+    bad = [r for r in args.runs.split(",") if r and r not in RUNS]
+    if bad:
+        p.error(f"--runs: unknown {bad}; choose from {sorted(RUNS)}")
+    bad = [r for r in args.trl.split(",") if r and r not in ("colocate", "server")]
+    if bad:
+        p.error(f"--trl: unknown {bad}; choose from colocate, server")
+    if args.warmup_steps + 2 > args.steps:
+        p.error("--steps must exceed --warmup-steps by at least 2 (a steady window)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = prepare_model(args.model, args.models_dir)
+    results = [run_ours(args, r, model, args.out) for r in args.runs.split(",") if r]
+    results += [run_trl(args, f"trl-{m}", model, args.out) for m in args.trl.split(",") if m]
+    print(write_report(args.out, results, args, _device_name()), flush=True)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
