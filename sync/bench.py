@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     mcfg = ModelConfig(path=args.model)
     model_dir = resolve_model(args.model, Path(mcfg.cache_dir))
     ecfg = EngineConfig(max_model_len=args.max_model_len, enable_chunked_prefill=True,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_batched_tokens=args.max_num_batched_tokens or None,
                         max_num_seqs=max(args.requests, 1),
                         gpu_memory_utilization=args.gpu_memory_utilization)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(ecfg.cpu_kvcache_space_gib))

@@ -1,6 +1,6 @@
-"""Write a random-init Qwen2-0.5B-shaped model (bf16) for GPU benchmarks, with no model hub.
+"""Write a random-init Qwen2-0.5B- or 1.5B-shaped model (bf16) for GPU benchmarks, with no model hub.
 
-    python -m sync.gpu_model OUT_DIR [--size 0.5b]
+    python -m sync.gpu_model OUT_DIR [--size 0.5b|1.5b]
 
 The tokenizer is the tiny test model's byte-level one (260 tokens): the benchmarks feed token ids,
 and vLLM accepts any id below the model's vocab_size (151936) and detokenizes unknown ids as "".
@@ -15,6 +15,9 @@ from pathlib import Path
 
 SIZES = {"0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                       num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                      tie_word_embeddings=True, max_position_embeddings=4096),
+         "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                      num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
                       tie_word_embeddings=True, max_position_embeddings=4096)}
 
 
