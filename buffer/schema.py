@@ -129,6 +129,9 @@ class Hello:
     producer_id: str
     policy_version: int
     pid: int
+    devices: list[str] = field(default_factory=list)
+    """GPU UUID of each of the producer's vLLM workers ([] on CPU): the learner picks the weight
+    transport per producer from it (same GPU: ipc, another GPU: nccl)."""
 
 
 @dataclass
@@ -160,6 +163,12 @@ class Announce:
     accepted: dict[str, int] = field(default_factory=dict)
     """Per producer incarnation: groups the learner has accepted so far (the producer's
     in-transit count is what it sent minus this)."""
+    routes: dict[str, str] = field(default_factory=dict)
+    """Per producer id: the weight transport to load ``version`` with ("ipc" or "nccl");
+    absent means the snapshot file (always written, also the fallback)."""
+    transfer: dict[str, Any] = field(default_factory=dict)
+    """Transport payload as plain msgpack data (layout, IPC handle fields, NCCL link offers);
+    only its types are checked here, ``sync.transfer`` validates the meaning."""
 
 
 @dataclass
@@ -173,7 +182,20 @@ class Ack:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-Message = RolloutGroup | Hello | Heartbeat | Announce | Ack
+@dataclass
+class SyncReady:
+    """Producer -> learner, for the NCCL transport (a collective: both sides must take part).
+
+    ``purpose`` "link": the producer is about to join link ``epoch`` (the learner joins too);
+    "weights": the producer is paused and waits on link ``epoch`` for ``version``."""
+
+    producer_id: str
+    purpose: str
+    epoch: int
+    version: int = 0
+
+
+Message = RolloutGroup | Hello | Heartbeat | Announce | Ack | SyncReady
 
 # --------------------------------------------------------------------------------------------
 # Encoding
@@ -242,11 +264,15 @@ def _encode_body(msg: Message) -> tuple[str, dict[str, Any]]:
     if isinstance(msg, RolloutGroup):
         return "group", _encode_group(msg)
     if isinstance(msg, Hello):
-        return "hello", {
+        body: dict[str, Any] = {
             "producer_id": msg.producer_id,
             "policy_version": int(msg.policy_version),
             "pid": int(msg.pid),
         }
+        # Optional fields are written only when set, so a reader without them still decodes.
+        if msg.devices:
+            body["devices"] = [str(d) for d in msg.devices]
+        return "hello", body
     if isinstance(msg, Heartbeat):
         return "heartbeat", {
             "producer_id": msg.producer_id,
@@ -254,7 +280,7 @@ def _encode_body(msg: Message) -> tuple[str, dict[str, Any]]:
             "stats": _fdict(msg.stats),
         }
     if isinstance(msg, Announce):
-        return "announce", {
+        body = {
             "version": int(msg.version),
             "snapshot_uri": msg.snapshot_uri,
             "snapshot_checksum": msg.snapshot_checksum,
@@ -264,6 +290,18 @@ def _encode_body(msg: Message) -> tuple[str, dict[str, Any]]:
             "cursors": {str(k): int(v) for k, v in msg.cursors.items()},
             "durable": {str(k): int(v) for k, v in msg.durable.items()},
             "accepted": {str(k): int(v) for k, v in msg.accepted.items()},
+        }
+        if msg.routes:
+            body["routes"] = {str(k): str(v) for k, v in msg.routes.items()}
+        if msg.transfer:
+            body["transfer"] = _plain(msg.transfer, "announce.transfer")
+        return "announce", body
+    if isinstance(msg, SyncReady):
+        return "sync_ready", {
+            "producer_id": msg.producer_id,
+            "purpose": msg.purpose,
+            "epoch": int(msg.epoch),
+            "version": int(msg.version),
         }
     if isinstance(msg, Ack):
         return "ack", {
@@ -376,16 +414,38 @@ def _scalar_map(v: Any, where: str) -> dict[str, str | int | float]:
     return out
 
 
-def _fields(body: dict[str, Any], required: frozenset[str], where: str) -> None:
-    """Exactly the required fields: none missing, nothing unknown (a newer writer must bump
-    SCHEMA_VERSION rather than rely on readers ignoring fields)."""
+def _fields(body: dict[str, Any], required: frozenset[str], where: str,
+            optional: frozenset[str] = frozenset()) -> None:
+    """The required fields, and optional ones added later with defaults: none missing, nothing
+    unknown (a field a reader must understand needs a SCHEMA_VERSION bump, not silence)."""
     if body.keys() == required:
         return
     missing = sorted(required - body.keys())
     if missing:
         raise DecodeError(f"{where}: missing field(s) {missing}")
-    unknown = sorted(str(k) for k in body.keys() - required)
-    raise DecodeError(f"{where}: unknown field(s) {unknown}")
+    unknown = sorted(str(k) for k in body.keys() - required - optional)
+    if unknown:
+        raise DecodeError(f"{where}: unknown field(s) {unknown}")
+
+
+_PLAIN_DEPTH = 8
+
+
+def _plain(v: Any, where: str, depth: int = 0) -> Any:
+    """Plain data only (nil, bool, int, finite float, str, bin, lists, str-keyed maps), nested
+    at most _PLAIN_DEPTH deep; used both to encode and to check decoded transport payloads."""
+    if depth > _PLAIN_DEPTH:
+        raise DecodeError(f"{where}: nested deeper than {_PLAIN_DEPTH}")
+    if v is None or type(v) in (bool, int, str, bytes):
+        return v
+    if type(v) is float:
+        return _float(v, where)
+    if isinstance(v, (list, tuple)):
+        return [_plain(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        _str_keys(v, where)
+        return {k: _plain(x, f"{where}.{k}", depth + 1) for k, x in v.items()}
+    raise DecodeError(f"{where}: {_type_name(v)} is not plain msgpack data")
 
 
 def _blob(v: Any, dtype: np.dtype, where: str) -> np.ndarray:
@@ -519,11 +579,14 @@ def _decode_group(body: dict[str, Any]) -> RolloutGroup:
 
 
 def _decode_hello(b: dict[str, Any]) -> Hello:
-    _fields(b, frozenset(("producer_id", "policy_version", "pid")), "hello")
+    _fields(b, frozenset(("producer_id", "policy_version", "pid")), "hello",
+            optional=frozenset(("devices",)))
+    devices = _list(b.get("devices", []), "hello.devices")
     return Hello(
         producer_id=_str(b["producer_id"], "hello.producer_id"),
         policy_version=_int(b["policy_version"], "hello.policy_version", nonneg=True),
         pid=_int(b["pid"], "hello.pid"),
+        devices=[_str(d, f"hello.devices[{i}]") for i, d in enumerate(devices)],
     )
 
 
@@ -543,7 +606,10 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
                    "received", "consumed", "cursors", "durable",
                    "accepted")),
         "announce",
+        optional=frozenset(("routes", "transfer")),
     )
+    routes = _map(b.get("routes", {}), "announce.routes")
+    _str_keys(routes, "announce.routes")
     return Announce(
         version=_int(b["version"], "announce.version", nonneg=True),
         snapshot_uri=_str(b["snapshot_uri"], "announce.snapshot_uri"),
@@ -554,6 +620,21 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
         cursors=_int_map(b["cursors"], "announce.cursors"),
         durable=_int_map(b["durable"], "announce.durable"),
         accepted=_int_map(b["accepted"], "announce.accepted"),
+        routes={k: _str(v, f"announce.routes[{k!r}]") for k, v in routes.items()},
+        transfer=_plain(_map(b.get("transfer", {}), "announce.transfer"), "announce.transfer"),
+    )
+
+
+def _decode_sync_ready(b: dict[str, Any]) -> SyncReady:
+    _fields(b, frozenset(("producer_id", "purpose", "epoch", "version")), "sync_ready")
+    purpose = _str(b["purpose"], "sync_ready.purpose")
+    if purpose not in ("link", "weights"):
+        raise DecodeError(f"sync_ready.purpose: expected 'link' or 'weights', got {purpose!r}")
+    return SyncReady(
+        producer_id=_str(b["producer_id"], "sync_ready.producer_id"),
+        purpose=purpose,
+        epoch=_int(b["epoch"], "sync_ready.epoch", nonneg=True),
+        version=_int(b["version"], "sync_ready.version", nonneg=True),
     )
 
 
@@ -574,6 +655,7 @@ _DECODERS = {
     "heartbeat": _decode_heartbeat,
     "announce": _decode_announce,
     "ack": _decode_ack,
+    "sync_ready": _decode_sync_ready,
 }
 
 

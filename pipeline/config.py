@@ -192,13 +192,24 @@ class RewardsConfig:
         self.specs = specs
 
 
+def _cuda_device_count() -> int:
+    """GPUs this process sees (torch imported only for an explicit GPU transport)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 @dataclass
 class SyncConfig:
     barrier: Literal["drain_prefill", "keep", "wait", "abort"] = opt(
         "drain_prefill", "swap mode: drain running prefills then pause-keep (default); keep "
                          "(no drain); wait (drain everything); abort (abort and resubmit)")
-    transport: Literal["file"] = opt("file", "weight transport: 'file' (safetensors in "
-                                             "snapshot_dir, loaded by a vLLM worker extension)")
+    transport: Literal["auto", "file", "ipc", "nccl"] = opt(
+        "auto", "weight transport: 'file' (safetensors in snapshot_dir, loaded by a vLLM worker "
+                "extension), 'ipc' (CUDA IPC, learner and producer on one GPU), 'nccl' (GPU to "
+                "GPU broadcast); 'auto' picks per producer from its GPU: file on CPU, ipc on "
+                "the learner's GPU, nccl on another. The file is written every version anyway "
+                "(fallback and catch-up)")
     snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run>, else run_dir)")
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
     keep_snapshots: int = opt(2, "snapshot files kept on disk")
@@ -208,15 +219,41 @@ class SyncConfig:
     drain_timeout_s: float = opt(30.0, "barrier: max wait for running prefills")
     pause_timeout_s: float = opt(60.0, "barrier: max wait for pause_generation")
     load_timeout_s: float = opt(120.0, "barrier: max wait for the weight load")
+    nccl_timeout_s: float = opt(30.0, "nccl: max wait for a link set-up or one version's "
+                                      "broadcast, on both sides; then the link is aborted and "
+                                      "that version loads from the snapshot file")
 
     def __post_init__(self) -> None:
         _check(self.barrier in ("drain_prefill", "keep", "wait", "abort"), "sync.barrier",
                f"unknown mode {self.barrier!r}")
-        _check(self.transport == "file", "sync.transport",
-               f"only 'file' is available in this release, got {self.transport!r}")
+        _check(self.transport in ("auto", "file", "ipc", "nccl"), "sync.transport",
+               f"must be auto, file, ipc or nccl, got {self.transport!r}")
+        # Only "no GPU at all" is checked here: this also runs in children that launch pinned
+        # to one GPU each (CUDA_VISIBLE_DEVICES), where the device count says nothing about
+        # placement; see check_placement for that.
+        _check(self.transport not in ("ipc", "nccl") or _cuda_device_count() > 0,
+               "sync.transport", f"{self.transport!r} needs NVIDIA GPUs and none is visible "
+                                 f"(CPU build?); use 'file' or 'auto'")
+        _check(self.nccl_timeout_s > 0, "sync.nccl_timeout_s", "must be > 0")
         _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
         _check(self.keep_snapshots >= 2, "sync.keep_snapshots",
                "must be >= 2 (the previous snapshot is the rollback target)")
+
+    def check_placement(self, learner_gpus: str, producer_gpus: list[str]) -> None:
+        """Refuse an explicit transport the GPU placement rules out (e.g. 'nccl' with the
+        learner on a producer's GPU). Pinned lists as in RunConfig; '' or [] = unknown, not
+        checked (the learner still checks each producer at run time, from its GPU UUIDs)."""
+        from sync.transfer import TransportChoiceError, choose_transport
+
+        if self.transport in ("auto", "file") or not learner_gpus or not producer_gpus:
+            return
+        learner = learner_gpus.split(",")[0]  # rank 0 sends the weights
+        for i, gpus in enumerate(producer_gpus):
+            try:
+                choose_transport(self.transport, f"GPU {learner}", [f"GPU {g}" for g in
+                                                                   gpus.split(",")])
+            except TransportChoiceError as e:
+                raise ConfigError(f"sync.transport: producer_gpus[{i}]: {e}") from None
 
 
 @dataclass

@@ -8,6 +8,11 @@ admission budgets of exactly one batch: generate with v, train on that batch, pu
 
 Counts kept per producer: ``received`` (groups that arrived) and, derived, ``consumed`` (received
 minus still held), which producers use for admission control.
+
+Weights: every version is written as a snapshot file; producers whose route (picked per producer
+from the GPUs in its Hello, ``sync.transfer.choose_transport``) is ``ipc`` or ``nccl`` also get
+it from a packed GPU copy (``sync.publish.WeightPublisher``): its IPC handle or NCCL link offer
+rides in the Announce, and SyncReady messages drive the NCCL side of each transfer.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from buffer.ledger import GroupLedger
-from buffer.schema import Ack, Announce, Heartbeat, Hello, Message, RolloutGroup
+from buffer.schema import Ack, Announce, Heartbeat, Hello, Message, RolloutGroup, SyncReady
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
 from pipeline.checkpoint import (
@@ -38,6 +43,7 @@ from pipeline.config import RunConfig
 from pipeline.metrics import MetricsLogger, plot_run
 from pipeline.trainer import PolicyTrainer
 from sync.snapshot import SnapshotRef, prune_snapshots, write_snapshot
+from sync.transfer import TransportChoiceError, choose_transport
 
 log = logging.getLogger(__name__)
 ALIVE_S = 10.0  # a producer silent for longer is reported as not alive
@@ -49,6 +55,8 @@ class ProducerInfo:
     version: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     stats: dict[str, float] = field(default_factory=dict)
+    devices: list[str] = field(default_factory=list)  # GPU UUID per vLLM worker ([] = CPU)
+    route: str = "file"  # weight transport for this producer (sync.transfer)
 
 
 class Learner:
@@ -65,7 +73,7 @@ class Learner:
             if ckpt is None:
                 raise CheckpointError(f"--resume: no checkpoint under {self.run_dir}/checkpoints")
             self.state, tensors, buf = load_checkpoint(ckpt)
-            self.trainer.load_state(tensors)
+            self.trainer.load_state(tensors, ckpt)
             self.buffer = RolloutBuffer.restore(buf, *buf_args)
             log.info("resumed from %s: step %d, version %d, %d groups buffered", ckpt,
                      self.state.step, self.state.version, len(self.buffer))
@@ -85,6 +93,9 @@ class Learner:
         self.counters = dict(self.state.counters)
         self.ledger = GroupLedger.from_dict(self.state.ledger)
         self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
+        self.learner_gpu: str | None = None  # set in run() when the trainer is on CUDA
+        self.publisher = None  # sync.publish.WeightPublisher, for ipc/nccl routes
+        self._transfer_tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ messages
     def _on_group(self, g: RolloutGroup) -> None:
@@ -100,20 +111,60 @@ class Learner:
             info.last_seen = time.monotonic()
             info.version = msg.policy_version
             if isinstance(msg, Hello):
+                if info.pid and info.pid != msg.pid and self.publisher is not None:
+                    self.publisher.forget(msg.producer_id)  # restarted: its link died with it
                 info.pid = msg.pid
-                log.info("producer %s (pid %d) connected at version %d", msg.producer_id,
-                         msg.pid, msg.policy_version)
+                info.devices = list(msg.devices)
+                info.route = self._route(msg.producer_id, info.devices)
+                log.info("producer %s (pid %d) connected at version %d; weights by %s",
+                         msg.producer_id, msg.pid, msg.policy_version, info.route)
             else:
                 info.stats = msg.stats
+        elif isinstance(msg, SyncReady):
+            self._on_sync_ready(msg)
         elif isinstance(msg, Ack):
             self.acks.setdefault(msg.version if msg.ok else -1, {})[msg.producer_id] = msg
             info = self.producers.setdefault(msg.producer_id, ProducerInfo())
             info.last_seen = time.monotonic()
             if msg.ok:
                 info.version = msg.version
+                if msg.timings.get("fallback"):
+                    self.counters["transport_fallbacks"] = \
+                        self.counters.get("transport_fallbacks", 0) + 1
+                    log.warning("producer %s loaded v%d from the snapshot file: %s",
+                                msg.producer_id, msg.version, msg.error)
             else:
                 self.counters["sync_failures"] = self.counters.get("sync_failures", 0) + 1
                 log.error("producer %s failed to sync: %s", msg.producer_id, msg.error)
+
+    def _route(self, producer_id: str, devices: list[str]) -> str:
+        """This producer's weight transport; an impossible explicit choice is an error in the
+        log and the file (placement is only known once the producer has said hello)."""
+        try:
+            route = choose_transport(self.cfg.sync.transport, self.learner_gpu, devices)
+        except TransportChoiceError as e:
+            log.error("producer %s: sync.transport: %s; it gets weights from the snapshot file",
+                      producer_id, e)
+            return "file"
+        if route != "file" and self.publisher is None:
+            return "file"
+        return route
+
+    def _on_sync_ready(self, msg: SyncReady) -> None:
+        pub = self.publisher
+        if pub is None:
+            log.warning("SyncReady from %s but no GPU transport here; ignored", msg.producer_id)
+            return
+        coro = pub.join(msg.producer_id, msg.epoch) if msg.purpose == "link" else \
+            pub.send(msg.producer_id, msg.epoch, msg.version)
+        task = asyncio.get_running_loop().create_task(coro)
+        self._transfer_tasks.add(task)
+        task.add_done_callback(self._transfer_tasks.discard)
+
+    def _gpu_routes(self) -> dict[str, str]:
+        # list(): also called from the snapshot thread while the loop may add producers.
+        return {p: i.route for p, i in list(self.producers.items())
+                if i.route in ("ipc", "nccl")}
 
     async def _receive(self) -> None:
         assert self.endpoint is not None
@@ -138,21 +189,36 @@ class Learner:
         received = dict(self.state.received)
         consumed = {p: n - held.get(p, 0) for p, n in received.items()}
         ref = self.snapshot
+        routes = self._gpu_routes() if ref else {}
+        transfer = self.publisher.payload(self.state.version, routes) \
+            if self.publisher is not None and routes else {}
         return Announce(version=self.state.version, snapshot_uri=ref.uri if ref else "",
                         snapshot_checksum=ref.checksum if ref else "",
                         learner_session=self.session, received=received, consumed=consumed,
                         cursors=dict(self.state.cursors), durable=dict(self.durable),
-                        accepted={k: st.accepted for k, st in self.ledger.streams.items()})
+                        accepted={k: st.accepted for k, st in self.ledger.streams.items()},
+                        routes=routes if transfer else {}, transfer=transfer)
 
     async def _announce(self) -> None:
         assert self.endpoint is not None
         while True:
+            if self.publisher is not None:
+                now = time.monotonic()
+                self.publisher.maintain({p: (now - i.last_seen < ALIVE_S, 1 + len(i.devices))
+                                         for p, i in self.producers.items()
+                                         if i.route == "nccl"})
             await self.endpoint.publish(self.announcement())
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ snapshots
     def _publish_snapshot(self, version: int) -> SnapshotRef:
-        ref = write_snapshot(self.trainer.snapshot_tensors(), version, self.snapshot_dir)
+        tensors = self.trainer.snapshot_tensors()
+        routes = set(self._gpu_routes().values())
+        if self.publisher is not None and routes:
+            # The GPU copy first: producers on ipc/nccl can load it as soon as they hear of it.
+            self.publisher.publish(version, tensors, ipc="ipc" in routes)
+        # Written whatever the transport: the fallback, and how any producer catches up.
+        ref = write_snapshot(tensors, version, self.snapshot_dir)
         prune_snapshots(self.snapshot_dir, self.cfg.sync.keep_snapshots)
         return ref
 
@@ -244,7 +310,8 @@ class Learner:
         prefixes = self.ledger.prefixes()
         state = self.trainer.state()
         buf = self.buffer.snapshot()
-        path = await asyncio.to_thread(save_checkpoint, self.run_dir, self.state, state, buf)
+        path = await asyncio.to_thread(save_checkpoint, self.run_dir, self.state, state, buf,
+                                       shards=self.trainer.save_shards)
         self.durable = prefixes  # producers may now forget these groups
         log.info("checkpoint saved: %s", path)
         return path
@@ -252,6 +319,15 @@ class Learner:
     async def run(self) -> None:
         log.info("learner pid %d, session %s, step %d, version %d", os.getpid(), self.session,
                  self.state.step, self.state.version)
+        dev = self.trainer.device
+        if dev.type == "cuda":
+            import torch
+
+            from sync.publish import WeightPublisher
+
+            self.learner_gpu = str(torch.cuda.get_device_properties(dev).uuid)
+            if self.cfg.sync.transport != "file":
+                self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s)
         if self.state.version > 0:  # resumed: producers must load this version first
             self.snapshot = await asyncio.to_thread(self._publish_snapshot, self.state.version)
         self.endpoint = LearnerEndpoint(self.cfg.bind_addr, insecure=self.cfg.insecure)
@@ -268,6 +344,8 @@ class Learner:
                 await asyncio.shield(self.checkpoint())
             self.endpoint.close()
             self.metrics.close()
+            if self.publisher is not None:
+                self.publisher.close()
             if not self.cfg.sync.snapshot_dir:
                 shutil.rmtree(self.snapshot_dir, ignore_errors=True)
             if finished:

@@ -4,7 +4,9 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
 - ``_admit``: starts a group whenever the admission budget allows (in-flight + sent-but-not-yet-
   consumed groups <= this producer's share of (max_staleness + 1) x batch_groups), so no
   generation is spent on a group that would be too stale to train;
-- ``_listen``: applies announces: new snapshot -> sync barrier -> ack; consumption counts;
+- ``_listen``: applies announces: new snapshot -> sync barrier -> ack; consumption counts.
+  The weights come by the route the learner names for us (file, ipc or nccl; see
+  ``sync.transfer``); a GPU route that fails is followed by a file swap to the same version;
 - ``_heartbeat``: liveness and stats for the learner.
 Completions stream with RequestOutputKind.DELTA: each delta is tagged with the version the
 engine holds when it arrives (the barrier settles outputs before switching versions).
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from buffer.schema import Ack, Announce, Completion, Heartbeat, Hello, RolloutGroup
+from buffer.schema import Ack, Announce, Completion, Heartbeat, Hello, RolloutGroup, SyncReady
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig, producer_budget
 from pipeline.data import PromptRecord, PromptSource, render_prompt
@@ -37,7 +39,14 @@ from pipeline.outbox import Outbox
 from pipeline.rewards import RewardSet, rate_limiter
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.snapshot import SnapshotRef
-from sync.transfer import FileTransport
+from sync.transfer import (
+    FileTransport,
+    IpcTransport,
+    NcclTransport,
+    nccl_offer,
+    plan_route,
+    swap_with_fallback,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +63,7 @@ class ProducerStats:
     tokens: int = 0
     swaps: int = 0
     swap_failures: int = 0
+    transport_fallbacks: int = 0
     started_at: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict[str, float]:
@@ -80,6 +90,9 @@ class Producer:
         self.budget = producer_budget(cfg.train.batch_groups, cfg.train.max_staleness,
                                       cfg.num_producers, index)
         self.transport = FileTransport(engine)
+        self.ipc = IpcTransport(engine)
+        self.nccl = NcclTransport(engine, self._send_ready, s.nccl_timeout_s)
+        self.devices: list[str] = []  # GPU UUID per worker, from sync_device_info
         self.stats = ProducerStats()
         self.in_flight_groups = 0
         self.held = 0            # our groups in the learner's buffer (from announces)
@@ -95,6 +108,7 @@ class Producer:
         self.sent_log = out_dir / f"{self.incarnation}.jsonl"
         self._budget_changed = asyncio.Event()
         self._synced = asyncio.Event()   # set once we hold the learner's current version
+        self._failed_links: set[bytes] = set()  # NCCL offers we could not join (not retried)
         self._group_tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ admission
@@ -254,13 +268,17 @@ class Producer:
             self.prompts.cursor = max(self.prompts.cursor, ann.cursors.get(self.producer_id, 0))
             log.info("%s: learner session %s at version %d", self.producer_id,
                      ann.learner_session, ann.version)
+        route = ann.routes.get(self.producer_id, "file")
+        if route == "nccl":
+            await self._ensure_link(ann)
         if ann.version != self.tracker.version and ann.snapshot_uri:
             self._synced.clear()  # generate nothing more on weights the learner has left
             ref = SnapshotRef(ann.version, ann.snapshot_uri, ann.snapshot_checksum)
-            report = await self.barrier.swap(ann.version, lambda: self.transport.apply(ref.version),
-                                             prepare=lambda: self.transport.stage(ref))
+            report = await self._swap(ref, route, ann.transfer)
             self.stats.swaps = self.barrier.swaps
             self.stats.swap_failures = self.barrier.failures
+            if report.timings.get("fallback"):
+                self.stats.transport_fallbacks += 1
             if not report.ok:
                 log.error("%s: %s", self.producer_id, report.error)
             await self.endpoint.send(Ack(producer_id=self.producer_id, version=report.version,
@@ -274,6 +292,40 @@ class Producer:
                 self.tracker.version = ann.version
             self._synced.set()
         self._budget_changed.set()
+
+    async def _swap(self, ref: SnapshotRef, route: str, transfer: dict[str, Any]) -> Any:
+        """The barrier around the route's load; a failed GPU route falls back to the file."""
+        used, why = plan_route(route, transfer, self.producer_id, self.devices, self.nccl.joined)
+        if why:
+            log.warning("%s: v%d by file instead of %s: %s", self.producer_id, ref.version,
+                        route, why)
+        if used == "ipc":
+            return await swap_with_fallback(
+                self.barrier, "ipc", ref, self.transport, load=partial(self.ipc.apply, ref.version),
+                prepare=partial(self.ipc.stage, ref, transfer))
+        if used == "nccl":
+            return await swap_with_fallback(
+                self.barrier, "nccl", ref, self.transport,
+                load=partial(self.nccl.receive_and_apply, ref, transfer))
+        return await swap_with_fallback(self.barrier, "file", ref, self.transport)
+
+    async def _ensure_link(self, ann: Announce) -> None:
+        """Join the NCCL link the learner offers us, unless we hold it already."""
+        link = nccl_offer(ann.transfer, self.producer_id)
+        if link is None or link["unique_id"] == self.nccl.joined or \
+                link["unique_id"] in self._failed_links:
+            return
+        try:
+            await asyncio.wait_for(self.nccl.join(link), self.cfg.sync.nccl_timeout_s)
+            log.info("%s: NCCL link epoch %d joined", self.producer_id, link["epoch"])
+        except Exception as e:  # the learner offers a new epoch; meanwhile weights come by file
+            self._failed_links.add(link["unique_id"])
+            log.error("%s: joining NCCL link epoch %d failed: %r", self.producer_id,
+                      link["epoch"], e)
+
+    async def _send_ready(self, purpose: str, epoch: int, version: int) -> None:
+        await self.endpoint.send(SyncReady(producer_id=self.producer_id, purpose=purpose,
+                                           epoch=epoch, version=version))
 
     async def _heartbeat(self) -> None:
         while True:
@@ -291,8 +343,10 @@ class Producer:
             await asyncio.sleep(0.05)
 
     async def run(self) -> None:
+        self.devices = await engine_devices(self.engine)
         await self.endpoint.send(Hello(producer_id=self.producer_id,
-                                       policy_version=self.tracker.version, pid=os.getpid()))
+                                       policy_version=self.tracker.version, pid=os.getpid(),
+                                       devices=self.devices))
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._listen())
@@ -306,6 +360,17 @@ class Producer:
             for rid in list(self.tracker.in_flight):
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
+
+
+async def engine_devices(engine: Any) -> list[str]:
+    """GPU UUID of each vLLM worker ([] on CPU, or if the engine cannot say)."""
+    try:
+        infos = await engine.collective_rpc("sync_device_info")
+    except Exception as e:  # an engine without our worker extension: weights by file
+        log.warning("cannot read the engine's GPUs (%r); weights will come by file", e)
+        return []
+    uuids = [i.get("gpu_uuid", "") for i in infos if isinstance(i, dict)]
+    return uuids if uuids and all(uuids) else []
 
 
 def sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:

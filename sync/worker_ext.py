@@ -2,7 +2,12 @@
 
 Passed to vLLM as ``worker_extension_cls="sync.worker_ext.WeightSyncExtension"``; its methods are
 called through ``AsyncLLM.collective_rpc`` and run in every worker process (CPU or GPU), so the
-weights never cross the engine-core boundary as Python objects, only a path and a checksum do.
+weights never cross the engine-core boundary as Python objects: only a path and a checksum do
+(``file``), plain IPC handle fields (``ipc``), or a NCCL link's unique id (``nccl``).
+
+Every transport ends in the same two steps: a *stage* that leaves ``_sync_staged`` = (file ref of
+the version, name -> tensor) fully received and checked, and ``sync_apply_staged`` inside the
+barrier's pause. The file ref is the rollback target whichever transport delivered the tensors.
 
 Invariant: a load either fully succeeds or leaves the worker serving the previous weights. Any
 check that can fail (read, checksum, names, shapes) runs before the first tensor is copied; if
@@ -17,6 +22,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from sync.packing import check_layout, ipc_import, layout_from_wire, total_bytes, unpack
 from sync.snapshot import (
     SnapshotError,
     SnapshotRef,
@@ -54,6 +60,116 @@ class WeightSyncExtension:
         for path in base_snapshot_files(self._sync_model_dir()):
             self._sync_apply(load_file(path))
 
+    def _sync_checked_layout(self, version: int, layout_wire: Any):
+        layout = layout_from_wire(layout_wire)
+        manifest = getattr(self, "_sync_manifest", None)
+        if manifest is None:
+            manifest = model_manifest(self._sync_model_dir())
+            self._sync_manifest = manifest
+        check_layout(layout, manifest, version)
+        return layout
+
+    def _sync_device(self):
+        import torch
+
+        dev = getattr(self, "device", None)
+        if isinstance(dev, torch.device) and dev.type == "cuda":
+            return dev
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def sync_device_info(self) -> dict[str, Any]:
+        """This worker's GPU UUID ("" on CPU): the learner picks ipc/nccl/file from it."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return {"gpu_uuid": "", "rank": int(getattr(self, "rank", 0))}
+        import torch
+
+        dev = self._sync_device()
+        return {"gpu_uuid": str(torch.cuda.get_device_properties(dev).uuid),
+                "rank": int(getattr(self, "rank", 0))}
+
+    def sync_ipc_stage(self, version: int, fields: dict, layout_wire: list, uri: str,
+                       checksum: str) -> dict[str, Any]:
+        """Open the learner's packed buffer for ``version`` (same GPU) and check its layout.
+
+        No copy: the staged tensors are views of the learner's memory until the apply copies
+        them into the model. The learner's GPU UUID must be ours (else the handle would name
+        another device's memory)."""
+        import torch
+
+        t0 = time.perf_counter()
+        self._sync_staged = None
+        dev = self._sync_device()
+        uuid = str(torch.cuda.get_device_properties(dev).uuid)
+        if fields.get("gpu_uuid") != uuid:
+            raise SnapshotError(f"v{version}: IPC handle is for GPU {fields.get('gpu_uuid')}, "
+                                f"this worker is on {uuid}")
+        layout = self._sync_checked_layout(version, layout_wire)
+        flat = ipc_import(fields, dev.index)
+        if flat.numel() < total_bytes(layout):
+            raise SnapshotError(f"v{version}: IPC buffer of {flat.numel()} bytes is smaller "
+                                f"than its layout ({total_bytes(layout)})")
+        ref = SnapshotRef(version=version, uri=uri, checksum=checksum)
+        self._sync_staged = (ref, unpack(flat, layout))
+        return {"open_s": time.perf_counter() - t0, "tensors": len(layout)}
+
+    def sync_nccl_join(self, epoch: int, unique_id: bytes, rank_offset: int, world_size: int,
+                       timeout_s: float) -> dict[str, Any]:
+        """Join NCCL link ``epoch`` with the learner as rank ``rank_offset + worker rank``.
+
+        ``ncclCommInitRank`` cannot be bounded (``timeout_s`` is kept for the call's shape):
+        the producer calls this only after telling the learner, which joins at once."""
+        from sync import nccl
+
+        t0 = time.perf_counter()
+        old = getattr(self, "_sync_nccl", None)
+        self._sync_nccl = None
+        if old is not None:
+            nccl.abort(old[1])
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        comm = nccl.connect(unique_id, rank, world_size, self._sync_device())
+        self._sync_nccl = (epoch, comm)
+        return {"join_s": time.perf_counter() - t0}
+
+    def sync_nccl_receive(self, version: int, epoch: int, layout_wire: list, timeout_s: float,
+                          uri: str, checksum: str) -> dict[str, Any]:
+        """Receive ``version`` on link ``epoch`` into a staging buffer (call inside the pause).
+
+        A header (version, bytes) comes first: the learner answers -1 when it no longer holds
+        the version (returns ``refused``; the link stays up). Any failure or timeout aborts the
+        link (the learner offers a new one)."""
+        import torch
+
+        from sync import nccl
+
+        t0 = time.perf_counter()
+        self._sync_staged = None
+        link = getattr(self, "_sync_nccl", None)
+        if link is None or link[0] != epoch:
+            raise SnapshotError(f"v{version}: NCCL link epoch {epoch} is not joined here")
+        layout = self._sync_checked_layout(version, layout_wire)
+        dev, comm = self._sync_device(), link[1]
+        deadline = time.monotonic() + timeout_s
+        try:
+            header = torch.zeros(2, dtype=torch.int64, device=dev)
+            nccl.timed_broadcast(comm, header, deadline=deadline, what=f"header of v{version}")
+            got_version, size = (int(x) for x in header.tolist())
+            if got_version == -1:  # nothing follows: the link stays usable
+                return {"refused": 1.0, "receive_s": time.perf_counter() - t0}
+            if got_version != version or size != total_bytes(layout):
+                raise SnapshotError(f"v{version}: learner sends v{got_version} of {size} bytes, "
+                                    f"expected {total_bytes(layout)} bytes")
+            flat = torch.empty(size, dtype=torch.uint8, device=dev)
+            nccl.timed_broadcast(comm, flat, deadline=deadline, what=f"weights of v{version}")
+        except Exception:
+            self._sync_nccl = None
+            nccl.abort(comm)
+            raise
+        ref = SnapshotRef(version=version, uri=uri, checksum=checksum)
+        self._sync_staged = (ref, unpack(flat, layout))
+        return {"receive_s": time.perf_counter() - t0, "bytes": float(size)}
+
     def sync_stage_snapshot(self, version: int, uri: str, checksum: str) -> dict[str, Any]:
         """Read and verify snapshot ``version`` while the engine keeps serving.
 
@@ -82,14 +198,24 @@ class WeightSyncExtension:
         t0 = time.perf_counter()
         try:
             self._sync_apply(tensors)
+            _sync_device_barrier()
         except Exception as e:
             self._sync_restore_previous()
             raise SnapshotError(f"snapshot v{version}: load_weights failed ({e!r}); previous "
                                 f"weights restored") from None
         self._sync_last_good = ref
+        del tensors, staged  # IPC views: the learner may reuse that memory from here on
         return {"apply_s": time.perf_counter() - t0}
 
     def sync_load_snapshot(self, version: int, uri: str, checksum: str) -> dict[str, Any]:
         """Stage and apply in one call (for callers that pause before reading)."""
         staged = self.sync_stage_snapshot(version, uri, checksum)
         return staged | self.sync_apply_staged(version)
+
+
+def _sync_device_barrier() -> None:
+    """Wait for the copies out of staged tensors (IPC views, NCCL staging) before they go."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()

@@ -20,6 +20,7 @@ from buffer.schema import (
     Heartbeat,
     Hello,
     RolloutGroup,
+    SyncReady,
     decode,
     encode,
 )
@@ -86,6 +87,15 @@ def test_empty_completion_round_trips():
                  learner_session="s1", received={"p0": 10}, consumed={"p0": 8}),
         Ack(producer_id="p", version=4, ok=False, error="load failed", timings={"load_s": 0.5}),
         Ack(producer_id="p", version=4, ok=True),
+        Hello(producer_id="p", policy_version=0, pid=7, devices=["GPU-1", "GPU-2"]),
+        Announce(version=5, snapshot_uri="/s/v5", snapshot_checksum="c", learner_session="s",
+                 received={}, consumed={}, routes={"p0": "nccl", "p1": "ipc"},
+                 transfer={"layout": [["w", "bfloat16", [2, 3], 0]], "ipc": {
+                     "handle": b"\x00\xff", "event_handle": None, "nbytes": 12,
+                     "event_sync_required": True, "gpu_uuid": "GPU-1"},
+                     "nccl": {"p0": {"epoch": 2, "unique_id": bytes(128)}}}),
+        SyncReady(producer_id="p0", purpose="link", epoch=1),
+        SyncReady(producer_id="p0", purpose="weights", epoch=1, version=6),
     ],
 )
 def test_control_round_trip(msg):
@@ -250,6 +260,18 @@ def test_oversized_frame_rejected():
          "expected int"),
         (Announce(1, "u", "c", "s", {}, {}), _delete(("body", "consumed")), "missing"),
         (Ack("p", 1, True), _set(("body", "ok"), 1), "ack.ok: expected bool"),
+        (Hello("p", 0, 1), _set(("body", "devices"), ["GPU-1", 3]), "hello.devices[1]"),
+        (Hello("p", 0, 1), _set(("body", "gpus"), []), "hello: unknown field"),
+        (Announce(1, "u", "c", "s", {}, {}), _set(("body", "routes"), {"p0": 1}),
+         "announce.routes['p0']: expected str"),
+        (Announce(1, "u", "c", "s", {}, {}), _set(("body", "transfer"), {"x": [math.nan]}),
+         "finite"),
+        (Announce(1, "u", "c", "s", {}, {}), _set(("body", "transfer"), {1: "x"}), "map key"),
+        (Announce(1, "u", "c", "s", {}, {}), _set(("body", "transfer"), [1]), "expected map"),
+        (Announce(1, "u", "c", "s", {}, {}), _set(("body", "transfer"), {"d": [[[[[[[[[1]]]]]]]]]}),
+         "nested deeper"),
+        (SyncReady("p", "link", 1), _set(("body", "purpose"), "other"), "expected 'link'"),
+        (SyncReady("p", "link", 1), _delete(("body", "epoch")), "missing"),
     ],
 )
 def test_invalid_control_frames_rejected(msg, mutate, expected):
@@ -269,3 +291,22 @@ def test_decode_error_is_value_error():
     assert issubclass(DecodeError, ValueError)
     assert schema.Message is not None
     assert Completion is not None
+
+
+def test_new_optional_fields_are_omitted_when_unset_so_older_readers_still_decode():
+    """Frames that do not use the GPU transports are byte-for-byte what the previous schema
+    wrote, and a frame from an older writer (no routes/transfer/devices) decodes with defaults."""
+    ann = Announce(1, "u", "c", "s", {"p": 1}, {"p": 0})
+    raw = _raw(ann)
+    assert "routes" not in raw["body"] and "transfer" not in raw["body"]
+    assert "devices" not in _raw(Hello("p", 0, 1))["body"]
+    out = decode(_pack(raw))
+    assert out.routes == {} and out.transfer == {}
+    assert decode(_pack(_raw(Hello("p", 0, 1)))).devices == []
+
+
+def test_transfer_payload_refuses_msgpack_ext():
+    raw = _raw(Announce(1, "u", "c", "s", {}, {}))
+    raw["body"]["transfer"] = {"x": msgpack.ExtType(1, b"obj")}
+    with pytest.raises(DecodeError, match="ext"):
+        decode(msgpack.packb(raw))

@@ -124,3 +124,49 @@ def test_gpu_placement_pins_each_producer_and_the_learner():
 def test_bad_gpu_placement_names_the_option(key, value):
     with pytest.raises(ConfigError, match=key):
         load_config(overrides={key: value})
+
+
+def test_sync_transport_defaults_to_auto_and_accepts_file():
+    assert load_config().sync.transport == "auto"
+    assert load_config(None, {"sync.transport": "file"}).sync.transport == "file"
+    with pytest.raises(ConfigError, match=r"sync\.transport: must be auto, file, ipc or nccl"):
+        load_config(None, {"sync.transport": "rdma"})
+
+
+def test_gpu_transport_without_gpus_is_a_config_error(monkeypatch):
+    import pipeline.config as config
+
+    monkeypatch.setattr(config, "_cuda_device_count", lambda: 0)  # mock: a CPU machine
+    for t in ("nccl", "ipc"):
+        with pytest.raises(ConfigError, match=f"sync.transport: '{t}' needs NVIDIA GPUs"):
+            load_config(None, {"sync.transport": t})
+    monkeypatch.setattr(config, "_cuda_device_count", lambda: 1)  # mock: one GPU per child
+    for t in ("nccl", "ipc"):
+        assert load_config(None, {"sync.transport": t}).sync.transport == t
+    with pytest.raises(ConfigError, match=r"sync\.nccl_timeout_s"):
+        load_config(None, {"sync.nccl_timeout_s": 0})
+
+
+def test_gpu_transport_on_this_cpu_machine_is_refused():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    with pytest.raises(ConfigError, match="CPU build"):
+        load_config(None, {"sync.transport": "nccl"})
+
+
+def test_sync_check_placement_refuses_impossible_gpu_placements(monkeypatch):
+    import pipeline.config as config
+
+    monkeypatch.setattr(config, "_cuda_device_count", lambda: 2)  # mock: two GPUs
+    nccl = load_config(None, {"sync.transport": "nccl"}).sync
+    nccl.check_placement("0", ["1", "2,3"])
+    with pytest.raises(ConfigError, match=r"producer_gpus\[1\]: .*NCCL cannot put two ranks"):
+        nccl.check_placement("0", ["1", "0"])
+    ipc = load_config(None, {"sync.transport": "ipc"}).sync
+    ipc.check_placement("0", ["0"])
+    with pytest.raises(ConfigError, match="needs the producer on the learner's GPU"):
+        ipc.check_placement("0", ["1"])
+    ipc.check_placement("", ["1"])  # unknown placement: checked at run time instead
+    load_config().sync.check_placement("0", ["0"])  # auto always fits

@@ -1,0 +1,226 @@
+"""Learner side of the GPU transports: packed copies of the newest versions, their CUDA IPC
+handles, and one NCCL link per producer (the producer side is ``sync.transfer``).
+
+Owns, on the learner's GPU: for each of the ``keep`` newest versions, one packed uint8 buffer
+(``sync.packing``), a copy taken when the version is published, so training can go on updating
+the parameters while producers read or receive that version. An IPC-exported buffer that a
+producer still maps stays alive after we drop it (torch's CUDA IPC reference counter), so
+dropping an old version never pulls memory from under a reader.
+
+NCCL link life cycle, per producer (the learner is rank 0, the producer's workers 1..TP):
+  offered  -- a new epoch and unique id, put in the Announce for that producer;
+  joining  -- the producer sent SyncReady("link"): we join in a thread (``ncclCommInitRank``
+              blocks until every rank has joined, so we only call it once the producer has
+              said it is joining);
+  ready    -- weights can flow: each SyncReady("weights", v) is answered with a header broadcast
+              (v, bytes), or (-1, 0) if v is no longer held, then the packed buffer;
+  dead     -- join or transfer failed or timed out (communicator aborted); the producer falls
+              back to the snapshot file, and ``maintain`` offers a new link (new epoch) while the
+              producer is alive, up to ``max_link_failures`` in a row.
+Every transfer runs in a worker thread on its own CUDA stream with a deadline; nothing here can
+block the learner's event loop or its training stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from sync import nccl
+from sync.packing import Layout, ipc_export, layout_to_wire, pack, plan_layout, total_bytes
+
+log = logging.getLogger(__name__)
+LinkState = Literal["offered", "joining", "ready", "dead"]
+
+
+@dataclass
+class Link:
+    producer_id: str
+    epoch: int
+    unique_id: bytes
+    world_size: int
+    state: LinkState = "offered"
+    since: float = field(default_factory=time.monotonic)
+    comm: Any = None
+    error: str = ""
+
+    def offer(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "unique_id": self.unique_id, "world_size": self.world_size,
+                "rank_offset": 1}
+
+
+def ready_reply(link: Link | None, epoch: int, version: int, held: list[int]) -> str:
+    """How to answer a producer paused for ``version`` on link ``epoch``: ``send`` it,
+    ``refuse`` (header -1: we no longer hold it, it loads the file), or ``ignore`` (no such live
+    link: its receive times out and aborts, then it loads the file)."""
+    if link is None or link.epoch != epoch or link.state != "ready":
+        return "ignore"
+    return "send" if version in held else "refuse"
+
+
+def link_due(link: Link | None, alive: bool, now: float, timeout_s: float, failures: int,
+             max_failures: int) -> bool:
+    """Whether to offer a new link to a producer (and mark a stale offer dead)."""
+    if not alive or failures >= max_failures:
+        return False
+    if link is None or link.state == "dead":
+        return True
+    if link.state == "offered" and now - link.since > timeout_s:
+        link.state, link.error = "dead", "offer not taken up in time"
+        return True
+    return False
+
+
+class WeightPublisher:
+    def __init__(self, device: torch.device | str, *, timeout_s: float = 30.0, keep: int = 2,
+                 max_link_failures: int = 3):
+        self.device = torch.device(device)
+        self.gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        self.timeout_s, self.keep, self.max_link_failures = timeout_s, keep, max_link_failures
+        self._held: OrderedDict[int, tuple[torch.Tensor, Layout, dict | None]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.links: dict[str, Link] = {}
+        self.link_failures: dict[str, int] = {}
+        self._epoch = 0
+        self.sends = 0
+        self.send_failures = 0
+
+    # ------------------------------------------------------------------ versions
+    def publish(self, version: int, tensors: dict[str, torch.Tensor], ipc: bool) -> float:
+        """Pack ``tensors`` (a copy) as ``version``; export an IPC handle if asked. Blocking (run
+        it in a thread); returns the seconds it took."""
+        t0 = time.perf_counter()
+        layout = plan_layout(tensors)
+        with torch.cuda.device(self.device):
+            flat = pack(tensors, layout, self.device)
+            torch.cuda.current_stream(self.device).synchronize()
+            handle = ipc_export(flat, self.gpu_uuid) if ipc else None
+        with self._lock:
+            self._held[version] = (flat, layout, handle)
+            while len(self._held) > self.keep:
+                self._held.popitem(last=False)
+        torch.cuda.ipc_collect()  # free old buffers no producer maps any more
+        return time.perf_counter() - t0
+
+    def held(self) -> list[int]:
+        with self._lock:
+            return list(self._held)
+
+    def payload(self, version: int, routes: dict[str, str]) -> dict[str, Any]:
+        """The Announce ``transfer`` field for ``version`` (plain msgpack data)."""
+        with self._lock:
+            entry = self._held.get(version)
+        if entry is None or not routes:
+            return {}
+        _flat, layout, handle = entry
+        out: dict[str, Any] = {"layout": layout_to_wire(layout)}
+        if handle is not None and "ipc" in routes.values():
+            out["ipc"] = handle
+        offers = {pid: link.offer() for pid, link in self.links.items()
+                  if routes.get(pid) == "nccl" and link.state in ("offered", "joining", "ready")}
+        if offers:
+            out["nccl"] = offers
+        return out
+
+    # ------------------------------------------------------------------ nccl links
+    def maintain(self, nccl_producers: dict[str, tuple[bool, int]]) -> None:
+        """Offer a link to each alive NCCL-routed producer that has none that works.
+        ``nccl_producers``: {producer id: (alive, world size = 1 + its TP workers)}."""
+        now = time.monotonic()
+        for pid, (alive, world) in nccl_producers.items():
+            link = self.links.get(pid)
+            if link_due(link, alive, now, self.timeout_s, self.link_failures.get(pid, 0),
+                        self.max_link_failures):
+                if link is not None and link.state == "dead":
+                    self._drop(link)
+                self._epoch += 1
+                self.links[pid] = Link(pid, self._epoch, nccl.new_unique_id(), world)
+                log.info("offering NCCL link epoch %d to %s", self._epoch, pid)
+
+    def forget(self, producer_id: str) -> None:
+        """A producer restarted: its old link is useless; offer a fresh one (failures reset)."""
+        link = self.links.pop(producer_id, None)
+        if link is not None:
+            self._drop(link)
+        self.link_failures.pop(producer_id, None)
+
+    def _drop(self, link: Link) -> None:
+        comm, link.comm = link.comm, None
+        if comm is not None:
+            threading.Thread(target=nccl.abort, args=(comm,), daemon=True).start()
+
+    def _fail(self, link: Link, error: str) -> None:
+        link.state, link.error = "dead", error
+        self.link_failures[link.producer_id] = self.link_failures.get(link.producer_id, 0) + 1
+        self._drop(link)
+
+    async def join(self, producer_id: str, epoch: int) -> None:
+        """The producer is joining link ``epoch``: join as rank 0 (in a thread)."""
+        link = self.links.get(producer_id)
+        if link is None or link.epoch != epoch or link.state != "offered":
+            log.warning("%s joins NCCL link epoch %d, which is not on offer; ignored",
+                        producer_id, epoch)
+            return
+        link.state = "joining"
+        try:
+            # ncclCommInitRank has no timeout; the thread is a daemon so a producer that dies
+            # between its SyncReady and its own join leaks one thread, never the event loop.
+            link.comm = await asyncio.wait_for(asyncio.to_thread(
+                nccl.connect, link.unique_id, 0, link.world_size, self.device), self.timeout_s)
+            link.state = "ready"
+            self.link_failures[producer_id] = 0
+            log.info("NCCL link epoch %d to %s is up", epoch, producer_id)
+        except Exception as e:  # any failure: the producer uses the file
+            self._fail(link, f"join failed: {e!r}")
+            log.error("NCCL link epoch %d to %s failed: %r", epoch, producer_id, e)
+
+    async def send(self, producer_id: str, epoch: int, version: int) -> str:
+        """Answer SyncReady("weights"): returns what was done (see ``ready_reply``)."""
+        link = self.links.get(producer_id)
+        deadline = time.monotonic() + self.timeout_s
+        while link is not None and link.epoch == epoch and link.state == "joining" \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # its join finished first; ours is about to
+        reply = ready_reply(link, epoch, version, self.held())
+        if reply == "ignore" or link is None:
+            log.warning("%s waits for v%d on NCCL link epoch %d, which is not up here; it will "
+                        "time out and load the snapshot file", producer_id, version, epoch)
+            return reply
+        with self._lock:
+            entry = self._held.get(version) if reply == "send" else None
+        try:
+            await asyncio.to_thread(self._send_blocking, link.comm, entry, version)
+            self.sends += 1
+        except Exception as e:
+            self.send_failures += 1
+            self._fail(link, f"send of v{version} failed: {e!r}")
+            log.error("NCCL send of v%d to %s failed (%r); it loads the snapshot file",
+                      version, producer_id, e)
+            return "failed"
+        return reply if entry is not None else "refuse"
+
+    def _send_blocking(self, comm: Any, entry: tuple | None, version: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        with torch.cuda.device(self.device):
+            flat = entry[0] if entry is not None else None
+            size = total_bytes(entry[1]) if entry is not None else 0
+            header = torch.tensor([version if flat is not None else -1, size],
+                                  dtype=torch.int64, device=self.device)
+            nccl.timed_broadcast(comm, header, deadline=deadline, what=f"header of v{version}")
+            if flat is not None:
+                nccl.timed_broadcast(comm, flat[:size], deadline=deadline,
+                                     what=f"weights of v{version}")
+
+    def close(self) -> None:
+        for link in self.links.values():
+            self._drop(link)
+        self.links.clear()
+        with self._lock:
+            self._held.clear()

@@ -1,0 +1,215 @@
+"""The GPU weight transports on real vLLM (0.25.1 on the device tool), checked by effect.
+
+This test process plays the learner (``sync.publish.WeightPublisher``); the engine's worker runs
+in vLLM's engine-core process, so CUDA IPC and NCCL really cross processes:
+- ``ipc``: publisher and engine on GPU 0 (one GPU is enough);
+- ``nccl``: publisher on GPU 1, engine on GPU 0 (skipped with fewer than 2 GPUs).
+Each swap runs under load (requests in flight, none may be lost or cut short), then greedy
+tokens for a fixed prompt must equal a fresh engine's on the new weights, and swapping back must
+restore the original tokens. Failure paths: a learner that never answers (the receive times out,
+the link is aborted, the version loads from the file) and a version the learner no longer holds
+(refused, file, link kept).
+SyncReady messages go through the real msgpack schema (encode/decode), as on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+from functools import partial
+
+import pytest
+import torch
+from conftest import assert_no_children
+from safetensors.torch import save_file
+from test_sync_swap import VOCAB, EngineLoop, probe
+
+from buffer.schema import SyncReady, decode, encode
+from sync.barrier import RequestTracker, SwapBarrier
+from sync.bench import generate, model_tensors, perturbed, random_prompt
+from sync.snapshot import SnapshotRef, write_snapshot
+from sync.transfer import (
+    FileTransport,
+    IpcTransport,
+    NcclTransport,
+    nccl_offer,
+    plan_route,
+    swap_with_fallback,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+PID = "p0"
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.fixture(scope="module")
+def weights(tiny_model, tmp_path_factory):
+    """Base and perturbed weights, a HF dir of the perturbed ones (for a fresh engine), and a
+    directory for the file snapshots (each version's rollback target and fallback)."""
+    d = tmp_path_factory.mktemp("gpu-transports")
+    base = model_tensors(tiny_model)
+    new = perturbed(base, scale=0.5, seed=1)
+    hf_new = d / "hf-perturbed"
+    shutil.copytree(tiny_model, hf_new)
+    for f in hf_new.glob("*.safetensors"):
+        f.unlink()
+    save_file(new, str(hf_new / "model.safetensors"), metadata={"format": "pt"})
+    return {"base": base, "new": new, "dir": d, "hf_new": hf_new}
+
+
+@pytest.fixture(scope="module")
+def fresh_probe(weights):
+    """Greedy tokens of a freshly started engine on the new weights (then shut down)."""
+    loop = EngineLoop(weights["hf_new"])
+    try:
+        return loop.run(probe(loop.engine, RequestTracker()))[0]
+    finally:
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def eng(tiny_model, fresh_probe):
+    e = EngineLoop(tiny_model)
+    e.tracker = RequestTracker()
+    e.base_probe = e.run(probe(e.engine, e.tracker))[0]
+    assert e.base_probe != fresh_probe, "the perturbation does not change greedy output"
+    yield e
+    e.close()
+    assert_no_children()
+
+
+class Learner:
+    """The learner's side of one test: a publisher and the SyncReady dispatch of pipeline's
+    learner, with the message going through the wire format."""
+
+    def __init__(self, device: str, timeout_s: float = 30.0, answer: bool = True):
+        from sync.publish import WeightPublisher
+
+        self.pub = WeightPublisher(device, timeout_s=timeout_s)
+        self.answer = answer
+        self.tasks: list[asyncio.Task] = []
+
+    async def send_ready(self, purpose: str, epoch: int, version: int) -> None:
+        msg = decode(encode(SyncReady(producer_id=PID, purpose=purpose, epoch=epoch,
+                                      version=version)))
+        if not self.answer:
+            return  # a learner that is dead or late
+        coro = self.pub.join(PID, msg.epoch) if msg.purpose == "link" else \
+            self.pub.send(PID, msg.epoch, msg.version)
+        self.tasks.append(asyncio.get_running_loop().create_task(coro))
+
+
+async def _swap_under_load(e: EngineLoop, route: str, ref: SnapshotRef, transfer: dict,
+                           nccl: NcclTransport | None = None, n: int = 32):
+    """n requests in flight, then one swap through ``route`` (file fallback as in producer)."""
+    tk = e.tracker
+    rng = random.Random(ref.version)
+    tasks = [asyncio.create_task(generate(e.engine, tk, f"{route}-{ref.version}-{i}",
+                                          random_prompt(rng, rng.randint(100, 400), VOCAB),
+                                          max_tokens=48)) for i in range(n)]
+    while sum(tk.in_flight.values()) < 2:
+        await asyncio.sleep(0.01)
+    barrier = SwapBarrier(e.engine, tk, drain_timeout_s=120, pause_timeout_s=120,
+                          load_timeout_s=120)
+    file = FileTransport(e.engine)
+    if route == "ipc":
+        ipc = IpcTransport(e.engine)
+        report = await swap_with_fallback(barrier, "ipc", ref, file,
+                                          load=partial(ipc.apply, ref.version),
+                                          prepare=partial(ipc.stage, ref, transfer))
+    else:
+        assert nccl is not None
+        report = await swap_with_fallback(barrier, "nccl", ref, file,
+                                          load=partial(nccl.receive_and_apply, ref, transfer))
+    gens = await asyncio.gather(*tasks)
+    for g in gens:
+        assert g.finish_reason == "length" and len(g.tokens) == 48, "a request was cut short"
+        assert g.versions == sorted(g.versions)
+    return report
+
+
+def _publish(learner: Learner, weights: dict, which: str, version: int, route: str):
+    tensors = {k: v.to(learner.pub.device) for k, v in weights[which].items()}
+    learner.pub.publish(version, tensors, ipc=route == "ipc")
+    ref = write_snapshot(weights[which], version, weights["dir"])
+    return ref, learner.pub.payload(version, {PID: route})
+
+
+def test_ipc_swap_under_load_matches_fresh_engine(eng, weights, fresh_probe):
+    learner = Learner("cuda:0")
+    devices = eng.run(eng.engine.collective_rpc("sync_device_info"))
+    my_gpus = [d["gpu_uuid"] for d in devices]
+    assert my_gpus == [learner.pub.gpu_uuid], "the engine is not on the publisher's GPU"
+    for which, want in (("new", fresh_probe), ("base", eng.base_probe)):
+        v = eng.next_version()
+        ref, transfer = _publish(learner, weights, which, v, "ipc")
+        assert plan_route("ipc", transfer, PID, my_gpus, None) == ("ipc", "")
+        report = eng.run(_swap_under_load(eng, "ipc", ref, transfer), timeout=600)
+        assert report.ok and "fallback" not in report.timings, report.error
+        assert eng.run(probe(eng.engine, eng.tracker))[0] == want, f"ipc swap to {which}"
+        print(f"\nipc v{v}: idle {report.timings['idle_s']:.3f}s load "
+              f"{report.timings['load_s']:.3f}s prepare {report.timings['prepare_s']:.3f}s")
+    learner.pub.close()
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="nccl needs 2 GPUs (learner on GPU 1, engine on GPU 0)")
+def test_nccl_swap_under_load_matches_fresh_engine_and_survives_faults(eng, weights,
+                                                                      fresh_probe):
+    learner = Learner("cuda:1", timeout_s=20.0)
+
+    async def link_up(nccl: NcclTransport) -> dict:
+        learner.pub.maintain({PID: (True, 2)})  # offer a link, as the learner's announce loop
+        offer = nccl_offer({"nccl": {PID: learner.pub.links[PID].offer()}}, PID)
+        assert offer is not None
+        await nccl.join(offer)
+        await asyncio.gather(*learner.tasks)
+        assert learner.pub.links[PID].state == "ready"
+        return offer
+
+    nccl = NcclTransport(eng.engine, learner.send_ready, timeout_s=20.0)
+    eng.run(link_up(nccl), timeout=120)
+
+    # 1. Swap to the new weights and back, under load, by effect.
+    for which, want in (("new", fresh_probe), ("base", eng.base_probe)):
+        v = eng.next_version()
+        ref, transfer = _publish(learner, weights, which, v, "nccl")
+        assert plan_route("nccl", transfer, PID, ["x"], nccl.joined) == ("nccl", "")
+        report = eng.run(_swap_under_load(eng, "nccl", ref, transfer, nccl), timeout=600)
+        assert report.ok and "fallback" not in report.timings, report.error
+        assert eng.run(probe(eng.engine, eng.tracker))[0] == want, f"nccl swap to {which}"
+        print(f"\nnccl v{v}: idle {report.timings['idle_s']:.3f}s load "
+              f"{report.timings['load_s']:.3f}s")
+
+    # 2. A version the learner no longer holds: refused, loaded from the file, link kept.
+    v = eng.next_version()
+    old_ref = write_snapshot(weights["new"], v, weights["dir"])
+    _ref, transfer = _publish(learner, weights, "base", v + 100, "nccl")  # holds v+100 only
+    learner.pub.publish(v + 101, {k: t.to("cuda:1") for k, t in weights["base"].items()}, False)
+    report = eng.run(_swap_under_load(eng, "nccl", old_ref, transfer, nccl), timeout=600)
+    assert report.ok and report.timings.get("fallback") == 1.0, report.error
+    assert "no longer holds" in report.error and nccl.link is not None
+    assert eng.run(probe(eng.engine, eng.tracker))[0] == fresh_probe
+
+    # 3. A learner that never answers: the receive times out inside the pause, the link is
+    #    aborted, the version comes from the file; a new link then works again.
+    learner.answer = False
+    nccl.timeout_s = 3.0
+    v = eng.next_version()
+    ref, transfer = _publish(learner, weights, "base", v, "nccl")
+    report = eng.run(_swap_under_load(eng, "nccl", ref, transfer, nccl), timeout=600)
+    assert report.ok and report.timings.get("fallback") == 1.0, report.error
+    assert nccl.link is None, "the timed-out link was not dropped"
+    assert eng.run(probe(eng.engine, eng.tracker))[0] == eng.base_probe
+    learner.answer, nccl.timeout_s = True, 20.0
+    learner.pub.forget(PID)  # like a learner that saw the failure: a new epoch
+    eng.run(link_up(nccl), timeout=120)
+    v = eng.next_version()
+    ref, transfer = _publish(learner, weights, "new", v, "nccl")
+    report = eng.run(_swap_under_load(eng, "nccl", ref, transfer, nccl), timeout=600)
+    assert report.ok and "fallback" not in report.timings, report.error
+    assert eng.run(probe(eng.engine, eng.tracker))[0] == fresh_probe
+    learner.pub.close()
