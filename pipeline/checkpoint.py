@@ -4,6 +4,11 @@ Layout: ``run_dir/checkpoints/step_<N>/`` plus a ``LATEST`` file naming the newe
 checkpoint is written into a temporary directory, fsynced, renamed, and only then is ``LATEST``
 replaced (also by rename), so a crash or a full disk mid-save leaves the previous checkpoint
 intact and named by ``LATEST``. Only our own files are ever loaded (``weights_only=True``).
+
+Under DeepSpeed a ``shards`` callback lets every learner rank write its partitions (optimiser
+state, ZeRO-3 parameters) into the same temporary directory (``step_<N>/deepspeed/``, DeepSpeed's
+own format, read back only by DeepSpeed on resume) before it is fsynced and renamed: a checkpoint
+is all ranks' files or none.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,8 +50,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(top: Path) -> None:
+    for dirpath, _dirs, files in os.walk(top):
+        for name in files:
+            with open(Path(dirpath) / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(dirpath))
+
+
 def save_checkpoint(run_dir: Path, state: LearnerState, tensors: dict[str, Any],
-                    buffer_bytes: bytes, keep: int = 2) -> Path:
+                    buffer_bytes: bytes, keep: int = 2,
+                    shards: Callable[[Path], None] | None = None) -> Path:
+    """Write a checkpoint atomically; ``shards(tmp_dir)``, if given, adds other ranks' files
+    (a collective under DeepSpeed: ``PolicyTrainer.save_shards``) before the rename."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step}"
@@ -56,9 +73,9 @@ def save_checkpoint(run_dir: Path, state: LearnerState, tensors: dict[str, Any],
         torch.save(tensors, tmp / "trainer.pt")
         (tmp / "buffer.msgpack").write_bytes(buffer_bytes)
         (tmp / "state.json").write_text(json.dumps(asdict(state)))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        if shards is not None:
+            shards(tmp)
+        _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -71,6 +88,9 @@ def save_checkpoint(run_dir: Path, state: LearnerState, tensors: dict[str, Any],
         prev = latest_checkpoint(run_dir)
         raise CheckpointError(f"checkpoint at step {state.step} failed ({e}); the previous "
                               f"checkpoint {prev or '(none)'} is intact") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     names = sorted((p for p in root.glob("step_*") if p.is_dir()),
                    key=lambda p: int(p.name.split("_")[1]))
     for old in names[:-keep]:

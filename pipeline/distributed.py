@@ -74,6 +74,14 @@ def sum_dicts(d: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def barrier() -> None:
+    """Every rank has reached this point (no-op with one process)."""
+    if is_distributed():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
 def all_true(flag: bool, device: Any = "cpu") -> bool:
     """True only if ``flag`` is true on every rank (the non-finite guard must agree)."""
     if not is_distributed():

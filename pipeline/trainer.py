@@ -9,15 +9,26 @@ Model and optimiser go through an ``accelerate.Accelerator``: one process by def
 ``accelerate launch`` (DDP, DeepSpeed ZeRO) rank 0 drives and the other ranks ``follow()``: every
 public method that runs a collective first broadcasts its command (``pipeline.distributed``), and
 each rank trains on its slice of the batch's completions with a batch-global token normaliser.
+
+Under DeepSpeed the engine owns the update: micro-batches mark the accumulation boundary
+themselves (the config's gradient_accumulation_steps is forced to 1), every rank runs the same
+number of micro-batches (ZeRO-2/3 communicate in each backward, ZeRO-3 in each forward), the
+engine's ``step()`` clips with ``train.grad_clip`` and skips a step whose gradient norm is not
+finite. Snapshots gather ZeRO-3 partitions onto rank 0; checkpoints hold every rank's optimiser
+(and ZeRO-3 parameter) partition through DeepSpeed's checkpoint API (``save_shards``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,8 +36,13 @@ import torch
 
 from buffer.schema import RolloutGroup
 from pipeline import distributed as D
+from pipeline.checkpoint import CheckpointError
 from pipeline.config import RunConfig
 from pipeline.loss import group_advantages, grpo_loss
+
+log = logging.getLogger(__name__)
+DEEPSPEED_DIR = "deepspeed"  # inside a checkpoint dir: DeepSpeed's files, every rank's partitions
+DEEPSPEED_TAG = "zero"
 
 
 @dataclass
@@ -140,24 +156,42 @@ def merge_lora(state: dict[str, torch.Tensor], modules: dict[str, float]
     return out
 
 
+def make_accelerator(cuda: bool) -> Any:
+    """One process on CPU/GPU by default; under `accelerate launch` the launcher's env (and its
+    --config_file: DDP, DeepSpeed ZeRO-2/3, offload) decides."""
+    from accelerate import Accelerator
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not cuda:
+        # DeepSpeed on CPU (DS_ACCELERATOR=cpu; tests): accelerate ignores DeepSpeed with
+        # cpu=True and names a backend only for accelerators, so name gloo.
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return Accelerator(cpu=False, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    return Accelerator(cpu=not cuda)
+
+
 class PolicyTrainer:
     def __init__(self, cfg: RunConfig, model_path: str, device: str | None = None):
-        from accelerate import Accelerator
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
         t = cfg.train
         torch.manual_seed(t.seed)
         cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
-        # One process on CPU/GPU by default; under `accelerate launch` the launcher's env (and
-        # its --config_file: DDP, DeepSpeed ZeRO-2/3, offload) decides.
-        self.accelerator = Accelerator(cpu=not cuda)
+        self.accelerator = make_accelerator(cuda)
         self.device = self.accelerator.device
         self.world = D.world_size() if D.is_distributed() else 1
         self.rank = D.rank() if self.world > 1 else 0
+        # DeepSpeed's plugin (None without DeepSpeed); its config is adjusted before any model
+        # is built: ZeRO-3's zero3_init_flag makes from_pretrained load partitions only.
+        self.deepspeed = self.accelerator.state.deepspeed_plugin
+        self.zero_stage = 0
+        if self.deepspeed is not None:
+            self.zero_stage = self._configure_deepspeed(self.deepspeed.deepspeed_config)
         self._lock = threading.Lock()  # a command and its collectives are never interleaved
         self._released = False
-        # fp32 master weights; bf16 autocast on GPUs (CPU autocast is slower than fp32 here).
+        # fp32 master weights; bf16 autocast on GPUs (CPU autocast is slower than fp32 here);
+        # DeepSpeed with bf16 keeps bf16 weights and fp32 masters in the optimiser partitions.
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         if t.freeze_layers:
             self._freeze(model, t.freeze_layers)
@@ -181,13 +215,56 @@ class PolicyTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.policy, self.optimizer = self.accelerator.prepare(_Policy(self.model), optimizer)
-        self.ref_model = None
-        if t.loss.kl_coef > 0:
-            self.ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            self.ref_model.to(self.device).eval().requires_grad_(False)
+        self.ref_model = self._reference(model_path) if t.loss.kl_coef > 0 else None
         self.snapshot_dtype = getattr(torch, cfg.model.dtype)
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         self._skip = {"lm_head.weight"} if tied else set()
+
+    def _configure_deepspeed(self, c: dict[str, Any]) -> int:
+        """Our micro-batching, clipping and gathering in the DeepSpeed config; returns the stage.
+
+        The batch's micro-batches are ours (one accumulation boundary per batch), so DeepSpeed
+        accumulates over exactly one "step"; ``train.grad_clip`` is the one clipping knob;
+        ZeRO-3 must gather full weights for snapshots; CPU offload runs the client AdamW on the
+        CPU partitions (DeepSpeedCPUAdam would need a compiled op).
+        """
+        t = self.cfg.train
+        for key, ours in (("gradient_accumulation_steps", 1), ("gradient_clipping", t.grad_clip)):
+            theirs = c.get(key, "auto")
+            if theirs not in ("auto", ours):
+                log.warning("DeepSpeed config %s=%s replaced by %s (set by train.micro_batch / "
+                            "train.grad_clip)", key, theirs, ours)
+        c.update({"train_micro_batch_size_per_gpu": t.micro_batch,
+                  "gradient_accumulation_steps": 1,
+                  "train_batch_size": t.micro_batch * self.world,
+                  "gradient_clipping": t.grad_clip})
+        zo = c.setdefault("zero_optimization", {})
+        stage = int(zo.get("stage", 0))
+        if stage == 3:
+            zo["stage3_gather_16bit_weights_on_model_save"] = True
+        if (zo.get("offload_optimizer") or {}).get("device", "none") not in ("none", None):
+            c.setdefault("zero_force_ds_cpu_optimizer", False)
+        return stage
+
+    def _reference(self, model_path: str) -> Any:
+        """The frozen reference for the KL term, behind the same token-logprob forward."""
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        ref = _Policy(ref).eval().requires_grad_(False)
+        if self.zero_stage != 3:
+            return ref.to(self.device)
+        # ZeRO-3: the reference is as large as the policy, so it is partitioned like it (loaded
+        # partitioned under zero3_init_flag): an inference engine, no optimiser. Its forward
+        # gathers layer by layer, a collective that every rank runs (same micro-batch count).
+        import deepspeed
+
+        conf = copy.deepcopy(self.deepspeed.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            conf.pop(key, None)
+        engine, *_ = deepspeed.initialize(model=ref, config=conf)
+        engine.eval()
+        return engine
 
     @staticmethod
     def _freeze(model: Any, k: int) -> None:
@@ -220,7 +297,8 @@ class PolicyTrainer:
             if op == "stop":
                 return
             {"step": self._step, "grads": self._accumulate, "snapshot": self._snapshot,
-             "state": self._state, "load": self._load_state}[op](*args)
+             "state": self._state, "load": self._load_state, "save": self._save_shards,
+             }[op](*args)
 
     def release_followers(self) -> None:
         """Rank 0, at the end: let the other ranks return from ``follow()``."""
@@ -239,7 +317,10 @@ class PolicyTrainer:
 
     def accumulate_gradients(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """Forward/backward only: leaves the (rank-averaged) gradients of the batch loss in
-        ``.grad`` (for tests and debugging); returns the loss metrics."""
+        ``.grad`` (for tests and debugging); returns the loss metrics. Not under DeepSpeed,
+        whose gradients live in ZeRO partitions until its ``step()``."""
+        if self.deepspeed is not None:
+            raise NotImplementedError("accumulate_gradients under DeepSpeed")
         with self._lock:
             self._lead("grads", groups)
             return self._accumulate(groups)[1]
@@ -258,34 +339,44 @@ class PolicyTrainer:
         # A rank without rows still runs one zero-weighted backward: DDP/ZeRO reductions are
         # collectives that every rank must enter.
         chunks = [(mine[i: i + mb], 1.0) for i in range(0, len(mine), mb)] or [([0], 0.0)]
+        ds = self.deepspeed is not None
+        if ds:  # ZeRO-2/3 communicate in every backward (ZeRO-3 also in every forward)
+            most = -(-len(D.shard_rows(n, 0, self.world)) // mb)  # rank 0 has the most rows
+            chunks += [([0], 0.0)] * (most - len(chunks))
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, float] = {}
         finite = True
         for ci, (rows, keep) in enumerate(chunks):
             b = {k: v.to(self.device) for k, v in collate(pb, rows, self.pad_id).items()}
             last = ci == len(chunks) - 1
-            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(self.policy)
+            if ds:
+                self.policy.set_gradient_accumulation_boundary(last)
+            sync = contextlib.nullcontext() if last or ds else \
+                self.accelerator.no_sync(self.policy)
             with sync:
                 with self._autocast():
                     lp = self.policy(b["input_ids"], b["attention_mask"], b["mask"])
                     ref = None
                     if self.ref_model is not None:
                         with torch.no_grad():
-                            ref = token_logprobs(self.ref_model, b["input_ids"],
-                                                 b["attention_mask"], b["mask"])
+                            ref = self.ref_model(b["input_ids"], b["attention_mask"], b["mask"])
                 out = grpo_loss(lp, b["behaviour"], b["advantages"], b["mask"].float(), lc,
                                 ref_logprobs=ref,
                                 normalizer=normalizer if lc.agg == "token_mean" else None)
                 loss = out.loss if lc.agg == "token_mean" else out.loss * len(rows) / n
                 if not torch.isfinite(loss):
                     finite = False
-                    if self.world == 1:
+                    if self.world == 1 and not ds:
                         break
-                    # Ranks must stay in step: back-propagate anyway; the NaN reaches every
-                    # rank's gradient and all_true() below makes all of them skip the update.
+                    # Ranks must stay in step (and DeepSpeed must reach its boundary):
+                    # back-propagate anyway; the NaN reaches every rank's gradient and the
+                    # update is skipped on all of them (all_true() below; DeepSpeed's check).
                 # Gradient reduction averages over ranks; the loss is a sum over the global
                 # batch, so undo the 1/world.
-                self.accelerator.backward(loss * (keep * self.world))
+                if ds:  # not accelerator.backward: under DeepSpeed it steps at each call
+                    self.policy.backward(loss * (keep * self.world))
+                else:
+                    self.accelerator.backward(loss * (keep * self.world))
             if keep:
                 weight = b["mask"].sum().item() / normalizer
                 for k, v in out.metrics.items():
@@ -298,17 +389,27 @@ class PolicyTrainer:
         pb, acc, finite, total_tokens = self._accumulate(groups)
         n = len(pb.sequences)
         grad_norm = math.nan
-        if finite or self.world > 1:
-            clip = self.cfg.train.grad_clip
-            params = [p for p in self.policy.parameters() if p.requires_grad]
-            grad_norm = float(self.accelerator.clip_grad_norm_(
-                params, clip if clip > 0 else float("inf")))
-            finite = finite and math.isfinite(grad_norm)
-        finite = D.all_true(finite, self.device)
-        if finite:
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.deepspeed is not None:
+            finite = D.all_true(finite, self.device)
+            # Clips (train.grad_clip) and skips an update whose gradient norm is not finite.
+            self.policy.step()
+            norm = self.policy.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else math.nan
+            finite = finite and self.policy.was_step_applied()
+            if finite:
+                self.scheduler.step()
+        else:
+            if finite or self.world > 1:
+                clip = self.cfg.train.grad_clip
+                params = [p for p in self.policy.parameters() if p.requires_grad]
+                grad_norm = float(self.accelerator.clip_grad_norm_(
+                    params, clip if clip > 0 else float("inf")))
+                finite = finite and math.isfinite(grad_norm)
+            finite = D.all_true(finite, self.device)
+            if finite:
+                self.optimizer.step()
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         vers = np.concatenate([v for v in pb.versions if len(v)]) if total_tokens else \
             np.zeros(0)
         stale = [learner_version - g.policy_version for g in groups]
@@ -338,8 +439,11 @@ class PolicyTrainer:
 
     # -------------------------------------------------------------- weights
     def _model_state(self) -> dict[str, torch.Tensor]:
-        """The full (unwrapped, gathered under ZeRO-3) model state dict; a collective."""
-        sd = self.accelerator.get_state_dict(self.policy)
+        """The full (unwrapped) model state dict on rank 0, {} on the others. Under ZeRO-3 a
+        collective: each layer's partitions are gathered in turn and copied to rank 0's CPU."""
+        if self.rank != 0 and self.zero_stage != 3:
+            return {}
+        sd = self.accelerator.get_state_dict(self.policy) or {}
         return {k.removeprefix("model."): v for k, v in sd.items()}
 
     def snapshot_tensors(self) -> dict[str, torch.Tensor]:
@@ -369,18 +473,50 @@ class PolicyTrainer:
             return self._state()
 
     def _state(self) -> dict[str, Any]:
-        # Under ZeRO the optimiser state is sharded: this saves rank 0's shard only (see README).
-        return {"model": self._model_state(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        common = {"scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        if self.deepspeed is not None:  # model and optimiser: every rank's, in save_shards()
+            return {"deepspeed_zero_stage": self.zero_stage, **common}
+        return {"model": self._model_state(), "optimizer": self.optimizer.state_dict(), **common}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def save_shards(self, directory: Path) -> None:
+        """Under DeepSpeed, every rank writes its partitions (optimiser state, and ZeRO-3
+        parameters) into ``directory``/deepspeed: a collective; returns once all are written.
+        Nothing to do otherwise (``state()`` holds everything)."""
+        if self.deepspeed is None:
+            return
         with self._lock:
-            self._lead("load", state)
-            self._load_state(state)
+            self._lead("save", str(directory))
+            self._save_shards(str(directory))
 
-    def _load_state(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def _save_shards(self, directory: str) -> None:
+        self.policy.save_checkpoint(str(Path(directory) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                                    client_state={}, save_latest=False)
+        D.barrier()  # every rank's files are complete before rank 0 renames the directory
+
+    def load_state(self, state: dict[str, Any], directory: Path | None = None) -> None:
+        """Restore ``state()``; under DeepSpeed every rank also reads its partitions from the
+        checkpoint ``directory``."""
+        with self._lock:
+            self._lead("load", state, None if directory is None else str(directory))
+            self._load_state(state, None if directory is None else str(directory))
+
+    def _load_state(self, state: dict[str, Any], directory: str | None = None) -> None:
+        written_by_ds = "deepspeed_zero_stage" in state
+        if written_by_ds != (self.deepspeed is not None):
+            raise CheckpointError(
+                f"checkpoint {directory} was written {'with' if written_by_ds else 'without'} "
+                f"DeepSpeed; resume it with the same train.accelerate_config")
+        if self.deepspeed is not None:
+            if directory is None:
+                raise CheckpointError("a DeepSpeed checkpoint needs its directory to load")
+            loaded, _ = self.policy.load_checkpoint(
+                str(Path(directory) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                load_optimizer_states=True, load_lr_scheduler_states=False)
+            if loaded is None:
+                raise CheckpointError(f"DeepSpeed could not load {directory}/{DEEPSPEED_DIR}")
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
 

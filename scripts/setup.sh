@@ -17,6 +17,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first, pinned, so that pip takes the local CPU wheel rather than a CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
   .venv/bin/python -m pip install -q -e ".[cpu,dev]"
+  # DeepSpeed for ZeRO learners (tests/e2e/test_deepspeed.py runs it on CPU, gloo): an sdist
+  # whose build imports torch, so no build isolation (it would fetch a CUDA torch); no op is
+  # precompiled (DS_BUILD_OPS=0); on CPU DeepSpeed JIT-builds its shm comm op with the system g++.
+  DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation deepspeed==0.19.8
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import transformers, vllm, zmq, msgpack" \
     || { echo "[setup] import check failed" >&2; exit 1; }
