@@ -79,8 +79,8 @@ def test_zero_two_gpus_snapshot_checkpoint_resume(config, stage, plain, model_05
     # bf16 ZeRO on 2 GPUs against fp32 on one: the same loss scale (a 1/world slip is 2x).
     a, b = fresh["metrics"][0], plain["metrics"][0]
     assert a["skipped_nonfinite"] == 0
-    assert a["loss/loss"] == pytest.approx(b["loss/loss"], rel=5e-2, abs=1e-3)
-    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-1)
+    assert a["loss/loss"] == pytest.approx(b["loss/loss"], rel=0.25, abs=1e-3)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=0.25)
 
     ckpt = tmp_path / "run" / "checkpoints" / "step_2" / "deepspeed" / "zero"
     names = sorted(p.name for p in ckpt.iterdir())
