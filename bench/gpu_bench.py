@@ -170,7 +170,8 @@ def run_trl(args: argparse.Namespace, name: str, model: str, out: Path) -> RunRe
     cmd = [sys.executable, "-m", "bench.trl_grpo", "--model", model, "--vllm-mode", vllm_mode,
            "--steps", str(args.steps), "--batch-groups", str(args.batch_groups),
            "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
-           "--ignore-eos", "--lr", str(args.lr), "--out", str(steps_json)]
+           "--ignore-eos", "--lr", str(args.lr), "--out", str(steps_json),
+           "--num-prompts", "4000", "--max-operand", "99"]  # bench.yaml's arithmetic:4000:99
     # colocate: trainer and vLLM on GPU 0; server: trainer on GPU 0, vLLM server on GPU 1.
     roles = {"generation": [0], "learner": [0]} if vllm_mode == "colocate" else (
         {"generation": [1], "learner": [0]})
