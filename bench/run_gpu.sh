@@ -5,7 +5,7 @@
 # PART: engine    - producer vs offline throughput, then swap timings per barrier mode (1 GPU)
 #       colocated - ours sync vs async1 vs TRL colocate, all on GPU 0 (1 GPU)
 #       split     - ours sync vs async1 (engine GPU 0, learner GPU 1) vs TRL server (2 GPUs)
-#       gpu-tests - the gpu-marked tests: ipc/nccl transports, DeepSpeed ZeRO-2/3 (2 GPUs)
+#       gpu-tests - gpu-marked tests: nccl transport, DeepSpeed ZeRO-2 (2 GPUs; ipc: 1 GPU)
 # Our runs use CUDA graphs (engine.enforce_eager=false), as TRL's vLLM does by default.
 # Logs and tables go to $OUT (the device tool's return folder) or runs/gpu.
 set -uo pipefail
@@ -32,13 +32,16 @@ case "${1:?part}" in
       --run-timeout 190 2>&1 | quiet
     ;;
   split)
-    timeout 590 python3 -m bench.gpu_bench --layout split "${common[@]}" --runs sync,async1 \
+    timeout "${PART_TIMEOUT:-590}" python3 -m bench.gpu_bench --layout split "${common[@]}" --runs sync,async1 \
       --trl server --gpu-mem 0.6 --set sync.transport=file --out "$out/split" \
-      --run-timeout 190 2>&1 | quiet
+      --run-timeout "${RUN_TIMEOUT:-190}" 2>&1 | quiet
     ;;
   gpu-tests)
-    timeout 580 python3 -m pytest -q -p no:cacheprovider -x -m gpu tests/e2e/test_gpu_transports.py \
-      tests/e2e/test_gpu_deepspeed.py -k "not offload" 2>&1 | tee "$out/gpu-tests.log" | quiet
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -x -m gpu \
+      tests/e2e/test_gpu_transports.py -k nccl 2>&1 | tee "$out/transports.log" | quiet
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -x -m gpu \
+      tests/e2e/test_gpu_deepspeed.py -k "zero_two_gpus and zero2" 2>&1 | tee "$out/deepspeed.log" \
+      | quiet
     ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
