@@ -45,7 +45,8 @@ def _sampling(args: argparse.Namespace, n: int, streaming: str | None) -> Any:
     if streaming:  # exactly the parameters of Producer._run_group (one request per completion)
         kind = RequestOutputKind.FINAL_ONLY if streaming == "final" else RequestOutputKind.DELTA
         return SamplingParams(n=1, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
-                              ignore_eos=True, logprobs=0, seed=None, output_kind=kind)
+                              ignore_eos=True, logprobs=0, seed=None, output_kind=kind,
+                              detokenize=False, flat_logprobs=True)
     return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
                           ignore_eos=True)
 

@@ -160,6 +160,11 @@ class Producer:
             self._generate_one(f"{group_id}-{j}", prompt_ids, SamplingParams(
                 n=1, max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
                 stop=list(g.stop) or None, ignore_eos=g.ignore_eos, logprobs=0,
+                # vLLM detokenizes every token (and every logprob) in Python on the engine's
+                # event loop; one decode per finished completion here costs a fraction of that.
+                # Stop strings need vLLM's incremental text, so they keep it on.
+                detokenize=bool(g.stop),
+                flat_logprobs=True,  # a few flat lists per request, not a dict per token
                 seed=None, output_kind=RequestOutputKind.FINAL_ONLY if self.final
                 else RequestOutputKind.DELTA))
             for j in range(g.group_size)))
@@ -243,6 +248,8 @@ class Producer:
         comp = Completion(token_ids=np.asarray(tokens, dtype=np.int32),
                           logprobs=np.asarray(logprobs, dtype=np.float32),
                           version_segments=segments, finish_reason=finish)
+        if not sp.detokenize:
+            return comp, self.tokenizer.decode(tokens, skip_special_tokens=True)
         return comp, "".join(text)
 
     # ------------------------------------------------------------------ control
@@ -377,6 +384,9 @@ def sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
     """Behaviour logprob of each sampled token from vLLM's per-position logprob dicts."""
     if lp is None:
         return [math.nan] * len(token_ids)
+    flat = getattr(lp, "start_indices", None) is not None  # vLLM's FlatLogprobs
+    if flat and len(lp.logprobs) == len(token_ids) and list(lp.token_ids) == list(token_ids):
+        return [float(x) for x in lp.logprobs]  # logprobs=0: one entry, the sampled token
     out = []
     for pos, tok in zip(lp, token_ids, strict=False):
         entry = pos.get(tok) if pos is not None else None
