@@ -169,6 +169,9 @@ class Announce:
     transfer: dict[str, Any] = field(default_factory=dict)
     """Transport payload as plain msgpack data (layout, IPC handle fields, NCCL link offers);
     only its types are checked here, ``sync.transfer`` validates the meaning."""
+    finished: bool = False
+    """The learner has trained its last step and is stopping: producers exit (a learner that
+    stops early, e.g. Ctrl-C or a crash, never sets it, so producers wait for its return)."""
 
 
 @dataclass
@@ -295,6 +298,8 @@ def _encode_body(msg: Message) -> tuple[str, dict[str, Any]]:
             body["routes"] = {str(k): str(v) for k, v in msg.routes.items()}
         if msg.transfer:
             body["transfer"] = _plain(msg.transfer, "announce.transfer")
+        if msg.finished:
+            body["finished"] = True
         return "announce", body
     if isinstance(msg, SyncReady):
         return "sync_ready", {
@@ -606,7 +611,7 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
                    "received", "consumed", "cursors", "durable",
                    "accepted")),
         "announce",
-        optional=frozenset(("routes", "transfer")),
+        optional=frozenset(("routes", "transfer", "finished")),
     )
     routes = _map(b.get("routes", {}), "announce.routes")
     _str_keys(routes, "announce.routes")
@@ -622,6 +627,7 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
         accepted=_int_map(b["accepted"], "announce.accepted"),
         routes={k: _str(v, f"announce.routes[{k!r}]") for k, v in routes.items()},
         transfer=_plain(_map(b.get("transfer", {}), "announce.transfer"), "announce.transfer"),
+        finished=_bool(b.get("finished", False), "announce.finished"),
     )
 
 

@@ -160,14 +160,16 @@ def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, res
     return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume), name="learner")
 
 
-def producer_entry(cfg_dict: dict, model_path: str, index: int) -> None:
+def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False
+                   ) -> None:
     _child_setup()
     cfg = load_config(overrides=_flatten(cfg_dict))
     os.environ.update(producer_gpu_env(cfg, index))  # before vLLM initialises CUDA
     from pipeline.producer import producer_main
 
     try:
-        asyncio.run(_run_with_sigterm(producer_main(cfg, index, model_path)))
+        asyncio.run(_run_with_sigterm(producer_main(cfg, index, model_path,
+                                                    stop_when_learner_done=standalone)))
     except (KeyboardInterrupt, asyncio.CancelledError):
         log.info("producer %d stopped", index)
 
@@ -217,8 +219,10 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         learner = _make_learner(ctx, cfg, cfg_dict, model_path, resume)
     indices = range(cfg.num_producers) if role == "all" else (
         [producer_index] if role == "producer" else [])
-    producers = {i: ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
-                                name=f"producer{i}") for i in indices}
+    # --role producer: its producer exits when the learner announces its last step.
+    producers = {i: ctx.Process(target=producer_entry, name=f"producer{i}",
+                                args=(cfg_dict, model_path, i, role == "producer"))
+                 for i in indices}
     procs = ([learner] if learner else []) + list(producers.values())
     # SIGTERM (e.g. from `timeout` or a job scheduler) stops the run like Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

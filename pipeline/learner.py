@@ -185,7 +185,7 @@ class Learner:
             else:
                 self._on_control(msg)
 
-    def announcement(self) -> Announce:
+    def announcement(self, finished: bool = False) -> Announce:
         held = self.buffer.held_by_producer()
         received = dict(self.state.received)
         consumed = {p: n - held.get(p, 0) for p, n in received.items()}
@@ -201,7 +201,8 @@ class Learner:
                         learner_session=self.session, received=received, consumed=consumed,
                         cursors=dict(self.state.cursors), durable=dict(self.durable),
                         accepted={k: st.accepted for k, st in self.ledger.streams.items()},
-                        routes=routes if transfer else {}, transfer=transfer)
+                        routes=routes if transfer else {}, transfer=transfer,
+                        finished=finished)
 
     async def _announce(self) -> None:
         assert self.endpoint is not None
@@ -369,7 +370,10 @@ class Learner:
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.checkpoint())
-            self.endpoint.close()
+            if finished:  # producers of other launchers (--role producer) exit on this
+                with contextlib.suppress(Exception):
+                    await self.endpoint.publish(self.announcement(finished=True))
+            self.endpoint.close()  # LINGER flushes that last announce
             self.metrics.close()
             if self.publisher is not None:
                 self.publisher.close()

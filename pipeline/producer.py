@@ -51,6 +51,10 @@ from sync.transfer import (
 log = logging.getLogger(__name__)
 
 
+class LearnerFinished(Exception):
+    """The learner announced its end (all steps trained): the producer's run is over."""
+
+
 @dataclass
 class ProducerStats:
     groups_started: int = 0
@@ -74,8 +78,12 @@ class ProducerStats:
 
 class Producer:
     def __init__(self, cfg: RunConfig, index: int, engine: Any, tokenizer: Any,
-                 endpoint: ProducerEndpoint, rewards: RewardSet, prompts: PromptSource):
+                 endpoint: ProducerEndpoint, rewards: RewardSet, prompts: PromptSource,
+                 stop_when_learner_done: bool = False):
         self.cfg, self.index = cfg, index
+        # --role producer: nobody else stops us. (Under --role all the launcher does, after
+        # the learner process has exited; exiting first would look like a producer crash.)
+        self.stop_when_learner_done = stop_when_learner_done
         self.producer_id = f"p{index}"
         self.engine, self.tokenizer, self.endpoint = engine, tokenizer, endpoint
         self.rewards, self.prompts = rewards, prompts
@@ -262,6 +270,9 @@ class Producer:
 
     async def _apply_announce(self, ann: Announce) -> None:
         self.outbox.forget_durable(ann.durable)
+        if ann.finished and self.stop_when_learner_done:
+            raise LearnerFinished(f"learner session {ann.learner_session} trained its last "
+                                  f"step (version {ann.version})")
         if ann.learner_session != self.learner_session:
             # New learner (first contact or a restart): resend what its checkpoint lacks, ours
             # and any a killed predecessor left in its log (the learner drops duplicates).
@@ -360,6 +371,8 @@ class Producer:
                 tg.create_task(self._heartbeat())
                 tg.create_task(self._admit())
                 tg.create_task(self._watch())
+        except* LearnerFinished as eg:
+            log.info("%s: %s; stopping", self.producer_id, eg.exceptions[0])
         finally:
             self.outbox.close()
             for t in list(self._group_tasks):
@@ -394,8 +407,8 @@ def sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
     return out
 
 
-async def producer_main(cfg: RunConfig, index: int, model_path: str, start_cursor: int = 0
-                        ) -> None:
+async def producer_main(cfg: RunConfig, index: int, model_path: str, start_cursor: int = 0,
+                        stop_when_learner_done: bool = False) -> None:
     """Entry point of a producer process (called under ``if __name__ == '__main__'``)."""
     from transformers import AutoTokenizer
 
@@ -408,7 +421,8 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     endpoint = ProducerEndpoint(cfg.bind_addr)
     engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index)
     try:
-        await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts).run()
+        await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,
+                       stop_when_learner_done).run()
     finally:
         endpoint.close()
         rewards.close()

@@ -94,6 +94,8 @@ def test_empty_completion_round_trips():
                      "handle": b"\x00\xff", "event_handle": None, "nbytes": 12,
                      "event_sync_required": True, "gpu_uuid": "GPU-1"},
                      "nccl": {"p0": {"epoch": 2, "unique_id": bytes(128)}}}),
+        Announce(version=6, snapshot_uri="", snapshot_checksum="", learner_session="s",
+                 received={}, consumed={}, finished=True),
         SyncReady(producer_id="p0", purpose="link", epoch=1),
         SyncReady(producer_id="p0", purpose="weights", epoch=1, version=6),
     ],

@@ -1,0 +1,98 @@
+"""Multi-host roles as separate launchers: `pipeline-train --role learner` bound on TCP, and two
+`pipeline-train --role producer --connect HOST:PORT --producer-index k` (real vLLM CPU engines),
+each with its own run_dir as on its own node; snapshots go through a shared --sync.snapshot_dir.
+
+(The bind-address check for --role learner is covered without engines in
+tests/unit/pipeline/test_cli.py; CURVE keys exist only in the buffer.transport API, tested in
+tests/unit/buffer/test_buffer_transport.py, not in the launcher's config.)
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+from conftest import assert_no_process_left
+from test_faults import Launcher, _assert_gone, _metrics
+
+from buffer.store import RolloutBuffer
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port_pair() -> int:
+    """A free TCP port P on 127.0.0.1 with P+1 free too (the learner's PUB socket)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no free pair of TCP ports on 127.0.0.1")
+
+
+def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monkeypatch):
+    tag = f"roles{time.time_ns()}"
+    monkeypatch.setenv("PIPELINE_TEST_RUN", tag)  # inherited by every launcher and its children
+    port = _free_port_pair()
+    steps = 3
+    common = ("--mode", "async", "--max-staleness", "2", "--steps", str(steps),
+              "--sync.snapshot_dir", str(tmp_path / "shared_snapshots"))
+    learner_dir = tmp_path / "learner"
+    learner = Launcher(tiny_model, learner_dir, *common, "--role", "learner",
+                       "--addr", f"tcp://127.0.0.1:{port}")
+    producers = [Launcher(tiny_model, tmp_path / f"producer{k}", *common, "--role", "producer",
+                          "--connect", f"127.0.0.1:{port}", "--producer-index", str(k))
+                 for k in range(2)]
+    everyone = [learner, *producers]
+    try:
+        assert learner.wait(480) == 0, learner.tail()
+        finished_at = time.monotonic()
+        # Producers learn from the learner's last announce that the run is over, and exit 0.
+        for k, p in enumerate(producers):
+            left = max(1.0, 90 - (time.monotonic() - finished_at))
+            assert p.wait(left) == 0, f"producer {k}:\n{p.tail()}"
+        exit_s = time.monotonic() - finished_at
+    finally:
+        for la in everyone:
+            la.stop()
+    print(f"producers exited {exit_s:.1f}s after the learner")
+
+    rows = _metrics(learner_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert max(r["staleness_max"] for r in rows) <= 2
+    assert rows[-1]["dropped_stale"] == 0  # 3 steps reach version 2: nothing can be too old
+    assert max(r["producers_alive"] for r in rows) == 2  # both producers' heartbeats arrived
+    assert (learner_dir / "reward.png").is_file()  # the learner's end-of-run summary
+
+    # Trained groups per producer = received - still held in the final checkpoint's buffer.
+    ckpt = learner_dir / "checkpoints" / f"step_{steps}"
+    state = json.loads((ckpt / "state.json").read_text())
+    held = RolloutBuffer.restore((ckpt / "buffer.msgpack").read_bytes(), 10_000, None
+                                 ).held_by_producer()
+    trained = {p: n - held.get(p, 0) for p, n in state["received"].items()}
+    assert sorted(trained) == ["p0", "p1"] and all(n >= 1 for n in trained.values()), trained
+    assert sum(trained.values()) == 2 * steps  # batch_groups x steps, all trained
+
+    for k, p in enumerate(producers):
+        log = "\n".join(p.lines)
+        assert "trained its last step" in log, log[-3000:]
+        # Each producer's own record of what it sent covers what the learner got from it.
+        sent = sum(len(f.read_text().splitlines())
+                   for f in (tmp_path / f"producer{k}" / "producers").glob("*.jsonl"))
+        assert sent >= state["received"][f"p{k}"], (k, sent, state["received"])
+        assert not (tmp_path / f"producer{k}" / "metrics.jsonl").exists()  # learner-only output
+
+    for la in everyone:
+        log = "\n".join(la.lines)
+        assert "Traceback" not in log, log[-3000:]
+        _assert_gone(la.descendants, "launcher children")
+    assert_no_process_left(tag)
