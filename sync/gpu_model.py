@@ -1,4 +1,4 @@
-"""Write a random-init Qwen2-0.5B- or 1.5B-shaped model (bf16) for GPU benchmarks, with no model hub.
+"""Write a random-init Qwen2-0.5B- or 1.5B-shaped model (bf16) for GPU benchmarks, no hub.
 
     python -m sync.gpu_model OUT_DIR [--size 0.5b|1.5b]
 
