@@ -29,7 +29,8 @@ STEPS = 3  # a checkpoint after step 2; step 3 runs uninterrupted (fresh) and af
 
 
 def batch(i: int) -> list:
-    """Fixed batch i: 3 groups of 4 completions of uneven lengths (uneven rank slices)."""
+    """Fixed batch i: 3 groups of 4 completions of uneven lengths (uneven rank slices), with
+    made-up behaviour logprobs (``own_logprobs`` replaces them)."""
     import numpy as np
 
     from buffer.schema import Completion, RolloutGroup
@@ -46,6 +47,29 @@ def batch(i: int) -> list:
                                    prompt_token_ids=rng.integers(32, 127, size=plen)
                                    .astype(np.int32), completions=comps))
     return groups
+
+
+def own_logprobs(batches: list[list], model_dir: str) -> None:
+    """Set the behaviour logprobs of ``batches`` to the model's own (fp32, CPU), in place.
+
+    Importance weights are then ~1 and a step's gradient is the full GRPO one. Made-up logprobs
+    (-0.1..-1.1) are far from a random model's (about -ln(vocab): -12 for Qwen2's), which gives
+    weights ~1e-5 and a gradient so small that precision noise decides its norm (bf16 policy
+    weights against the fp32 KL reference: 46x the fp32 norm on the GPU test's 0.5B model)."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for g in (g for groups in batches for g in groups):
+            p = len(g.prompt_token_ids)
+            for c in g.completions:
+                ids = torch.from_numpy(np.concatenate([g.prompt_token_ids, c.token_ids])
+                                       .astype(np.int64))[None]
+                # Token p + k is predicted by the logits at p + k - 1.
+                logp = torch.log_softmax(model(ids).logits[0, p - 1:-1].float(), dim=-1)
+                c.logprobs = logp.gather(-1, ids[0, p:, None])[:, 0].numpy()
 
 
 def optimizer_state(tr) -> dict:
@@ -78,6 +102,10 @@ def _run(phase: str, out: Path, model_dir: str) -> None:
     from pipeline.trainer import PolicyTrainer
 
     dtype = os.environ.get("PIPELINE_TEST_DTYPE", "float32")  # bfloat16 on GPUs (the yaml's bf16)
+    batches: dict[int, list] = {}
+    if D.is_main():  # before the trainer: after it, ZeRO-3 makes from_pretrained a collective
+        batches = {step: batch(step) for step in range(1, STEPS + 1)}
+        own_logprobs(list(batches.values()), model_dir)
     cfg = load_config(overrides={
         "model.path": model_dir, "data.path": "arithmetic:10", "model.dtype": dtype,
         "train.micro_batch": 2, "generation.group_size": 4, "train.lr": 1e-3,
@@ -93,7 +121,7 @@ def _run(phase: str, out: Path, model_dir: str) -> None:
             tr.load_state(tensors, path)
             first = st.step + 1
         for step in range(first, STEPS + 1):
-            res["metrics"].append(tr.step(batch(step), step - 1))
+            res["metrics"].append(tr.step(batches[step], step - 1))
             if phase == "fresh" and step == 2:
                 save_checkpoint(out / "run", LearnerState(step=2, version=2), tr.state(), b"",
                                 shards=tr.save_shards)
@@ -148,7 +176,9 @@ def test_zero_two_ranks_checkpoint_restores_every_rank(config, stage, plain, tin
     assert (fresh["world"], fresh["zero_stage"]) == (2, stage)
     check_full_snapshot(fresh, tiny_model)
 
-    # 2 ZeRO ranks train like one plain process (loss scaling, uneven slices, KL reference).
+    # 2 ZeRO ranks train like one plain process (loss scaling, uneven slices, KL reference),
+    # on a full-size gradient (behaviour logprobs are the model's: importance weights ~1).
+    assert plain["metrics"][0]["loss/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
     for a, b in zip(fresh["metrics"], plain["metrics"], strict=True):
         assert a["skipped_nonfinite"] == 0
         assert a["loss/loss"] == pytest.approx(b["loss/loss"], rel=1e-4, abs=1e-6)
