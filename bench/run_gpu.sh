@@ -11,9 +11,10 @@
 set -uo pipefail
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null && [ ! -f /tmp/site/.whl-ok ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-    && touch /tmp/site/.whl-ok
+if compgen -G ".whl/*.whl" >/dev/null; then  # once per machine and per set of wheels
+  stamp=/tmp/site/.whl-$(ls .whl | md5sum | cut -c1-8)
+  [ -f "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+    --target /tmp/site .whl/*.whl && touch "$stamp"; }
 fi
 [ -f /tmp/q05/config.json ] || python3 -m sync.gpu_model /tmp/q05
 quiet() { grep -v -E "^(INFO|DEBUG)|it/s\]|Loading safetensors|EngineCore" ; }
@@ -39,7 +40,7 @@ case "${1:?part}" in
   gpu-tests)
     timeout 200 python3 -m pytest -q -p no:cacheprovider -x -m gpu \
       tests/e2e/test_gpu_transports.py -k nccl 2>&1 | tee "$out/transports.log" | quiet
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -x -m gpu \
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -x -m gpu \
       tests/e2e/test_gpu_deepspeed.py -k "zero_two_gpus and zero2" 2>&1 | tee "$out/deepspeed.log" \
       | quiet
     ;;
