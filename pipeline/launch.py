@@ -31,6 +31,7 @@ from pipeline.config import (
     producer_gpu_env,
     to_dict,
 )
+from pipeline.shm import list_segments, reclaim_orphans
 
 log = logging.getLogger("pipeline")
 
@@ -192,6 +193,17 @@ def _stop(proc: mp.Process, sig: int) -> None:
             kill(proc.pid, sig)
 
 
+def _wait_group_gone(pgid: int | None, timeout: float = 10.0) -> None:
+    """Wait until no process of group ``pgid`` (a child and what it started) is left."""
+    deadline = time.monotonic() + timeout
+    while pgid is not None and time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
+
+
 def _reap(procs: list[mp.Process], grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     for p in procs:
@@ -205,6 +217,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         max_producer_restarts: int = 0, max_learner_restarts: int = 0) -> int:
     """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
     model_path = prepare(cfg, role)
+    shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
@@ -266,6 +279,9 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     log.warning("producer %d died (exit %s); restarting (%d/%d)", i, p.exitcode,
                                 restarts, max_producer_restarts)
                     _stop(p, signal.SIGKILL)
+                    p.join(5)
+                    _wait_group_gone(p.pid)  # its engine core may still hold the segments
+                    reclaim_orphans(shm_before)
                     new = ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
                                       name=f"producer{i}")
                     new.start()
@@ -286,4 +302,5 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         for p in producers.values():
             _stop(p, signal.SIGTERM)
         _reap(procs, grace_s=20.0)
+        reclaim_orphans(shm_before)
     return code

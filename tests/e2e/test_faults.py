@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline.shm import list_segments, segments_in_use
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,6 +130,7 @@ def test_producer_killed_is_restarted_and_run_completes(tiny_model, tmp_path):
     producer; the run must still finish every step."""
     run_dir = tmp_path / "kill_producer"
     steps = 4
+    shm_before = list_segments()
     la = Launcher(tiny_model, run_dir, "--mode", "sync", "--steps", str(steps),
                   "--max-producer-restarts", "1")
     try:
@@ -138,11 +141,14 @@ def test_producer_killed_is_restarted_and_run_completes(tiny_model, tmp_path):
         victim = first["p1"]
         assert psutil.Process(victim).ppid() == la.proc.pid  # a launcher child
         victim_group = [c.pid for c in psutil.Process(victim).children(recursive=True)]
-        os.kill(victim, signal.SIGKILL)
+        os.killpg(victim, signal.SIGKILL)  # the producer and its engine core, as an OOM kill
         killed_at = la.steps_done()
         assert killed_at < steps, "run finished before the producer was killed"
         la.wait_for(lambda: [c for c in la.connects() if c[0] == "p1" and c[1] != victim],
                     240, "the restarted producer p1 to reconnect")
+        # The killed engine's shared memory (nobody unlinks it after SIGKILL; Python's resource
+        # tracker would only at the launcher's exit) was reclaimed before the restart.
+        assert (list_segments() - shm_before) - segments_in_use() == set()
         code = la.wait(300)
         assert code == 0, la.tail()
     finally:
@@ -165,6 +171,7 @@ def test_producer_killed_is_restarted_and_run_completes(tiny_model, tmp_path):
     assert state["received"].get("p1", 0) >= 1
     _assert_gone(victim_group)  # the killed producer's engine core was reaped too
     _assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
+    assert (list_segments() - shm_before) - segments_in_use() == set()
 
 
 def test_learner_killed_stops_everything_then_resume_continues(tiny_model, tmp_path):
