@@ -70,6 +70,24 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     return model_path
 
 
+def set_aside_previous_run(run_dir: Path) -> Path | None:
+    """A fresh run (no --resume) in a run_dir that holds an earlier run's metrics or
+    checkpoints renames that run_dir to ``<run_dir>.prev-<time>`` first: appending to its
+    metrics would mix two runs in one curve, and ``--resume`` would later pick its checkpoints.
+    Nothing is deleted."""
+    if not ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        return None
+    dest = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while dest.exists():
+        dest = dest.with_name(f"{dest.name.split('~')[0]}~{n}")
+        n += 1
+    run_dir.rename(dest)
+    log.warning("%s held an earlier run; moved it to %s (use --resume to continue a run)",
+                run_dir, dest)
+    return dest
+
+
 def _die_with_parent() -> None:
     """Linux: get SIGTERM if the launcher dies (even by kill -9), so no child is orphaned."""
     try:
@@ -219,6 +237,8 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     model_path = prepare(cfg, role)
     shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
     run_dir = Path(cfg.run_dir)
+    if not resume and role in ("all", "learner"):
+        set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         # A fresh run must not resend the outbox of an earlier run in the same run_dir.

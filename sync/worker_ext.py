@@ -17,7 +17,10 @@ re-applied before the error is returned.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from safetensors.torch import load_file
@@ -31,6 +34,25 @@ from sync.snapshot import (
     model_manifest,
     read_snapshot,
 )
+
+# vLLM's in-place reload warns, per layer and per swap, about every layer a snapshot leaves out;
+# partial snapshots (freeze_layers, LoRA) leave them out on purpose (those layers keep their
+# weights), and the demo printed ~4,800 such lines. Names and shapes were checked already.
+_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
+                   "vllm.model_executor.model_loader.reload.inplace")
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _RELOAD_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 class WeightSyncExtension:
@@ -47,8 +69,9 @@ class WeightSyncExtension:
             # The CPU backend repacks linear weights for oneDNN and frees the originals, so a
             # plain load_weights would hit empty parameters; vLLM's in-place reload restores
             # the checkpoint layout, loads, and repacks.
-            runner.reload_weights(weights_iterator=iter(tensors.items()),
-                                  is_checkpoint_format=True)
+            with _quiet_partial_reload():
+                runner.reload_weights(weights_iterator=iter(tensors.items()),
+                                      is_checkpoint_format=True)
         else:
             runner.model.load_weights(weights=list(tensors.items()))
 
