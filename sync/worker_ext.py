@@ -196,8 +196,9 @@ class WeightSyncExtension:
     def sync_stage_snapshot(self, version: int, uri: str, checksum: str) -> dict[str, Any]:
         """Read and verify snapshot ``version`` while the engine keeps serving.
 
-        Reading and hashing dominate a swap (2.7 of 3.1 s for a 0.5B model on an H100), and
-        none of it needs the engine paused; only ``sync_apply_staged`` runs inside the pause.
+        Reading and hashing need no pause (0.06 s for a 0.5B model on an H100 with blake3 over
+        a mapping; 2.7 s with blake2b over a bytes copy); only ``sync_apply_staged`` runs inside
+        the pause.
         """
         t0 = time.perf_counter()
         ref = SnapshotRef(version=version, uri=uri, checksum=checksum)
