@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import shutil
 from functools import partial
 
 import pytest
 import torch
 from conftest import assert_no_children
-from safetensors.torch import save_file
-from test_sync_swap import VOCAB, EngineLoop, probe
+from test_sync_swap import VOCAB, EngineLoop, hf_dir_with, probe
 
 from buffer.schema import SyncReady, decode, encode
 from sync.barrier import RequestTracker, SwapBarrier
@@ -53,11 +51,7 @@ def weights(tiny_model, tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu-transports")
     base = model_tensors(tiny_model)
     new = perturbed(base, scale=0.5, seed=1)
-    hf_new = d / "hf-perturbed"
-    shutil.copytree(tiny_model, hf_new)
-    for f in hf_new.glob("*.safetensors"):
-        f.unlink()
-    save_file(new, str(hf_new / "model.safetensors"), metadata={"format": "pt"})
+    hf_new = hf_dir_with(tiny_model, new, d / "hf-perturbed")
     return {"base": base, "new": new, "dir": d, "hf_new": hf_new}
 
 

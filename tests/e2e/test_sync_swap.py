@@ -70,17 +70,23 @@ class EngineLoop:
             self.loop.close()
 
 
+def hf_dir_with(model_dir: Path, tensors: dict, dest: Path) -> Path:
+    """A copy of the HF model dir ``model_dir`` whose weights are ``tensors`` (for a fresh
+    engine that checks a swap by effect)."""
+    shutil.copytree(model_dir, dest)
+    for f in dest.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
 @pytest.fixture(scope="module")
 def snaps(tiny_model, tmp_path_factory):
     """Snapshots of the base weights and of a perturbed copy, plus a HF dir of the copy."""
     d = tmp_path_factory.mktemp("snapshots")
     base = model_tensors(tiny_model)
     new = perturbed(base, scale=0.5, seed=1)
-    hf_new = d / "hf-perturbed"
-    shutil.copytree(tiny_model, hf_new)
-    for f in hf_new.glob("*.safetensors"):
-        f.unlink()
-    save_file(new, str(hf_new / "model.safetensors"), metadata={"format": "pt"})
+    hf_new = hf_dir_with(tiny_model, new, d / "hf-perturbed")
     wrong = dict(base)
     name = "lm_head.weight"
     wrong[name] = base[name][:, :-1].contiguous()
