@@ -57,6 +57,7 @@ class RunResult:
     step_s_median: float | None = None
     sync_s_mean: float | None = None
     swap_idle_s_mean: float | None = None
+    transport_fallbacks: int = 0  # GPU weight swaps that fell back to the file (ours)
     staleness: dict = field(default_factory=dict)
     gpu_busy: dict = field(default_factory=dict)
     reward_curve: list = field(default_factory=list)  # [(seconds since first step, reward)]
@@ -121,6 +122,7 @@ def summarize(name: str, metrics: list[dict], wall_s: float, warmup: int,
     res.sync_s_mean = round(statistics.fmean(syncs), 3) if syncs else None
     idles = [m["swap_idle_s"] for m in window if "swap_idle_s" in m]
     res.swap_idle_s_mean = round(statistics.fmean(idles), 3) if idles else None
+    res.transport_fallbacks = int(max(m.get("transport_fallbacks", 0) for m in metrics))
     hist: dict[str, float] = {}
     for m in window:
         for k, v in m.items():
@@ -237,7 +239,7 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
             f"{fmt(r.gpu_busy.get('learner'))} | {fmt(r.sync_s_mean)} | "
             f"{fmt(r.swap_idle_s_mean)} | "
             f"{', '.join(f'{k}: {int(v)}' for k, v in r.staleness.items()) or 'n/a'} | "
-            f"{'' if r.ok else 'FAILED '}{r.note} |")
+            f"{'' if r.ok else 'FAILED '}{r.note}{_fallback_note(r)} |")
     lines += ["", "Ratios (trained samples/s): " + ", ".join(
         f"{a}/{b} = {ratio(a, b)}" for a, b in
         [("async1", "sync"), ("async2", "sync"), ("async1", "trl-colocate"),
@@ -250,6 +252,10 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
          "results": [asdict(r) for r in results]}, indent=1))
     _plot(out / "results.png", results)
     return text
+
+
+def _fallback_note(r: RunResult) -> str:
+    return f" {r.transport_fallbacks} swaps fell back to file" if r.transport_fallbacks else ""
 
 
 def _plot(path: Path, results: list[RunResult]) -> None:

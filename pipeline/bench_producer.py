@@ -128,30 +128,41 @@ def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
 
 
 async def _async_ablations(args, engine: Any, prompts: list[list[int]]) -> None:
-    """Ablations on the producer's engine, to split the gap to offline into its causes:
-    (a) the offline request shape (n=G, FINAL_ONLY, no logprobs) through AsyncLLM;
-    (b) the producer's request shape (G requests of n=1, DELTA) without logprobs or tagging."""
+    """Ablations on the producer's engine, to split the gap to offline into its causes. Each
+    times the same completions through AsyncLLM with one thing changed towards the producer:
+    (a) the offline request shape (n=G, FINAL_ONLY, no logprobs, detokenised);
+    (b) G requests of n=1 with DELTA streaming (the producer's old shape);
+    (c) G requests of n=1, FINAL_ONLY, no detokenisation, no logprobs;
+    (d) as (c) with flat sampled-token logprobs (the producer's request, minus our Python);
+    (e) n=G, FINAL_ONLY, no detokenisation, flat logprobs (one request per group)."""
+    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    final = _sampling(args, args.group_size, False)
-    final.output_kind = RequestOutputKind.FINAL_ONLY  # what LLM.generate sets
-    delta = _sampling(args, 1, False)
-    delta.output_kind = RequestOutputKind.DELTA
+    def sp(n: int, kind: Any, logprobs: bool, detok: bool) -> Any:
+        return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
+                              ignore_eos=True, output_kind=kind, detokenize=detok,
+                              logprobs=0 if logprobs else None, flat_logprobs=logprobs)
 
-    async def one(rid: str, p: list[int], sp: Any) -> int:
+    final, delta, g = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA, args.group_size
+    cases = [("(a) n=G   FINAL_ONLY detok, no logprobs", sp(g, final, False, True), g),
+             ("(b) G x n=1 DELTA detok, no logprobs   ", sp(1, delta, False, True), 1),
+             ("(c) G x n=1 FINAL_ONLY, no logprobs    ", sp(1, final, False, False), 1),
+             ("(d) G x n=1 FINAL_ONLY, flat logprobs  ", sp(1, final, True, False), 1),
+             ("(e) n=G   FINAL_ONLY, flat logprobs    ", sp(g, final, True, False), g)]
+
+    async def one(rid: str, p: list[int], s: Any) -> int:
         n = 0
-        async for out in engine.generate({"prompt_token_ids": p}, sp, rid):
-            n += sum(len(c.token_ids) for c in out.outputs) if sp is delta or out.finished else 0
+        async for out in engine.generate({"prompt_token_ids": p}, s, rid):
+            if s.output_kind == delta or out.finished:
+                n += sum(len(c.token_ids) for c in out.outputs)
         return n
 
-    await one("warm", prompts[0], final)
-    for label, sp, reqs in (
-            ("(a) AsyncLLM n=G FINAL_ONLY, no logprobs", final,
-             [(f"a{i}", p) for i, p in enumerate(prompts)]),
-            ("(b) AsyncLLM G x n=1 DELTA, no logprobs ", delta,
-             [(f"b{i}-{j}", p) for i, p in enumerate(prompts) for j in range(args.group_size)])):
+    for label, s, n in cases:
+        await one(f"warm{label[1]}", prompts[0], s)  # untimed: first use of logprobs compiles
+        reqs = [(f"{label[1]}{i}-{j}", p) for i, p in enumerate(prompts)
+                for j in range(args.group_size // n)]
         t0 = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(rid, p, sp) for rid, p in reqs)))
+        tokens = sum(await asyncio.gather(*(one(rid, p, s) for rid, p in reqs)))
         dt = time.perf_counter() - t0
         print(f"[bench_producer] ablation {label}: {tokens} tokens in {dt:.2f} s = "
               f"{tokens / dt:.0f} tok/s", flush=True)
@@ -171,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="final,delta",
                    help="producer streaming modes to time (generation.stream), comma-separated")
     p.add_argument("--ablation", action="store_true",
-                   help="also time, on the producer's engine, (a) the offline request shape and "
-                        "(b) the producer's request shape without logprobs")
+                   help="also time, on the producer's engine, AsyncLLM request shapes between the "
+                        "offline one and the producer's (see _async_ablations)")
     args = p.parse_args(argv)
 
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

@@ -8,19 +8,25 @@ Each swap runs under load (requests in flight, none may be lost or cut short), t
 tokens for a fixed prompt must equal a fresh engine's on the new weights, and swapping back must
 restore the original tokens. Failure paths: a learner that never answers (the receive times out,
 the link is aborted, the version loads from the file) and a version the learner no longer holds
-(refused, file, link kept).
+(refused, file, link kept). Then the product: `pipeline-train` in the split layout (producer on
+GPU 0, learner on GPU 1) with ``sync.transport=auto`` picks ``nccl`` and trains without a fallback.
 SyncReady messages go through the real msgpack schema (encode/decode), as on the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import random
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_no_children
+from conftest import assert_no_children, assert_no_process_left
 from test_sync_swap import VOCAB, EngineLoop, hf_dir_with, probe
 
 from buffer.schema import SyncReady, decode, encode
@@ -207,3 +213,27 @@ def test_nccl_swap_under_load_matches_fresh_engine_and_survives_faults(eng, weig
     assert report.ok and "fallback" not in report.timings, report.error
     assert eng.run(probe(eng.engine, eng.tracker))[0] == fresh_probe
     learner.pub.close()
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="the split layout needs 2 GPUs")
+def test_pipeline_train_split_layout_routes_weights_by_nccl(tiny_model, tmp_path):
+    run_dir, tag = tmp_path / "run", f"gpusplit{os.getpid()}"
+    cmd = [sys.executable, "-m", "pipeline.cli", "--model", str(tiny_model),
+           "--data", "arithmetic:200", "--reward", "examples.rewards:length_reward",
+           "--num-producers", "1", "--batch-groups", "4", "--group-size", "4",
+           "--max-tokens", "32", "--run-dir", str(run_dir), "--mode", "async",
+           "--max-staleness", "1", "--steps", "6", "--engine.gpu_memory_utilization", "0.3",
+           "--producer_gpus", '["0"]', "--learner_gpus", "1", "--sync.transport", "auto",
+           "--tensorboard", "false"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, PIPELINE_TEST_RUN=tag))
+    (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "weights by nccl" in proc.stderr, "auto did not route the split layout over NCCL"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[-1]["version"] >= 4  # the producer followed the learner's versions
+    assert all(r.get("transport_fallbacks", 0) == 0 and r.get("sync_failures", 0) == 0
+               for r in rows), "a swap fell back to the file"
+    assert_no_process_left(tag)
