@@ -22,8 +22,10 @@ which is how its own test exercises it; GPU busy fractions are then reported as 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -185,13 +187,12 @@ def run_trl(args: argparse.Namespace, name: str, model: str, out: Path) -> RunRe
 def _timed(args: argparse.Namespace, name: str, cmd: list[str], metrics_path: Path,
            roles: dict, log_path: Path, trl: bool = False) -> RunResult:
     print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
+    busy = wait_gpus_free()
+    if busy:
+        print(f"[bench] {name}: GPU memory still in use before the run: {busy}", flush=True)
     t0 = time.time()
     with GpuSampler() as sampler, open(log_path, "w") as log:
-        try:
-            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=args.run_timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = -1
+        code = run_group(cmd, log, args.run_timeout)
     wall = time.time() - t0
     rows = _trl_rows(metrics_path) if trl else _read_jsonl(metrics_path)
     res = summarize(name, rows, wall, args.warmup_steps, args.batch_groups * args.group_size,
@@ -202,6 +203,50 @@ def _timed(args: argparse.Namespace, name: str, cmd: list[str], metrics_path: Pa
         res.note = f"exit {code}: " + " / ".join(tail)[-400:]
     print(f"[bench] {name}: {json.dumps(asdict(res) | {'reward_curve': '...'})}", flush=True)
     return res
+
+
+def wait_gpus_free(timeout: float = 60.0, max_used_gib: float = 2.0) -> dict[int, float]:
+    """Wait until every GPU holds at most ``max_used_gib`` (the previous run's processes have
+    released theirs); returns {gpu: GiB used} of those still above it (empty: all free, or no
+    NVML). Each run then starts on empty GPUs, as the ones before it did."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                   for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:  # no NVIDIA driver: nothing to wait for
+        return {}
+    deadline = time.monotonic() + timeout
+    while True:
+        used = {i: pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 for i, h in enumerate(handles)}
+        busy = {i: round(u, 1) for i, u in used.items() if u > max_used_gib}
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(1.0)
+
+
+def run_group(cmd: list[str], log: Any, timeout: float, grace: float = 30.0) -> int:
+    """Run ``cmd`` in its own process group; past ``timeout``, SIGTERM the group (our launcher
+    then stops its learner and engines cleanly), and SIGKILL whatever is left after ``grace``.
+    Killing only the top process would leave its engines holding GPU memory for the next run
+    (a TRL vLLM server once failed to start behind a timed-out run). Returns -1 on timeout."""
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+        return -1
+    finally:
+        _signal_group(proc.pid, signal.SIGKILL)  # children left by a run that exited, too
+        proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
 
 
 def _trl_rows(path: Path) -> list[dict]:

@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -78,10 +79,21 @@ def link_due(link: Link | None, alive: bool, now: float, timeout_s: float, failu
     return False
 
 
+def indexed_device(device: torch.device | str, current: Callable[[], int]) -> torch.device:
+    """``device`` with its index: ``cuda`` -> ``cuda:N`` (N = ``current()``, the current
+    device). vLLM's PyNcclCommunicator checks ``tensor.device == its device``, and a tensor is
+    always on ``cuda:N``: a bare ``cuda`` (a single-process learner's device) fails every link
+    with "created to work on cuda, but the input tensor is on cuda:0"."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", current())
+    return device
+
+
 class WeightPublisher:
     def __init__(self, device: torch.device | str, *, timeout_s: float = 30.0, keep: int = 2,
                  max_link_failures: int = 3):
-        self.device = torch.device(device)
+        self.device = indexed_device(device, torch.cuda.current_device)
         self.gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         self.timeout_s, self.keep, self.max_link_failures = timeout_s, keep, max_link_failures
         self._held: OrderedDict[int, tuple[torch.Tensor, Layout, dict | None]] = OrderedDict()

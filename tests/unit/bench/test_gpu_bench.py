@@ -47,3 +47,22 @@ def test_report_prints_ratios_and_marks_failures(tmp_path):
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+def test_run_group_timeout_stops_the_whole_process_group(tmp_path):
+    import sys
+
+    import psutil
+
+    from bench.gpu_bench import run_group
+
+    pidfile = tmp_path / "child.pid"
+    # A parent that would leave a child behind (as an engine core would) if only it were killed.
+    script = (f"import subprocess, time; p = subprocess.Popen(['sleep', '300']); "
+              f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(300)")
+    with open(tmp_path / "log", "w") as log:
+        assert run_group([sys.executable, "-c", script], log, timeout=3, grace=2) == -1
+    child = int(pidfile.read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+    with open(tmp_path / "log2", "w") as log:  # a normal exit returns its code
+        assert run_group([sys.executable, "-c", "raise SystemExit(3)"], log, timeout=30) == 3

@@ -16,7 +16,7 @@ import torch
 from buffer.schema import Announce, SyncReady, decode, encode
 from sync import packing
 from sync.barrier import RequestTracker, SwapBarrier
-from sync.publish import Link, link_due, ready_reply
+from sync.publish import Link, indexed_device, link_due, ready_reply
 from sync.snapshot import SnapshotRef
 from sync.transfer import (
     FileTransport,
@@ -294,3 +294,11 @@ def test_file_route_does_not_touch_gpu_transports_with_mock_engine():
     rep, _, _ = _swap_with(engine, "file", sent)
     assert rep.ok and sent == []
     assert [m for m, _ in engine.calls] == ["sync_stage_snapshot", "sync_apply_staged"]
+
+
+def test_publisher_device_gets_its_index_for_nccl_device_checks():
+    # A single-process learner's device is a bare "cuda"; vLLM's PyNcclCommunicator compares
+    # tensor.device (always cuda:N) with its own: it must be cuda:N too (found on 2 H200s).
+    assert indexed_device("cuda", lambda: 1) == torch.device("cuda", 1)
+    assert indexed_device(torch.device("cuda", 0), lambda: 1) == torch.device("cuda", 0)
+    assert indexed_device("cpu", lambda: 1) == torch.device("cpu")
