@@ -6,7 +6,9 @@
 In one run, on the same chat-templated prompts and the same engine arguments (built by
 ``pipeline.engine.engine_kwargs``):
 1. offline: ``LLM.generate`` with ``n=group_size``, ``ignore_eos``, ``max_tokens`` (FINAL_ONLY
-   outputs, no logprobs); the engine is then shut down;
+   outputs, no logprobs; with ``--offline-logprobs`` also with the producer's sampled-token
+   logprob, the share of the gap that any RL trainer using engine logprobs pays); the engine is
+   then shut down;
 2. producer: an AsyncLLM from ``pipeline.engine.build_engine`` driven through
    ``Producer._generate_one`` for each ``generation.stream`` mode (FINAL_ONLY or DELTA,
    ``logprobs=0``, per-token version tagging), G requests per prompt as
@@ -38,7 +40,8 @@ def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
             for r in make_arithmetic_prompts(n, seed=1234)]
 
 
-def _sampling(args: argparse.Namespace, n: int, streaming: str | None) -> Any:
+def _sampling(args: argparse.Namespace, n: int, streaming: str | None, logprobs: bool = False
+              ) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -48,7 +51,8 @@ def _sampling(args: argparse.Namespace, n: int, streaming: str | None) -> Any:
                               ignore_eos=True, logprobs=0, seed=None, output_kind=kind,
                               detokenize=False, flat_logprobs=True)
     return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
-                          ignore_eos=True)
+                          ignore_eos=True, logprobs=0 if logprobs else None,
+                          flat_logprobs=logprobs)
 
 
 def _wait_children(timeout: float = 30.0) -> None:
@@ -66,24 +70,28 @@ def _wait_children(timeout: float = 30.0) -> None:
 
 
 def bench_offline(args, model_path: Path, kw: dict, prompts: list[list[int]]
-                  ) -> tuple[int, float]:
+                  ) -> dict[str, tuple[int, float]]:
+    """``LLM.generate`` as users run it offline (no logprobs), and, with ``--offline-logprobs``,
+    again with the sampled-token logprob the producer needs: {label: (tokens, seconds)}."""
     from vllm import LLM
 
     llm = LLM(**kw)
+    out: dict[str, tuple[int, float]] = {}
     try:
-        llm.generate([{"prompt_token_ids": prompts[0]}], _sampling(args, 1, False),
-                     use_tqdm=False)  # warm-up
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            _sampling(args, args.group_size, False), use_tqdm=False)
-        dt = time.perf_counter() - t0
-        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        for label, logprobs in (("offline", False), ("offline+logprobs", True))[
+                :2 if args.offline_logprobs else 1]:
+            sp = _sampling(args, args.group_size, False, logprobs=logprobs)
+            llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)  # warm-up
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            out[label] = (sum(len(c.token_ids) for o in outs for c in o.outputs), dt)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
         _wait_children()
-    return tokens, dt
+    return out
 
 
 def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
@@ -181,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine.max_num_seqs for both engines (default: vLLM's)")
     p.add_argument("--streams", default="final,delta",
                    help="producer streaming modes to time (generation.stream), comma-separated")
+    p.add_argument("--offline-logprobs", action="store_true",
+                   help="also time offline LLM.generate with the sampled-token logprob the "
+                        "producer asks for (flat_logprobs), as a second reference")
     p.add_argument("--ablation", action="store_true",
                    help="also time, on the producer's engine, AsyncLLM request shapes between the "
                         "offline one and the producer's (see _async_ablations)")
@@ -215,16 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench_producer] vLLM {vllm.__version__}, model {model_path}, {args.prompts} "
           f"prompts x G={args.group_size}, max_tokens={args.max_tokens} (ignore_eos), "
           f"{n_req} completions", flush=True)
-    off_tok, off_s = bench_offline(args, model_path, kw, prompts)
-    off_tps = off_tok / off_s
-    print(f"[bench_producer] offline LLM.generate : {off_tok} tokens in {off_s:.2f} s = "
-          f"{off_tps:.0f} tok/s", flush=True)
+    offline = bench_offline(args, model_path, kw, prompts)
+    for label, (tok, sec) in offline.items():
+        print(f"[bench_producer] {label} LLM.generate : {tok} tokens in {sec:.2f} s = "
+              f"{tok / sec:.0f} tok/s", flush=True)
     for mode, (pr_tok, pr_s) in bench_producer(args, cfg, model_path, tokenizer,
                                                prompts).items():
         pr_tps = pr_tok / pr_s
+        ratios = "; ".join(f"ratio producer/{label} = {pr_tps / (tok / sec):.2f}"
+                           for label, (tok, sec) in offline.items())
         print(f"[bench_producer] producer, stream={mode} (AsyncLLM + logprobs + version tags): "
-              f"{pr_tok} tokens in {pr_s:.2f} s = {pr_tps:.0f} tok/s; ratio producer/offline = "
-              f"{pr_tps / off_tps:.2f}", flush=True)
+              f"{pr_tok} tokens in {pr_s:.2f} s = {pr_tps:.0f} tok/s; {ratios}", flush=True)
     return 0
 
 
