@@ -28,6 +28,10 @@ class LinkError(RuntimeError):
     """A NCCL link could not be built, or a transfer on it failed or timed out (link aborted)."""
 
 
+class NcclUnavailable(LinkError):
+    """This process cannot build NCCL links at all (no libnccl): retrying will not help."""
+
+
 def new_unique_id() -> bytes:
     """A fresh NCCL unique id (rank 0 only; needs libnccl)."""
     from vllm.distributed.device_communicators.pynccl_wrapper import NCCLLibrary
@@ -67,7 +71,8 @@ def connect(unique_id: bytes, rank: int, world_size: int, device: torch.device |
     group = _known_id_group(rank, world_size, unique_id_from_bytes(unique_id))
     comm = PyNcclCommunicator(group, device=device)
     if comm.disabled:
-        raise LinkError("NCCL is not available in this process (no libnccl, or world size 1)")
+        raise NcclUnavailable("NCCL is not available in this process (no libnccl, or world "
+                              "size 1)")
     return comm
 
 

@@ -79,6 +79,14 @@ def link_due(link: Link | None, alive: bool, now: float, timeout_s: float, failu
     return False
 
 
+def permanent_link_error(e: BaseException) -> bool:
+    """Whether a failed join will fail again the same way: an error of this process (a bad
+    argument or device, no libnccl), not of the peer or the network (a timeout, a NCCL error).
+    Such a producer gets no more offers and takes its weights by file, instead of stalling
+    ``timeout_s`` on each of ``max_link_failures`` doomed links."""
+    return isinstance(e, (AssertionError, TypeError, ValueError, nccl.NcclUnavailable))
+
+
 def indexed_device(device: torch.device | str, current: Callable[[], int]) -> torch.device:
     """``device`` with its index: ``cuda`` -> ``cuda:N`` (N = ``current()``, the current
     device). vLLM's PyNcclCommunicator checks ``tensor.device == its device``, and a tensor is
@@ -192,6 +200,10 @@ class WeightPublisher:
         except Exception as e:  # any failure: the producer uses the file
             self._fail(link, f"join failed: {e!r}")
             log.error("NCCL link epoch %d to %s failed: %r", epoch, producer_id, e)
+            if permanent_link_error(e):
+                self.link_failures[producer_id] = self.max_link_failures
+                log.error("no more NCCL links to %s: that error will repeat; its weights come "
+                          "by file", producer_id)
 
     async def send(self, producer_id: str, epoch: int, version: int) -> str:
         """Answer SyncReady("weights"): returns what was done (see ``ready_reply``)."""

@@ -16,7 +16,8 @@ import torch
 from buffer.schema import Announce, SyncReady, decode, encode
 from sync import packing
 from sync.barrier import RequestTracker, SwapBarrier
-from sync.publish import Link, indexed_device, link_due, ready_reply
+from sync.nccl import LinkError, NcclUnavailable
+from sync.publish import Link, indexed_device, link_due, permanent_link_error, ready_reply
 from sync.snapshot import SnapshotRef
 from sync.transfer import (
     FileTransport,
@@ -302,3 +303,15 @@ def test_publisher_device_gets_its_index_for_nccl_device_checks():
     assert indexed_device("cuda", lambda: 1) == torch.device("cuda", 1)
     assert indexed_device(torch.device("cuda", 0), lambda: 1) == torch.device("cuda", 0)
     assert indexed_device("cpu", lambda: 1) == torch.device("cpu")
+
+
+def test_permanent_link_errors_stop_offers_transient_ones_retry():
+    # The split-layout failure on 2 H200s was an AssertionError of our own process: each retry
+    # would have stalled the producer nccl_timeout_s again.
+    for e in (AssertionError("created to work on cuda, but the input tensor is on cuda:0"),
+              NcclUnavailable("no libnccl"), ValueError("bad world size")):
+        assert permanent_link_error(e), e
+    for e in (TimeoutError(), LinkError("broadcast timed out"), RuntimeError("NCCL error")):
+        assert not permanent_link_error(e), e
+    # ... and a producer at max_link_failures gets no further offer.
+    assert not link_due(None, alive=True, now=0.0, timeout_s=30.0, failures=3, max_failures=3)
