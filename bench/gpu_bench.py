@@ -2,11 +2,17 @@
 
     python -m bench.gpu_bench --layout split --model 0.5b --steps 12 --out runs/bench \\
         --runs sync,async1,async2 [--trl colocate,server]
+    python -m bench.gpu_bench --layout colocated --task reward --model /tmp/smollm2 \\
+        --runs sync,async1 --max-tokens 16 --lr 5e-5 --set data.path=arithmetic:2000:9 ...
 
 Every run trains the same model on the same prompts (synthetic arithmetic, exact-match reward)
 with the same batch (``--batch-groups`` prompts x ``--group-size`` completions of exactly
 ``--max-tokens`` tokens, ``ignore_eos``) for the same number of learner steps; only the mode
-differs. Layouts: ``split`` = producer on GPU 0, learner on GPU 1; ``colocated`` = both on GPU 0
+differs. ``--task reward`` is the reward-vs-wall-clock variant for a real model: completions stop
+at EOS (``--max-tokens`` is only a cap), and the report adds each run's time to reach a common
+reward level (see ``reward_threshold``); TRL runs are not offered there.
+
+Layouts: ``split`` = producer on GPU 0, learner on GPU 1; ``colocated`` = both on GPU 0
 (the engine gets ``--gpu-mem`` of it). Figures are taken over the steady window (after
 ``--warmup-steps``), so engine start and the first batch are not counted:
 - trained samples/s and completion tokens/s, wall time per step;
@@ -63,6 +69,9 @@ class RunResult:
     staleness: dict = field(default_factory=dict)
     gpu_busy: dict = field(default_factory=dict)
     reward_curve: list = field(default_factory=list)  # [(seconds since first step, reward)]
+    # --task reward: when the trailing --reward-window mean reward first reached the common level
+    time_to_reward_s: float | None = None  # seconds since the run's first step
+    steps_to_reward: int | None = None
     note: str = ""
 
 
@@ -143,6 +152,54 @@ def summarize(name: str, metrics: list[dict], wall_s: float, warmup: int,
     return res
 
 
+def smoothed(curve: list, window: int) -> list[tuple[float, float]]:
+    """(t, mean of this reward and the ``window - 1`` before it) for each point of ``curve`` with
+    a full window behind it. Per-step rewards of one batch are noisy (128 samples: +-0.04), so
+    levels are read from this trailing mean, never from a single lucky step."""
+    return [(curve[i][0], statistics.fmean(r for _, r in curve[i - window + 1:i + 1]))
+            for i in range(window - 1, len(curve))]
+
+
+def time_to_reward(curve: list, threshold: float, window: int) -> tuple[float, int] | None:
+    """(seconds, step) at which the trailing ``window``-step mean reward first reaches
+    ``threshold``; None if it never does. Steps count from 1, one curve point per step."""
+    for i, (t, r) in enumerate(smoothed(curve, window)):
+        if r >= threshold - 1e-9:
+            return t, i + window
+    return None
+
+
+def reward_threshold(curves: list[list], window: int, frac: float) -> dict | None:
+    """The common reward level the runs are timed to: ``start + frac * (peak - start)``, where
+    ``start`` is the mean of the runs' first trailing means and ``peak`` the highest trailing
+    mean that *every* run reaches (the lowest of their maxima). Measured from the start, so a
+    model that begins at 0.6 is not credited with reaching 0.5. None if no curve has a window."""
+    sm = [smoothed(c, window) for c in curves]
+    sm = [s for s in sm if s]
+    if not sm:
+        return None
+    start = statistics.fmean(s[0][1] for s in sm)
+    peak = min(max(r for _, r in s) for s in sm)
+    # min(): if the reward fell (peak < start), the level is the peak, which every run reaches.
+    return {"threshold": min(start + frac * (peak - start), peak), "start": start, "peak": peak,
+            "window": window, "frac": frac}
+
+
+def mark_time_to_reward(results: list[RunResult], window: int, frac: float,
+                        threshold: float | None = None) -> dict | None:
+    """Set each result's time/steps to the common level (``threshold`` if given, else
+    ``reward_threshold`` over all runs with a curve); returns the level's description."""
+    info = (reward_threshold([r.reward_curve for r in results], window, frac)
+            if threshold is None else
+            {"threshold": threshold, "start": None, "peak": None, "window": window, "frac": None})
+    if info is None:
+        return None
+    for r in results:
+        hit = time_to_reward(r.reward_curve, info["threshold"], window)
+        r.time_to_reward_s, r.steps_to_reward = (round(hit[0], 2), hit[1]) if hit else (None, None)
+    return info
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -158,13 +215,22 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
            "--train.mode", mode, "--train.max_staleness", str(staleness),
            "--train.steps", str(args.steps), "--train.batch_groups", str(args.batch_groups),
            "--generation.group_size", str(args.group_size),
-           "--generation.max_tokens", str(args.max_tokens), "--generation.ignore_eos",
-           "--engine.gpu_memory_utilization", str(args.gpu_mem),
+           "--generation.max_tokens", str(args.max_tokens),
+           *(["--generation.ignore_eos"] if args.task == "throughput" else []),
+           "--train.lr", _yaml_float(args.lr), "--engine.gpu_memory_utilization", str(args.gpu_mem),
            "--producer_gpus", json.dumps(producer_gpus), "--learner_gpus", learner_gpus,
            "--tensorboard", "false"]
     for kv in args.set:
         cmd += ["--set", kv]
     return _timed(args, name, cmd, run_dir / "metrics.jsonl", roles, out / f"{name}.log")
+
+
+def _yaml_float(x: float) -> str:
+    """``x`` as text that YAML reads back as a float (pipeline.cli parses option values as YAML,
+    and PyYAML takes "5e-05", without a dot, for a string)."""
+    text = repr(float(x))
+    mantissa, e, exp = text.partition("e")
+    return f"{mantissa}.0e{exp}" if e and "." not in mantissa else text
 
 
 def run_trl(args: argparse.Namespace, name: str, model: str, out: Path) -> RunResult:
@@ -258,7 +324,9 @@ def _trl_rows(path: Path) -> list[dict]:
 
 
 def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
-                 device: str) -> str:
+                 device: str, reward: dict | None = None) -> str:
+    """results.{md,json,png}; ``reward`` (from ``mark_time_to_reward``) adds the time-to-reward
+    column, line and chart marks (--task reward)."""
     by = {r.name: r for r in results}
 
     def ratio(a: str, b: str) -> str:
@@ -270,13 +338,16 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
     def fmt(v: Any) -> str:
         return "n/a" if v is None else str(v)
 
+    length = (f"{args.max_tokens} tokens" if args.task == "throughput"
+              else f"up to {args.max_tokens} tokens (stopping at EOS)")
     lines = [f"Device: {device}; layout {args.layout}; model {args.model}; "
              f"{args.batch_groups} prompts x {args.group_size} completions x "
-             f"{args.max_tokens} tokens per step; {args.steps} steps, "
+             f"{length} per step; {args.steps} steps, "
              f"steady window after {args.warmup_steps} warm-up steps.", "",
              "| run | samples/s | tokens/s | s/step | gen GPU busy | learner GPU busy | "
-             "sync s/step | engine idle s/swap | staleness (count) | note |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "sync s/step | engine idle s/swap | staleness (count) | "
+             + ("s to reward (step) | " if reward else "") + "note |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if reward else "")]
     for r in results:
         lines.append(
             f"| {r.name} | {fmt(r.samples_per_s)} | {fmt(r.tokens_per_s)} | "
@@ -284,26 +355,61 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
             f"{fmt(r.gpu_busy.get('learner'))} | {fmt(r.sync_s_mean)} | "
             f"{fmt(r.swap_idle_s_mean)} | "
             f"{', '.join(f'{k}: {int(v)}' for k, v in r.staleness.items()) or 'n/a'} | "
-            f"{'' if r.ok else 'FAILED '}{r.note}{_fallback_note(r)} |")
+            + (f"{_reward_cell(r)} | " if reward else "")
+            + f"{'' if r.ok else 'FAILED '}{r.note}{_fallback_note(r)} |")
     lines += ["", "Ratios (trained samples/s): " + ", ".join(
         f"{a}/{b} = {ratio(a, b)}" for a, b in
         [("async1", "sync"), ("async2", "sync"), ("async1", "trl-colocate"),
          ("async1", "trl-server"), ("sync", "trl-colocate")]
         if a in by and b in by)]
+    if reward:
+        lines += ["", _reward_line(results, reward)]
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     (out / "results.json").write_text(json.dumps(
         {"device": device, "args": {k: str(v) for k, v in vars(args).items()},
+         **({"reward_level": reward} if reward else {}),
          "results": [asdict(r) for r in results]}, indent=1))
-    _plot(out / "results.png", results)
+    _plot(out / "results.png", results, reward)
     return text
+
+
+def _reward_cell(r: RunResult) -> str:
+    if r.time_to_reward_s is None:
+        return "not reached"
+    return f"{r.time_to_reward_s} ({r.steps_to_reward})"
+
+
+def _reward_line(results: list[RunResult], info: dict) -> str:
+    """One sentence: the level, how it was chosen, each run's time to it, and the ratio to sync."""
+    if info.get("start") is None:
+        how = "given by --reward-threshold"
+    elif info["peak"] <= info["start"] + 1e-9:
+        how = (f"the highest {info['window']}-step mean every run reaches; the reward did not "
+               f"rise from {info['start']:.3f}, so these times mean nothing")
+    else:
+        how = (f"{info['start']:.3f} + {info['frac']} x ({info['peak']:.3f} - "
+               f"{info['start']:.3f}): {info['frac']:.0%} of the way from the runs' first "
+               f"{info['window']}-step mean to the highest one every run reaches")
+    times = ", ".join(
+        f"{r.name} {r.time_to_reward_s} s (step {r.steps_to_reward})"
+        if r.time_to_reward_s is not None else f"{r.name} not reached" for r in results)
+    by = {r.name: r for r in results}
+    base = by.get("sync")
+    ratios = ", ".join(
+        f"sync/{r.name} = {base.time_to_reward_s / r.time_to_reward_s:.2f}x"
+        for r in results if r.name != "sync" and base and base.time_to_reward_s is not None
+        and r.time_to_reward_s)
+    return (f"Time to a {info['window']}-step mean reward >= {info['threshold']:.3f} ({how}), "
+            f"from each run's first step: {times}."
+            + (f" Time ratio {ratios}." if ratios else ""))
 
 
 def _fallback_note(r: RunResult) -> str:
     return f" {r.transport_fallbacks} swaps fell back to file" if r.transport_fallbacks else ""
 
 
-def _plot(path: Path, results: list[RunResult]) -> None:
+def _plot(path: Path, results: list[RunResult], reward: dict | None = None) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -315,9 +421,24 @@ def _plot(path: Path, results: list[RunResult]) -> None:
     ax_bar.set_ylabel("trained samples/s (steady)")
     ax_bar.set_title("throughput")
     for r in results:
-        if r.reward_curve:
-            xs, ys = zip(*r.reward_curve, strict=True)
+        if not r.reward_curve:
+            continue
+        xs, ys = zip(*r.reward_curve, strict=True)
+        if reward is None:
             ax_rew.plot(xs, ys, marker=".", label=r.name)
+            continue
+        # --task reward: raw per-step rewards faint, the trailing mean that is timed solid.
+        (line,) = ax_rew.plot(xs, ys, ".", alpha=0.35)
+        sm = smoothed(r.reward_curve, reward["window"])
+        if sm:
+            ax_rew.plot(*zip(*sm, strict=True), color=line.get_color(),
+                        label=f"{r.name} ({reward['window']}-step mean)")
+        if r.time_to_reward_s is not None:
+            ax_rew.plot([r.time_to_reward_s], [reward["threshold"]], "o", ms=9, mfc="none",
+                        color=line.get_color())
+    if reward is not None:
+        ax_rew.axhline(reward["threshold"], ls="--", color="gray", lw=1,
+                       label=f"level {reward['threshold']:.2f}")
     ax_rew.set_xlabel("seconds since first step")
     ax_rew.set_ylabel("reward mean")
     ax_rew.set_title("reward vs wall-clock")
@@ -360,8 +481,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--batch-groups", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="completion length (throughput: exact, ignore_eos; reward: a cap)")
+    p.add_argument("--task", choices=["throughput", "reward"], default="throughput",
+                   help="throughput: fixed-length completions, samples/s; reward: completions "
+                        "stop at EOS and the report adds the time to a common reward level")
+    p.add_argument("--reward-window", type=int, default=5,
+                   help="reward: steps in the trailing mean that levels are read from")
+    p.add_argument("--reward-frac", type=float, default=0.8,
+                   help="reward: the level is start + FRAC x (highest level all runs reach - "
+                        "start)")
+    p.add_argument("--reward-threshold", type=float, default=None,
+                   help="reward: a fixed level instead (overrides --reward-frac)")
+    p.add_argument("--lr", type=float, default=1e-6, help="learning rate of every run")
     p.add_argument("--gpu-mem", type=float, default=0.5,
                    help="engine.gpu_memory_utilization (of GPU 0)")
     p.add_argument("--config", type=Path, default=Path(__file__).with_name("bench.yaml"))
@@ -376,6 +508,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [r for r in args.trl.split(",") if r and r not in ("colocate", "server")]
     if bad:
         p.error(f"--trl: unknown {bad}; choose from colocate, server")
+    if args.task == "reward" and args.trl:
+        p.error("--task reward compares our modes only (bench/trl_grpo.py's prompts are fixed)")
+    if args.reward_window < 1 or not 0.0 < args.reward_frac <= 1.0:
+        p.error("--reward-window must be >= 1 and --reward-frac in (0, 1]")
     if args.warmup_steps + 2 > args.steps:
         p.error("--steps must exceed --warmup-steps by at least 2 (a steady window)")
     return args
@@ -387,7 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     model = prepare_model(args.model, args.models_dir)
     results = [run_ours(args, r, model, args.out) for r in args.runs.split(",") if r]
     results += [run_trl(args, f"trl-{m}", model, args.out) for m in args.trl.split(",") if m]
-    print(write_report(args.out, results, args, _device_name()), flush=True)
+    reward = (mark_time_to_reward(results, args.reward_window, args.reward_frac,
+                                  args.reward_threshold) if args.task == "reward" else None)
+    print(write_report(args.out, results, args, _device_name(), reward), flush=True)
     return 0 if all(r.ok for r in results) else 1
 
 

