@@ -413,6 +413,21 @@ def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _as_float(value: Any, tp: Any, option: str) -> Any:
+    """A float option given as ``5e-5`` (YAML 1.1 reads that as a string) or ``1`` -> float."""
+    base = set(typing.get_args(tp)) if isinstance(tp, types.UnionType) else {tp}
+    if float not in base or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return float(value)
+    if isinstance(value, str) and str not in base:
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{option}: expected a number, got {value!r}") from None
+    return value
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix}: expected a mapping, got {type(data).__name__}")
@@ -425,9 +440,10 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
     for f in dataclasses.fields(cls):
         if f.name in data:
             v = data[f.name]
+            name = f"{prefix}.{f.name}" if prefix else f.name
             if _is_dataclass_type(f.type) and isinstance(v, dict):
-                v = _build(_resolve(f.type), v, f"{prefix}.{f.name}" if prefix else f.name)
-            kwargs[f.name] = v
+                v = _build(_resolve(f.type), v, name)
+            kwargs[f.name] = _as_float(v, _resolve(f.type), name)
     try:
         return cls(**kwargs)
     except ConfigError as e:

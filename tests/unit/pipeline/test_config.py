@@ -9,6 +9,7 @@ from pipeline.config import (
     RunConfig,
     admission_budget,
     load_config,
+    parse_value,
     producer_budget,
 )
 
@@ -32,6 +33,19 @@ def test_yaml_and_dotted_overrides(tmp_path):
     assert cfg.train.loss.kl_coef == 0.1
     assert cfg.engine.max_num_seqs == 8 and cfg.engine.extra == {"swap_space": 1}
     assert cfg.engine.enable_prefix_caching is None  # unset stays unset
+
+
+def test_float_options_take_exponent_notation_from_yaml_and_cli(tmp_path):
+    # YAML 1.1 reads 5e-5 (no dot) as a string; users write learning rates that way.
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  lr: 5e-5\n  loss:\n    kl_coef: 1\n")
+    cfg = load_config(p)
+    assert cfg.train.lr == 5e-5 and isinstance(cfg.train.lr, float)
+    assert cfg.train.loss.kl_coef == 1.0 and isinstance(cfg.train.loss.kl_coef, float)
+    text = parse_value("3e-6", float, "train.lr")  # what the CLI hands to load_config
+    assert load_config(None, {"train.lr": text}).train.lr == 3e-6
+    with pytest.raises(ConfigError, match=r"train\.lr: expected a number, got 'fast'"):
+        load_config(None, {"train.lr": "fast"})
 
 
 def test_unknown_key_names_the_option(tmp_path):
