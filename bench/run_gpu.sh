@@ -2,7 +2,7 @@
 # The GPU measurements quoted in README/BENCHMARKS, one part per device call (each < 10 min).
 # On the device, after `source .gpu-bundle/b/activate.sh` (with .whl carried for trl/deepspeed):
 #   bash bench/run_gpu.sh PART
-# PART: engine    - producer vs offline throughput, with AsyncLLM ablations (1 GPU)
+# PART: engine    - producer vs offline throughput, without and with logprobs (1 GPU)
 #       swap      - weight-swap timings per barrier mode (sync.bench, 1 GPU)
 #       colocated - ours sync vs async1 vs TRL colocate, all on GPU 0 (1 GPU)
 #       split     - ours sync vs async1 (engine GPU 0, learner GPU 1) vs TRL server (2 GPUs)
@@ -51,8 +51,10 @@ gpu_tests() { timeout "$1" python3 -m pytest -v -p no:cacheprovider -m gpu "${@:
 case "${1:?part}" in
   engine)
     q05
-    timeout 330 python3 -m pipeline.bench_producer --model /tmp/q05 --prompts 256 \
-      --group-size 8 --max-tokens 256 --streams final --ablation 2>&1 | tee "$out/producer.log" | quiet
+    # ABLATION=1 adds the five AsyncLLM request shapes (about 2.5 min more on an H100).
+    timeout 500 python3 -m pipeline.bench_producer --model /tmp/q05 --prompts 256 \
+      --group-size 8 --max-tokens 256 --streams final --offline-logprobs \
+      ${ABLATION:+--ablation} 2>&1 | tee "$out/producer.log" | quiet
     ;;
   swap)
     q05
