@@ -12,9 +12,10 @@ differs. ``--task reward`` is the reward-vs-wall-clock variant for a real model:
 at EOS (``--max-tokens`` is only a cap), and the report adds each run's time to reach a common
 reward level (see ``reward_threshold``); TRL runs are not offered there.
 
-Layouts: ``split`` = producer on GPU 0, learner on GPU 1; ``colocated`` = both on GPU 0
-(the engine gets ``--gpu-mem`` of it). Figures are taken over the steady window (after
-``--warmup-steps``), so engine start and the first batch are not counted:
+Layouts: ``split`` = producer on GPU 0, learner on GPU 1; ``split-shared`` = producers on GPUs 0
+and 1, learner on GPU 1; ``split-3x1`` = producers on GPUs 0-2, learner on GPU 3; ``colocated``
+= both on GPU 0 (the engine gets ``--gpu-mem`` of it). Figures are taken over the steady window
+(after ``--warmup-steps``), so engine start and the first batch are not counted:
 - trained samples/s and completion tokens/s, wall time per step;
 - busy fraction of each GPU role (NVML utilization sampled every 0.1 s: the fraction of time a
   kernel ran), i.e. how much of the time generation and training actually use their GPU;
@@ -46,9 +47,13 @@ RUNS = {  # name -> (train.mode, max_staleness)
     "async1": ("async", 1),
     "async2": ("async", 2),
 }
-LAYOUTS = {  # name -> (producer_gpus, learner_gpus, GPU indices per role)
+LAYOUTS = {  # name -> (producer_gpus, one producer per entry; learner_gpus; GPUs per role)
     "split": (["0"], "1", {"generation": [0], "learner": [1]}),
     "colocated": (["0"], "0", {"generation": [0], "learner": [0]}),
+    # 2 GPUs for a generation-bound job: a second producer shares the learner's GPU.
+    "split-shared": (["0", "1"], "1", {"generation": [0, 1], "learner": [1]}),
+    # 4 GPUs: 3 producer GPUs + 1 learner GPU (scaling of generation).
+    "split-3x1": (["0", "1", "2"], "3", {"generation": [0, 1, 2], "learner": [3]}),
     "cpu": ([], "", {}),
 }
 
@@ -219,7 +224,7 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
            *(["--generation.ignore_eos"] if args.task == "throughput" else []),
            "--train.lr", _yaml_float(args.lr), "--engine.gpu_memory_utilization", str(args.gpu_mem),
            "--producer_gpus", json.dumps(producer_gpus), "--learner_gpus", learner_gpus,
-           "--tensorboard", "false"]
+           "--num_producers", str(max(len(producer_gpus), 1)), "--tensorboard", "false"]
     for kv in args.set:
         cmd += ["--set", kv]
     return _timed(args, name, cmd, run_dir / "metrics.jsonl", roles, out / f"{name}.log")
@@ -514,6 +519,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--reward-window must be >= 1 and --reward-frac in (0, 1]")
     if args.warmup_steps + 2 > args.steps:
         p.error("--steps must exceed --warmup-steps by at least 2 (a steady window)")
+    producers = max(len(LAYOUTS[args.layout][0]), 1)
+    if args.batch_groups % producers:
+        p.error(f"--batch-groups {args.batch_groups}: layout {args.layout} has {producers} "
+                f"producers, and each step takes an equal share from each (e.g. "
+                f"{args.batch_groups - args.batch_groups % producers or producers})")
+    if args.layout == "split-3x1" and args.trl:
+        p.error("--trl: TRL's runs here use 2 GPUs; layout split-3x1 has 4 (no like-for-like)")
     return args
 
 

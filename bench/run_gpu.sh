@@ -6,6 +6,9 @@
 #       swap      - weight-swap timings per barrier mode (sync.bench, 1 GPU)
 #       colocated - ours sync vs async1 vs TRL colocate, all on GPU 0 (1 GPU)
 #       split     - ours sync vs async1 (engine GPU 0, learner GPU 1) vs TRL server (2 GPUs)
+#       split-shared - ours sync vs async1, producers on GPUs 0 and 1, learner on GPU 1 (2 GPUs)
+#       split-3x1 - ours sync vs async1, producers on GPUs 0-2, learner on GPU 3 (4 GPUs; 15
+#                   prompts per step, a multiple of 3)
 #       gpu-tests - gpu-marked tests on 2 GPUs: the split layout's NCCL route in pipeline-train,
 #                   ZeRO-2/3 trainer checks, pipeline-train with ZeRO-3 and DDP learners
 #       reward    - reward vs wall-clock of a real model, ours sync vs async1, colocated (1 GPU)
@@ -70,6 +73,12 @@ case "${1:?part}" in
     timeout "${PART_TIMEOUT:-590}" python3 -m bench.gpu_bench --layout split "${common[@]}" --runs sync,async1 \
       --trl server --gpu-mem 0.6 --out "$out/split" \
       --run-timeout "${RUN_TIMEOUT:-190}" 2>&1 | quiet
+    ;;
+  split-shared|split-3x1)  # 2 GPUs (a producer beside the learner) | 4 GPUs (3 producers)
+    groups=$([ "$1" = split-3x1 ] && echo 15 || echo 16)
+    timeout "${PART_TIMEOUT:-590}" python3 -m bench.gpu_bench --layout "$1" "${common[@]}" \
+      --runs sync,async1 --batch-groups "$groups" --gpu-mem 0.4 --out "$out/$1" \
+      --run-timeout "${RUN_TIMEOUT:-240}" 2>&1 | quiet
     ;;
   gpu-tests)
     gpu_tests 120 split tests/e2e/test_gpu_transports.py -k pipeline_train

@@ -43,7 +43,10 @@ def test_report_prints_ratios_and_marks_failures(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--runs", "sync,turbo"], ["--trl", "remote"],
-                                  ["--steps", "3", "--warmup-steps", "2"]])
+                                  ["--steps", "3", "--warmup-steps", "2"],
+                                  ["--layout", "split-3x1"],  # 16 groups over 3 producers
+                                  ["--layout", "split-3x1", "--batch-groups", "15",
+                                   "--trl", "server"]])
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -155,3 +158,19 @@ def test_only_the_throughput_task_forces_fixed_length_completions(monkeypatch, t
 def test_bad_reward_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+def test_multi_producer_layouts_start_one_producer_per_gpu_entry(tmp_path, monkeypatch):
+    """run_ours's command for split-3x1 (the subprocess is replaced: pure argument logic)."""
+    import json
+
+    import bench.gpu_bench as gb
+
+    seen = {}
+    monkeypatch.setattr(gb, "_timed", lambda args, name, cmd, *a, **k: seen.setdefault("cmd", cmd))
+    args = parse_args(["--layout", "split-3x1", "--batch-groups", "15", "--out", str(tmp_path)])
+    gb.run_ours(args, "async1", "/m", tmp_path)
+    cmd = seen["cmd"]
+    assert json.loads(cmd[cmd.index("--producer_gpus") + 1]) == ["0", "1", "2"]
+    assert cmd[cmd.index("--num_producers") + 1] == "3"
+    assert cmd[cmd.index("--learner_gpus") + 1] == "3"
