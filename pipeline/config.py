@@ -193,10 +193,12 @@ class RewardsConfig:
 
 
 def _cuda_device_count() -> int:
-    """GPUs this process sees (torch imported only for an explicit GPU transport)."""
+    """GPUs this process sees (torch imported only for an explicit GPU transport). Through
+    NVML, never ``torch.cuda.is_available()``: that initialises CUDA, after which a child can no
+    longer be pinned to its GPUs with CUDA_VISIBLE_DEVICES, and vLLM may fork after cuInit."""
     import torch
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count()
 
 
 @dataclass
@@ -372,16 +374,17 @@ class RunConfig:
         return self.addr or f"ipc://{Path(self.run_dir).resolve()}/learner.sock"
 
 
-def producer_gpu_env(cfg: RunConfig, index: int) -> dict[str, str]:
-    """Environment pinning producer ``index`` to its GPUs ({} = inherit)."""
-    if not cfg.producer_gpus:
+def producer_gpu_env(producer_gpus: list[str], index: int) -> dict[str, str]:
+    """Environment pinning producer ``index`` to its GPUs ({} = inherit); ``producer_gpus`` as
+    RunConfig holds it. Children apply it before building their config (see _cuda_device_count)."""
+    if not producer_gpus:
         return {}
-    return {"CUDA_VISIBLE_DEVICES": cfg.producer_gpus[index % len(cfg.producer_gpus)]}
+    return {"CUDA_VISIBLE_DEVICES": str(producer_gpus[index % len(producer_gpus)])}
 
 
-def learner_gpu_env(cfg: RunConfig) -> dict[str, str]:
+def learner_gpu_env(learner_gpus: str) -> dict[str, str]:
     """Environment pinning the learner (every rank) to its GPUs ({} = inherit)."""
-    return {"CUDA_VISIBLE_DEVICES": cfg.learner_gpus} if cfg.learner_gpus else {}
+    return {"CUDA_VISIBLE_DEVICES": str(learner_gpus)} if learner_gpus else {}
 
 
 def admission_budget(batch_groups: int, max_staleness: int) -> int:

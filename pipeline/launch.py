@@ -115,8 +115,9 @@ async def _run_with_sigterm(coro: Any) -> None:
 
 def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
     _child_setup()
+    # Pinned before the config is built: nothing may initialise CUDA before this.
+    os.environ.update(learner_gpu_env(cfg_dict.get("learner_gpus", "")))
     cfg = load_config(overrides=_flatten(cfg_dict))
-    os.environ.update(learner_gpu_env(cfg))  # before anything initialises CUDA
     from pipeline.learner import Learner
 
     try:
@@ -148,7 +149,7 @@ class LaunchedLearner:
     def start(self) -> None:
         log.info("learner: %s", " ".join(self.cmd))
         self.proc = subprocess.Popen(self.cmd, preexec_fn=_popen_setup,
-                                     env=os.environ | learner_gpu_env(self.cfg))
+                                     env=os.environ | learner_gpu_env(self.cfg.learner_gpus))
 
     @property
     def pid(self) -> int | None:
@@ -182,8 +183,9 @@ def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, res
 def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False
                    ) -> None:
     _child_setup()
+    # Pinned before the config is built: nothing may initialise CUDA before this.
+    os.environ.update(producer_gpu_env(cfg_dict.get("producer_gpus", []), index))
     cfg = load_config(overrides=_flatten(cfg_dict))
-    os.environ.update(producer_gpu_env(cfg, index))  # before vLLM initialises CUDA
     from pipeline.producer import producer_main
 
     try:

@@ -125,12 +125,42 @@ def test_gpu_placement_pins_each_producer_and_the_learner():
 
     cfg = load_config(overrides={"num_producers": 3, "producer_gpus": [1, "2,3"],
                                  "learner_gpus": 0})
-    assert [producer_gpu_env(cfg, i) for i in range(3)] == [
+    assert [producer_gpu_env(cfg.producer_gpus, i) for i in range(3)] == [
         {"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "2,3"},
         {"CUDA_VISIBLE_DEVICES": "1"}]
-    assert learner_gpu_env(cfg) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert learner_gpu_env(cfg.learner_gpus) == {"CUDA_VISIBLE_DEVICES": "0"}
     default = load_config()
-    assert producer_gpu_env(default, 0) == {} and learner_gpu_env(default) == {}
+    assert producer_gpu_env(default.producer_gpus, 0) == {}
+    assert learner_gpu_env(default.learner_gpus) == {}
+
+
+@pytest.mark.parametrize("entry,index,want", [("learner_entry", None, "3"),
+                                              ("producer_entry", 1, "2")])
+def test_children_pin_their_gpus_before_building_the_config_fake_load(monkeypatch, entry,
+                                                                       index, want):
+    """Building the config may touch CUDA (an explicit ipc/nccl transport counts GPUs); once
+    CUDA is up, CUDA_VISIBLE_DEVICES no longer moves the process. The pin must come first.
+    (load_config is replaced by a recorder: pure ordering logic.)"""
+    import os
+
+    import pipeline.launch as launch
+    from pipeline.config import to_dict
+
+    cfg = to_dict(load_config(overrides={"num_producers": 2, "producer_gpus": ["1", "2"],
+                                         "learner_gpus": "3"}))
+    seen = {}
+
+    def recorder(**_kw):
+        seen["cuda_visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise SystemExit(0)
+
+    monkeypatch.setattr(launch, "load_config", recorder)
+    monkeypatch.setattr(launch, "_child_setup", lambda: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    args = (cfg, "/model", False) if index is None else (cfg, "/model", index)
+    with pytest.raises(SystemExit):
+        getattr(launch, entry)(*args)
+    assert seen["cuda_visible"] == want
 
 
 @pytest.mark.parametrize("key,value", [("producer_gpus", ["0;1"]), ("producer_gpus", [""]),
