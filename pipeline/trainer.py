@@ -140,19 +140,21 @@ def hf_name(peft_name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def merge_lora(state: dict[str, torch.Tensor], modules: dict[str, float]
-               ) -> dict[str, torch.Tensor]:
+def merge_lora(state: dict[str, torch.Tensor], modules: dict[str, float],
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """W + scale * B @ A for each LoRA module of a peft state dict, under the base model's name.
 
     Computed from a (gathered) state dict, not from the live modules, so it works for ZeRO-3
     partitioned parameters too; only the LoRA-targeted weights are returned (nothing else
-    changes under LoRA)."""
+    changes under LoRA). Each merge is done in fp32 and cast to ``dtype`` at once, so the fp32
+    copies never all exist together (about twice the model, on the learner's GPU)."""
     out = {}
     for prefix, scale in modules.items():
         w = state[f"{prefix}.base_layer.weight"].float()
         a = state[f"{prefix}.lora_A.default.weight"].float()
         b = state[f"{prefix}.lora_B.default.weight"].float()
-        out[hf_name(f"{prefix}.weight")] = w + scale * (b @ a)
+        merged = w + scale * (b @ a)
+        out[hf_name(f"{prefix}.weight")] = merged if dtype is None else merged.to(dtype)
     return out
 
 
@@ -458,8 +460,10 @@ class PolicyTrainer:
 
     def _snapshot(self) -> dict[str, torch.Tensor]:
         sd = self._model_state()
+        if not sd:  # a follower rank: rank 0 alone holds (and sends) the full weights
+            return {}
         if self._lora:
-            merged = merge_lora(sd, self._lora)
+            merged = merge_lora(sd, self._lora, self.snapshot_dtype)
         else:
             trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
             merged = {k: v for k, v in sd.items() if k in trainable}

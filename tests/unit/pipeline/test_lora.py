@@ -119,3 +119,24 @@ def test_checkpoint_state_round_trip_with_peft(trainer, tiny_model, tmp_path):
 def test_bad_lora_options_name_the_option(tiny_model, tmp_path, over):
     with pytest.raises(ConfigError, match=r"train\.lora"):
         _cfg(tiny_model, tmp_path, **over)
+
+
+def test_follower_rank_snapshot_is_empty_not_a_merge_of_nothing(trainer, monkeypatch):
+    # Under a multi-rank learner (DDP, or ZeRO-3 after its gather) only rank 0 holds the full
+    # state dict; a follower's is empty and must not be merged (it raised KeyError before).
+    assert trainer._lora
+    monkeypatch.setattr(trainer, "_model_state", lambda: {})
+    assert trainer._snapshot() == {}
+
+
+def test_merge_casts_each_module_to_the_snapshot_dtype(trainer):
+    import torch
+
+    from pipeline.trainer import merge_lora
+
+    sd = trainer._model_state()
+    merged = merge_lora(sd, trainer._lora, torch.bfloat16)
+    assert merged and all(t.dtype == torch.bfloat16 for t in merged.values())
+    full = merge_lora(sd, trainer._lora)
+    for k, t in merged.items():
+        torch.testing.assert_close(t, full[k].to(torch.bfloat16))
