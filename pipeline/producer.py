@@ -277,6 +277,10 @@ class Producer:
             # New learner (first contact or a restart): resend what its checkpoint lacks, ours
             # and any a killed predecessor left in its log (the learner drops duplicates).
             # Resends do not count against admission: they were budgeted when first sent.
+            if self.learner_session:
+                # A restarted learner knows us only from heartbeats: tell it our GPUs again, or
+                # it routes our weights by file for good.
+                await self._hello()
             self.learner_session = ann.learner_session
             resend = self.outbox.unconfirmed()
             for group in resend:
@@ -341,6 +345,11 @@ class Producer:
             log.error("%s: joining NCCL link epoch %d failed: %r", self.producer_id,
                       link["epoch"], e)
 
+    async def _hello(self) -> None:
+        await self.endpoint.send(Hello(producer_id=self.producer_id,
+                                       policy_version=self.tracker.version, pid=os.getpid(),
+                                       devices=self.devices))
+
     async def _send_ready(self, purpose: str, epoch: int, version: int) -> None:
         await self.endpoint.send(SyncReady(producer_id=self.producer_id, purpose=purpose,
                                            epoch=epoch, version=version))
@@ -362,9 +371,7 @@ class Producer:
 
     async def run(self) -> None:
         self.devices = await engine_devices(self.engine)
-        await self.endpoint.send(Hello(producer_id=self.producer_id,
-                                       policy_version=self.tracker.version, pid=os.getpid(),
-                                       devices=self.devices))
+        await self._hello()
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._listen())
