@@ -59,6 +59,25 @@ class ProducerInfo:
     route: str = "file"  # weight transport for this producer (sync.transfer)
 
 
+def snapshot_dir(configured: str, run_dir: Path, run_key: str, need_bytes: int,
+                 shm: Path = Path("/dev/shm")) -> Path:
+    """Where snapshots go: the configured dir, else shared memory (no disk I/O) when it has
+    room for ``need_bytes`` (the kept snapshots and the one being written), else run_dir.
+    Docker's default /dev/shm is 64 MB: the first snapshot write would fail there."""
+    if configured:
+        return Path(configured)
+    if shm.is_dir():
+        mine = shm / f"pipeline-grpo-{run_key}"  # a restarted learner reuses (and prunes) it
+        free = shutil.disk_usage(shm).free + sum(
+            f.stat().st_size for f in mine.rglob("*") if f.is_file())
+        if free >= need_bytes:
+            return mine
+        log.warning("%s has %.1f GB free, snapshots need %.1f GB: writing them under %s "
+                    "(set sync.snapshot_dir to choose)", shm, free / 1e9, need_bytes / 1e9,
+                    run_dir / "snapshots")
+    return run_dir / "snapshots"
+
+
 class Learner:
     def __init__(self, cfg: RunConfig, model_path: str, resume: bool = False):
         self.cfg = cfg
@@ -80,9 +99,12 @@ class Learner:
         # One snapshot dir per run (not per session): a learner restarted after kill -9 reuses
         # and prunes it instead of leaking the old one in shared memory.
         run_key = hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
-        self.snapshot_dir = Path(cfg.sync.snapshot_dir) if cfg.sync.snapshot_dir else (
-            Path("/dev/shm") / f"pipeline-grpo-{run_key}" if Path("/dev/shm").is_dir()
-            else self.run_dir / "snapshots")
+        model = self.trainer.model
+        # An upper bound (frozen tensors stay home); ZeRO-3 parameters hold ds_numel.
+        snapshot_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * \
+            self.trainer.snapshot_dtype.itemsize
+        self.snapshot_dir = snapshot_dir(cfg.sync.snapshot_dir, self.run_dir, run_key,
+                                         (cfg.sync.keep_snapshots + 1) * snapshot_bytes)
         self.snapshot: SnapshotRef | None = None  # the newest snapshot written (on offer)
         self._publishing: asyncio.Future | None = None  # the write + announce in flight
         self.producers: dict[str, ProducerInfo] = {}
