@@ -185,9 +185,12 @@ class Learner:
         task.add_done_callback(self._transfer_tasks.discard)
 
     def _gpu_routes(self) -> dict[str, str]:
+        """GPU routes of the producers alive now. A dead one gets no IPC export: torch keeps
+        an exported buffer until its user releases it, so one never opened would leak."""
+        now = time.monotonic()
         # list(): also called from the snapshot thread while the loop may add producers.
         return {p: i.route for p, i in list(self.producers.items())
-                if i.route in ("ipc", "nccl")}
+                if i.route in ("ipc", "nccl") and now - i.last_seen <= ALIVE_S}
 
     async def _receive(self) -> None:
         assert self.endpoint is not None
@@ -247,7 +250,8 @@ class Learner:
         routes = set(self._gpu_routes().values())
         if self.publisher is not None and routes:
             # The GPU copy first: producers on ipc/nccl can load it as soon as they hear of it.
-            self.publisher.publish(version, tensors, ipc="ipc" in routes)
+            self.publisher.publish(version, tensors,
+                                   ipc=[p for p, r in routes.items() if r == "ipc"])
         return {k: v.to("cpu", copy=True) for k, v in tensors.items()}
 
     def _write_snapshot(self, version: int, cpu: dict) -> SnapshotRef:

@@ -98,7 +98,7 @@ class Producer:
         self.budget = producer_budget(cfg.train.batch_groups, cfg.train.max_staleness,
                                       cfg.num_producers, index)
         self.transport = FileTransport(engine)
-        self.ipc = IpcTransport(engine)
+        self.ipc = IpcTransport(engine, self.producer_id)
         self.nccl = NcclTransport(engine, self._send_ready, s.nccl_timeout_s)
         self.devices: list[str] = []  # GPU UUID per worker, from sync_device_info
         self.stats = ProducerStats()

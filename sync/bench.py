@@ -181,11 +181,11 @@ class BenchSwapper:
             return await swap_with_fallback(barrier, "file", ref, self.file)
         t0 = time.perf_counter()
         await asyncio.to_thread(self.pub.publish, version, self.weights[s % len(self.weights)],
-                                self.transport == "ipc")
+                                ["bench"] if self.transport == "ipc" else [])
         publish_s = time.perf_counter() - t0
         transfer = self.pub.payload(version, {"bench": self.transport})
         if self.transport == "ipc":
-            ipc = IpcTransport(self.engine)
+            ipc = IpcTransport(self.engine, "bench")
             rep = await swap_with_fallback(barrier, "ipc", ref, self.file,
                                            load=partial(ipc.apply, version),
                                            prepare=partial(ipc.stage, ref, transfer))

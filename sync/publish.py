@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -104,7 +104,8 @@ class WeightPublisher:
         self.device = indexed_device(device, torch.cuda.current_device)
         self.gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         self.timeout_s, self.keep, self.max_link_failures = timeout_s, keep, max_link_failures
-        self._held: OrderedDict[int, tuple[torch.Tensor, Layout, dict | None]] = OrderedDict()
+        # version -> (packed buffer, layout, {producer id: IPC handle fields})
+        self._held: OrderedDict[int, tuple[torch.Tensor, Layout, dict[str, dict]]] = OrderedDict()
         self._lock = threading.Lock()
         self.links: dict[str, Link] = {}
         self.link_failures: dict[str, int] = {}
@@ -113,17 +114,23 @@ class WeightPublisher:
         self.send_failures = 0
 
     # ------------------------------------------------------------------ versions
-    def publish(self, version: int, tensors: dict[str, torch.Tensor], ipc: bool) -> float:
-        """Pack ``tensors`` (a copy) as ``version``; export an IPC handle if asked. Blocking (run
-        it in a thread); returns the seconds it took."""
+    def publish(self, version: int, tensors: dict[str, torch.Tensor],
+                ipc: Iterable[str] = ()) -> float:
+        """Pack ``tensors`` (a copy) as ``version``; export one IPC handle per producer in
+        ``ipc``. Blocking (run it in a thread); returns the seconds it took.
+
+        One handle each, not one shared: torch counts the users of an exported buffer per
+        export, and frees (or reuses) it once that count is 0 and we dropped it. With one
+        export and two producers, the first release would let a slower producer read reused
+        memory."""
         t0 = time.perf_counter()
         layout = plan_layout(tensors)
         with torch.cuda.device(self.device):
             flat = pack(tensors, layout, self.device)
             torch.cuda.current_stream(self.device).synchronize()
-            handle = ipc_export(flat, self.gpu_uuid) if ipc else None
+            handles = {pid: ipc_export(flat, self.gpu_uuid) for pid in ipc}
         with self._lock:
-            self._held[version] = (flat, layout, handle)
+            self._held[version] = (flat, layout, handles)
             while len(self._held) > self.keep:
                 self._held.popitem(last=False)
         torch.cuda.ipc_collect()  # free old buffers no producer maps any more
@@ -139,10 +146,12 @@ class WeightPublisher:
             entry = self._held.get(version)
         if entry is None or not routes:
             return {}
-        _flat, layout, handle = entry
+        _flat, layout, handles = entry
         out: dict[str, Any] = {"layout": layout_to_wire(layout)}
-        if handle is not None and "ipc" in routes.values():
-            out["ipc"] = handle
+        ipc = {pid: handles[pid] for pid, route in routes.items()
+               if route == "ipc" and pid in handles}
+        if ipc:
+            out["ipc"] = ipc  # {producer id: its own handle fields}
         offers = {pid: link.offer() for pid, link in self.links.items()
                   if routes.get(pid) == "nccl" and link.state in ("offered", "joining", "ready")}
         if offers:

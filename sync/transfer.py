@@ -96,9 +96,10 @@ def plan_route(route: str, transfer: dict[str, Any], producer_id: str, my_gpus: 
     """What a producer actually uses for an announced version: the learner's route if its payload
     is there and usable here, else ``file``, with the reason (logged by the caller)."""
     if route == "ipc":
-        ipc = transfer.get("ipc")
+        handles = transfer.get("ipc")
+        ipc = handles.get(producer_id) if isinstance(handles, dict) else None
         if not isinstance(ipc, dict) or "layout" not in transfer:
-            return "file", "announce has no IPC handle"
+            return "file", "announce has no IPC handle for this producer"
         if not my_gpus or any(g != ipc.get("gpu_uuid") for g in my_gpus):
             return "file", (f"IPC handle is for GPU {ipc.get('gpu_uuid')}, this engine is on "
                             f"{my_gpus or 'cpu'}")
@@ -145,10 +146,14 @@ class FileTransport(_Rpc):
 
 
 class IpcTransport(_Rpc):
+    def __init__(self, engine: Any, producer_id: str):
+        super().__init__(engine)
+        self.producer_id = producer_id  # whose handle in the payload's {producer id: handle}
+
     async def stage(self, ref: SnapshotRef, transfer: dict[str, Any]) -> dict[str, float]:
         """Open the learner's packed buffer for ``ref.version`` and check its layout (no copy,
         no pause needed). ``ref`` (the file snapshot) becomes the worker's rollback target."""
-        return await self._rpc("sync_ipc_stage", ref.version, transfer["ipc"],
+        return await self._rpc("sync_ipc_stage", ref.version, transfer["ipc"][self.producer_id],
                                transfer["layout"], ref.uri, ref.checksum)
 
 

@@ -117,7 +117,7 @@ async def _swap_under_load(e: EngineLoop, route: str, ref: SnapshotRef, transfer
                           load_timeout_s=120)
     file = FileTransport(e.engine)
     if route == "ipc":
-        ipc = IpcTransport(e.engine)
+        ipc = IpcTransport(e.engine, PID)
         report = await swap_with_fallback(barrier, "ipc", ref, file,
                                           load=partial(ipc.apply, ref.version),
                                           prepare=partial(ipc.stage, ref, transfer))
@@ -134,7 +134,7 @@ async def _swap_under_load(e: EngineLoop, route: str, ref: SnapshotRef, transfer
 
 def _publish(learner: Learner, weights: dict, which: str, version: int, route: str):
     tensors = {k: v.to(learner.pub.device) for k, v in weights[which].items()}
-    learner.pub.publish(version, tensors, ipc=route == "ipc")
+    learner.pub.publish(version, tensors, ipc=[PID] if route == "ipc" else [])
     ref = write_snapshot(weights[which], version, weights["dir"])
     return ref, learner.pub.payload(version, {PID: route})
 
@@ -188,7 +188,7 @@ def test_nccl_swap_under_load_matches_fresh_engine_and_survives_faults(eng, weig
     v = eng.next_version()
     old_ref = write_snapshot(weights["new"], v, weights["dir"])
     _ref, transfer = _publish(learner, weights, "base", v + 100, "nccl")  # holds v+100 only
-    learner.pub.publish(v + 101, {k: t.to("cuda:1") for k, t in weights["base"].items()}, False)
+    learner.pub.publish(v + 101, {k: t.to("cuda:1") for k, t in weights["base"].items()})
     report = eng.run(_swap_under_load(eng, "nccl", old_ref, transfer, nccl), timeout=600)
     assert report.ok and report.timings.get("fallback") == 1.0, report.error
     assert "no longer holds" in report.error and nccl.link is not None

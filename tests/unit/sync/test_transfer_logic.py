@@ -64,13 +64,15 @@ def _offer(uid: bytes = b"u" * 128, epoch: int = 3) -> dict:
     return {"epoch": epoch, "unique_id": uid, "world_size": 2, "rank_offset": 1}
 
 
-def test_plan_route_ipc_needs_the_handle_and_the_same_gpu():
-    ipc = {"gpu_uuid": A}
+def test_plan_route_ipc_needs_its_own_handle_and_the_same_gpu():
+    ipc = {"p0": {"gpu_uuid": A}}  # one handle per producer
     assert plan_route("ipc", {"ipc": ipc, "layout": []}, "p0", [A], None) == ("ipc", "")
     used, why = plan_route("ipc", {"ipc": ipc, "layout": []}, "p0", [B], None)
     assert used == "file" and A in why and B in why
     assert plan_route("ipc", {"layout": []}, "p0", [A], None)[0] == "file"
     assert plan_route("ipc", {"ipc": ipc, "layout": []}, "p0", [], None)[0] == "file"
+    used, why = plan_route("ipc", {"ipc": ipc, "layout": []}, "p1", [A], None)
+    assert used == "file" and "for this producer" in why  # another producer's handle
 
 
 def test_plan_route_nccl_needs_our_joined_offer():
@@ -119,10 +121,10 @@ def test_layout_wire_round_trip_through_a_real_announce_frame():
     ann = Announce(version=4, snapshot_uri="/x", snapshot_checksum="c", learner_session="s",
                    received={}, consumed={}, routes={"p0": "ipc"},
                    transfer={"layout": packing.layout_to_wire(layout),
-                             "ipc": _mock_ipc_fields()})
+                             "ipc": {"p0": _mock_ipc_fields()}})
     got = decode(encode(ann))
     assert packing.layout_from_wire(got.transfer["layout"]) == layout
-    assert packing.check_ipc_fields(got.transfer["ipc"]) == _mock_ipc_fields()
+    assert packing.check_ipc_fields(got.transfer["ipc"]["p0"]) == _mock_ipc_fields()
 
 
 @pytest.mark.parametrize("row, match", [
