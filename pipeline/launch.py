@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,6 +127,23 @@ def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
         log.info("learner stopped")
 
 
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _config_names_port(path: str) -> bool:
+    """Whether an accelerate config file sets main_process_port itself (then it is kept)."""
+    if not path:
+        return False
+    with contextlib.suppress(OSError, yaml.YAMLError):
+        data = yaml.safe_load(Path(path).read_text())
+        return isinstance(data, dict) and data.get("main_process_port") is not None
+    return False
+
+
 class LaunchedLearner:
     """The learner as ``accelerate launch ... -m pipeline.learner_main`` (``learner_processes``
     > 1 or an accelerate config), behind the slice of ``mp.Process`` that ``run`` uses: its own
@@ -141,14 +159,19 @@ class LaunchedLearner:
             # torchrun launcher: one process per GPU, or gloo on CPU (PolicyTrainer's
             # Accelerator(cpu=True)); accelerate's --cpu launcher would need mpirun.
             self.cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
-        self.cmd += ["-m", "pipeline.learner_main", str(Path(cfg.run_dir) / "config.yaml"),
+        self.args = ["-m", "pipeline.learner_main", str(Path(cfg.run_dir) / "config.yaml"),
                      "--model", model_path] + (["--resume"] if resume else [])
+        # torchrun's rendezvous port: accelerate's default (29500) is one per host, so a
+        # second multi-rank learner on the machine would fail; a free one per start instead.
+        self.own_port = not _config_names_port(t.accelerate_config)
         self.cfg = cfg
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        log.info("learner: %s", " ".join(self.cmd))
-        self.proc = subprocess.Popen(self.cmd, preexec_fn=_popen_setup,
+        cmd = self.cmd + (["--main_process_port", str(free_port())] if self.own_port else [])
+        cmd += self.args
+        log.info("learner: %s", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, preexec_fn=_popen_setup,
                                      env=os.environ | learner_gpu_env(self.cfg.learner_gpus))
 
     @property
