@@ -212,7 +212,8 @@ class SyncConfig:
                 "GPU broadcast); 'auto' picks per producer from its GPU: file on CPU, ipc on "
                 "the learner's GPU, nccl on another. The file is written every version anyway "
                 "(fallback and catch-up)")
-    snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run>, else run_dir)")
+    snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run> when "
+                                "keep_snapshots + 1 of them fit there, else run_dir/snapshots)")
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
     keep_snapshots: int = opt(2, "snapshot files kept on disk")
     retain_groups: int = opt(4096, "groups a producer keeps until the learner has checkpointed "
