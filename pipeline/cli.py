@@ -102,6 +102,9 @@ def parse(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, args = parse(argv)
+        # A pinned placement that rules out an explicit transport fails here, in one line,
+        # not as a silent file fallback once the engines are up.
+        cfg.sync.check_placement(cfg.learner_gpus, cfg.producer_gpus)
     except ConfigError as e:
         print(f"pipeline-train: config error: {e}", file=sys.stderr)
         return 2

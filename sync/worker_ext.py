@@ -214,6 +214,8 @@ class WeightSyncExtension:
 
     def sync_apply_staged(self, version: int) -> dict[str, Any]:
         """Load the staged snapshot into the model (call with the engine paused)."""
+        import torch
+
         staged = getattr(self, "_sync_staged", None)
         if staged is None or staged[0].version != version:
             raise SnapshotError(f"snapshot v{version} was not staged on this worker")
@@ -229,6 +231,10 @@ class WeightSyncExtension:
                                 f"weights restored") from None
         self._sync_last_good = ref
         del tensors, staged  # IPC views: the learner may reuse that memory from here on
+        if torch.cuda.is_available():
+            # A NCCL staging buffer (a whole model, outside vLLM's memory budget) goes back to
+            # the driver instead of sitting in this worker's allocator cache.
+            torch.cuda.empty_cache()
         return {"apply_s": time.perf_counter() - t0}
 
     def sync_load_snapshot(self, version: int, uri: str, checksum: str) -> dict[str, Any]:

@@ -80,3 +80,17 @@ def test_bind_check_only_for_the_learner_and_lifted_by_insecure(tiny_model, tmp_
         prepare(cfg, role="learner")
     cfg.insecure = True
     assert prepare(cfg, role="all") == str(tiny_model)
+
+
+def test_impossible_pinned_placement_is_a_config_error_fake_gpu_count(monkeypatch, capsys,
+                                                                      tmp_path):
+    """nccl with the producer on the learner's GPU is refused before anything starts (the GPU
+    count is faked: this machine has none)."""
+    import pipeline.config as config
+    from pipeline.cli import main
+
+    monkeypatch.setattr(config, "_cuda_device_count", lambda: 2)
+    code = main(["--model", "tiny", "--run-dir", str(tmp_path / "run"), "--sync.transport",
+                 "nccl", "--producer_gpus", '["0"]', "--learner_gpus", "0"])
+    assert code == 2
+    assert "sync.transport: producer_gpus[0]" in capsys.readouterr().err
