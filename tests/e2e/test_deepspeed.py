@@ -133,10 +133,11 @@ def _run(phase: str, out: Path, model_dir: str) -> None:
     torch.save(optimizer_state(tr), out / f"{phase}_optim_rank{tr.rank}.pt")
 
 
-def launch(config: str | None, n: int, phase: str, out: Path, model: Path, cpu: bool = True
-           ) -> None:
+def launch(config: str | None, n: int, phase: str, out: Path, model: Path, cpu: bool = True,
+           bf16_on_cpu: bool = False) -> None:
     """``phase`` of ``_run`` on ``n`` ranks with examples/accelerate/``config`` (None: one plain
-    process); on CPU with DeepSpeed's CPU accelerator and bf16 off, on GPUs as the yaml says."""
+    process); on CPU with DeepSpeed's CPU accelerator and bf16 off (unless ``bf16_on_cpu``), on
+    GPUs as the yaml says."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
@@ -145,7 +146,8 @@ def launch(config: str | None, n: int, phase: str, out: Path, model: Path, cpu: 
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "examples" / "accelerate" / config), "--num_processes", str(n),
-               "--num_machines", "1", *(["--mixed_precision", "no"] if cpu else []),
+               "--num_machines", "1",
+               *(["--mixed_precision", "no"] if cpu and not bf16_on_cpu else []),
                __file__, phase, str(out), str(model)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     (out / f"{phase}.log").write_text(proc.stdout + proc.stderr)
@@ -196,6 +198,20 @@ def test_zero_two_ranks_checkpoint_restores_every_rank(config, stage, plain, tin
     # every rank's optimiser state (a rank starting from empty Adam moments would differ).
     launch(config, 2, "resume", tmp_path, tiny_model)
     check_resume_equals_uninterrupted(tmp_path, ranks=2, rtol=1e-5, atol=1e-7)
+
+
+def test_zero3_bf16_checkpoint_resume_on_cpu(tiny_model, tmp_path, monkeypatch):
+    """The yaml's bf16, as on GPUs: DeepSpeed then names the optimiser partitions bf16_*, and a
+    resume must still restore them (checked on 2 H200s only up to the checkpoint, so here)."""
+    monkeypatch.setenv("PIPELINE_TEST_DTYPE", "bfloat16")
+    launch("zero3.yaml", 2, "fresh", tmp_path, tiny_model, bf16_on_cpu=True)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_2" / "deepspeed" / "zero"
+    names = sorted(p.name for p in ckpt.iterdir())
+    for r in (0, 1):
+        assert f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" in names, names
+    launch("zero3.yaml", 2, "resume", tmp_path, tiny_model, bf16_on_cpu=True)
+    check_resume_equals_uninterrupted(tmp_path, ranks=2, rtol=1e-3, atol=1e-6,
+                                      snap_tol=(1e-2, 1e-3))
 
 
 def hf_weights(model_dir: Path) -> dict:
