@@ -190,7 +190,10 @@ class SyncReady:
     """Producer -> learner, for the NCCL transport (a collective: both sides must take part).
 
     ``purpose`` "link": the producer is about to join link ``epoch`` (the learner joins too);
-    "weights": the producer is paused and waits on link ``epoch`` for ``version``."""
+    "weights": the producer is paused and waits on link ``epoch`` for ``version``;
+    "drop": the producer gave link ``epoch`` up (a join or receive failed or timed out on its
+    side), so the learner drops it too and offers a new one; without this the two sides could
+    disagree for good about whether the link is up."""
 
     producer_id: str
     purpose: str
@@ -634,8 +637,9 @@ def _decode_announce(b: dict[str, Any]) -> Announce:
 def _decode_sync_ready(b: dict[str, Any]) -> SyncReady:
     _fields(b, frozenset(("producer_id", "purpose", "epoch", "version")), "sync_ready")
     purpose = _str(b["purpose"], "sync_ready.purpose")
-    if purpose not in ("link", "weights"):
-        raise DecodeError(f"sync_ready.purpose: expected 'link' or 'weights', got {purpose!r}")
+    if purpose not in ("link", "weights", "drop"):
+        raise DecodeError(f"sync_ready.purpose: expected 'link', 'weights' or 'drop', got "
+                          f"{purpose!r}")
     return SyncReady(
         producer_id=_str(b["producer_id"], "sync_ready.producer_id"),
         purpose=purpose,

@@ -178,6 +178,9 @@ class Learner:
         if pub is None:
             log.warning("SyncReady from %s but no GPU transport here; ignored", msg.producer_id)
             return
+        if msg.purpose == "drop":
+            pub.drop(msg.producer_id, msg.epoch)
+            return
         coro = pub.join(msg.producer_id, msg.epoch) if msg.purpose == "link" else \
             pub.send(msg.producer_id, msg.epoch, msg.version)
         task = asyncio.get_running_loop().create_task(coro)

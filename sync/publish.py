@@ -79,6 +79,11 @@ def link_due(link: Link | None, alive: bool, now: float, timeout_s: float, failu
     return False
 
 
+def link_droppable(link: Link | None, epoch: int) -> bool:
+    """Whether a producer's "drop" of ``epoch`` applies to our link (not an older epoch's)."""
+    return link is not None and link.epoch == epoch and link.state != "dead"
+
+
 def permanent_link_error(e: BaseException) -> bool:
     """Whether a failed join will fail again the same way: an error of this process (a bad
     argument or device, no libnccl), not of the peer or the network (a timeout, a NCCL error).
@@ -201,9 +206,12 @@ class WeightPublisher:
         try:
             # ncclCommInitRank has no timeout; the thread is a daemon so a producer that dies
             # between its SyncReady and its own join leaks one thread, never the event loop.
-            link.comm = await asyncio.wait_for(asyncio.to_thread(
+            comm = await asyncio.wait_for(asyncio.to_thread(
                 nccl.connect, link.unique_id, 0, link.world_size, self.device), self.timeout_s)
-            link.state = "ready"
+            if link.state != "joining":  # the producer dropped it meanwhile
+                threading.Thread(target=nccl.abort, args=(comm,), daemon=True).start()
+                return
+            link.comm, link.state = comm, "ready"
             self.link_failures[producer_id] = 0
             log.info("NCCL link epoch %d to %s is up", epoch, producer_id)
         except Exception as e:  # any failure: the producer uses the file
@@ -213,6 +221,18 @@ class WeightPublisher:
                 self.link_failures[producer_id] = self.max_link_failures
                 log.error("no more NCCL links to %s: that error will repeat; its weights come "
                           "by file", producer_id)
+
+    def drop(self, producer_id: str, epoch: int) -> bool:
+        """The producer gave link ``epoch`` up: drop our end too (counted as a failure) so that
+        ``maintain`` offers a new one. Returns whether a live link was dropped."""
+        link = self.links.get(producer_id)
+        if not link_droppable(link, epoch):
+            return False
+        assert link is not None
+        self._fail(link, "the producer dropped it")
+        log.warning("NCCL link epoch %d: %s dropped it; a new one will be offered", epoch,
+                    producer_id)
+        return True
 
     async def send(self, producer_id: str, epoch: int, version: int) -> str:
         """Answer SyncReady("weights"): returns what was done (see ``ready_reply``)."""

@@ -43,6 +43,7 @@ same version, so nothing is lost; the ack carries ``fallback = 1``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -166,6 +167,7 @@ class NcclTransport(_Rpc):
         super().__init__(engine)
         self.send_ready, self.timeout_s = send_ready, timeout_s
         self.link: dict[str, Any] | None = None  # the offer this engine's workers joined
+        self._dropping: asyncio.Future | None = None  # a "drop" sent while being cancelled
 
     @property
     def joined(self) -> bytes | None:
@@ -191,6 +193,11 @@ class NcclTransport(_Rpc):
                                   self.timeout_s, ref.uri, ref.checksum)
         except Exception:
             self.link = None  # the worker aborted its communicator: the link is gone
+            await self.send_ready("drop", epoch, ref.version)
+            raise
+        except asyncio.CancelledError:  # the barrier's load timeout: the worker times out too
+            self.link = None
+            self._dropping = asyncio.ensure_future(self.send_ready("drop", epoch, ref.version))
             raise
         if got.get("refused"):
             raise RuntimeError(f"the learner no longer holds v{ref.version} (link kept)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from buffer.schema import Announce, Hello
+from buffer.schema import Announce, Hello, SyncReady
 from pipeline.config import load_config
 from pipeline.producer import Producer
 
@@ -43,3 +43,24 @@ def test_restarted_learner_gets_a_new_hello_with_our_gpus_fake_endpoint(tmp_path
         assert len(hellos) == 1 and hellos[0].devices == ["GPU-uuid-0"]
 
     asyncio.run(run())
+
+
+class FailingJoinEngine:
+    """collective_rpc fails the worker's NCCL join (as a learner that never joins would)."""
+
+    async def collective_rpc(self, method: str, args: tuple = ()):
+        raise RuntimeError(f"fake {method} failed")
+
+
+def test_failed_nccl_join_tells_the_learner_to_drop_the_link_fake_engine(tmp_path):
+    cfg = load_config(overrides={"run_dir": str(tmp_path)})
+    endpoint = RecordingEndpoint()
+    producer = Producer(cfg, 0, FailingJoinEngine(), None, endpoint, None, Cursor())
+    offer = {"epoch": 5, "unique_id": b"u" * 128, "world_size": 2, "rank_offset": 1}
+    ann = Announce(version=0, snapshot_uri="", snapshot_checksum="", learner_session="s",
+                   received={}, consumed={}, routes={"p0": "nccl"},
+                   transfer={"layout": [], "nccl": {"p0": offer}})
+    asyncio.run(producer._apply_announce(ann))
+    ready = [(m.purpose, m.epoch) for m in endpoint.sent if isinstance(m, SyncReady)]
+    assert ready == [("link", 5), ("drop", 5)]
+    assert producer.nccl.link is None

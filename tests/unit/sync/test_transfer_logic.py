@@ -17,7 +17,14 @@ from buffer.schema import Announce, SyncReady, decode, encode
 from sync import packing
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.nccl import LinkError, NcclUnavailable
-from sync.publish import Link, indexed_device, link_due, permanent_link_error, ready_reply
+from sync.publish import (
+    Link,
+    indexed_device,
+    link_droppable,
+    link_due,
+    permanent_link_error,
+    ready_reply,
+)
 from sync.snapshot import SnapshotRef
 from sync.transfer import (
     FileTransport,
@@ -274,6 +281,8 @@ def test_nccl_receive_runs_inside_the_pause_with_mock_engine():
 def test_failed_nccl_receive_falls_back_to_the_file_with_mock_engine():
     engine, sent = MockEngine(fail={"sync_nccl_receive"}), []
     rep, barrier, nccl = _swap_with(engine, "nccl", sent)
+    # ... and tells the learner to drop its end (it would keep a link we no longer hold).
+    assert sent == [("weights", 3, 1), ("drop", 3, 1)]
     assert rep.ok and rep.version == 1 and rep.timings["fallback"] == 1.0
     assert "nccl failed" in rep.error and "mock sync_nccl_receive failed" in rep.error
     assert barrier.failures == 1 and barrier.swaps == 1  # counted, then recovered by file
@@ -317,3 +326,15 @@ def test_permanent_link_errors_stop_offers_transient_ones_retry():
         assert not permanent_link_error(e), e
     # ... and a producer at max_link_failures gets no further offer.
     assert not link_due(None, alive=True, now=0.0, timeout_s=30.0, failures=3, max_failures=3)
+
+
+def test_a_producer_drop_applies_to_its_live_link_of_that_epoch_only():
+    link = Link("p0", 4, b"u" * 128, 2)
+    for state in ("offered", "joining", "ready"):
+        link.state = state
+        assert link_droppable(link, 4)
+    assert not link_droppable(link, 3)  # an older epoch's drop arriving late
+    link.state = "dead"
+    assert not link_droppable(link, 4) and not link_droppable(None, 4)
+    msg = SyncReady(producer_id="p0", purpose="drop", epoch=4, version=0)
+    assert decode(encode(msg)) == msg
