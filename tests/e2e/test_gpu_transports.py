@@ -98,6 +98,9 @@ class Learner:
                                       version=version)))
         if not self.answer:
             return  # a learner that is dead or late
+        if msg.purpose == "drop":  # as pipeline's learner: drop our end, offer anew later
+            self.pub.drop(PID, msg.epoch)
+            return
         coro = self.pub.join(PID, msg.epoch) if msg.purpose == "link" else \
             self.pub.send(PID, msg.epoch, msg.version)
         self.tasks.append(asyncio.get_running_loop().create_task(coro))
