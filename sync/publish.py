@@ -29,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -48,7 +48,10 @@ class Link:
     unique_id: bytes
     world_size: int
     state: LinkState = "offered"
-    since: float = field(default_factory=time.monotonic)
+    # When an announce first carried the offer (None: not yet). An offer expires only counted
+    # from there: before the first snapshot no announce carries it, and re-minting it every
+    # timeout_s would leak a NCCL bootstrap thread per unused unique id.
+    since: float | None = None
     comm: Any = None
     error: str = ""
 
@@ -73,7 +76,7 @@ def link_due(link: Link | None, alive: bool, now: float, timeout_s: float, failu
         return False
     if link is None or link.state == "dead":
         return True
-    if link.state == "offered" and now - link.since > timeout_s:
+    if link.state == "offered" and link.since is not None and now - link.since > timeout_s:
         link.state, link.error = "dead", "offer not taken up in time"
         return True
     return False
@@ -157,8 +160,12 @@ class WeightPublisher:
                if route == "ipc" and pid in handles}
         if ipc:
             out["ipc"] = ipc  # {producer id: its own handle fields}
-        offers = {pid: link.offer() for pid, link in self.links.items()
-                  if routes.get(pid) == "nccl" and link.state in ("offered", "joining", "ready")}
+        offers = {}
+        for pid, link in list(self.links.items()):
+            if routes.get(pid) == "nccl" and link.state in ("offered", "joining", "ready"):
+                offers[pid] = link.offer()
+                if link.since is None:
+                    link.since = time.monotonic()  # the offer's clock starts now
         if offers:
             out["nccl"] = offers
         return out

@@ -220,6 +220,9 @@ def test_link_due_offers_retries_and_gives_up():
     assert link_due(offered, True, now, 30, 0, 3) and offered.state == "dead"
     fresh = Link("p0", 1, b"", 2, since=now)
     assert not link_due(fresh, True, now, 30, 0, 3)
+    unannounced = Link("p0", 1, b"", 2)  # no announce carried it yet: it does not expire
+    assert not link_due(unannounced, True, now + 3600, 30, 0, 3)
+    assert unannounced.state == "offered"
     assert not link_due(Link("p0", 1, b"", 2, state="ready"), True, now, 30, 0, 3)
 
 
