@@ -250,7 +250,7 @@ class Learner:
     def _capture_snapshot(self, version: int) -> dict:
         """Copy the weights out of the model (the next step may change them at once)."""
         tensors = self.trainer.snapshot_tensors()
-        routes = set(self._gpu_routes().values())
+        routes = self._gpu_routes()
         if self.publisher is not None and routes:
             # The GPU copy first: producers on ipc/nccl can load it as soon as they hear of it.
             self.publisher.publish(version, tensors,
