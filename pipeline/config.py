@@ -417,9 +417,14 @@ def _is_dataclass_type(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+def _base_types(tp: Any) -> set:
+    """The member types of ``A | B`` (``{tp}`` for a plain type)."""
+    return set(typing.get_args(tp)) if isinstance(tp, types.UnionType) else {tp}
+
+
 def _as_float(value: Any, tp: Any, option: str) -> Any:
     """A float option given as ``5e-5`` (YAML 1.1 reads that as a string) or ``1`` -> float."""
-    base = set(typing.get_args(tp)) if isinstance(tp, types.UnionType) else {tp}
+    base = _base_types(tp)
     if float not in base or isinstance(value, bool):
         return value
     if isinstance(value, int):
@@ -507,11 +512,9 @@ def parse_value(text: str, tp: Any, option: str) -> Any:
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{option}: cannot parse {text!r}: {e}") from None
-    base = {a for a in typing.get_args(tp)} if isinstance(tp, types.UnionType) else {tp}
-    if str in base and not isinstance(value, str) and value is not None:
+    if str in _base_types(tp) and not isinstance(value, str) and value is not None:
         value = text
-    if float in base and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+    # Numbers for float options (1, 5e-5) are made floats by _build, for files and CLI alike.
     if typing.get_origin(tp) is Literal:
         value = text
     return value
