@@ -184,6 +184,7 @@ class WeightSyncExtension:
                 raise SnapshotError(f"v{version}: learner sends v{got_version} of {size} bytes, "
                                     f"expected {total_bytes(layout)} bytes")
             flat = torch.empty(size, dtype=torch.uint8, device=dev)
+            self._sync_gpu_staging = True  # released to the driver after the apply
             nccl.timed_broadcast(comm, flat, deadline=deadline, what=f"weights of v{version}")
         except Exception:
             self._sync_nccl = None
@@ -214,8 +215,6 @@ class WeightSyncExtension:
 
     def sync_apply_staged(self, version: int) -> dict[str, Any]:
         """Load the staged snapshot into the model (call with the engine paused)."""
-        import torch
-
         staged = getattr(self, "_sync_staged", None)
         if staged is None or staged[0].version != version:
             raise SnapshotError(f"snapshot v{version} was not staged on this worker")
@@ -231,9 +230,13 @@ class WeightSyncExtension:
                                 f"weights restored") from None
         self._sync_last_good = ref
         del tensors, staged  # IPC views: the learner may reuse that memory from here on
-        if torch.cuda.is_available():
-            # A NCCL staging buffer (a whole model, outside vLLM's memory budget) goes back to
-            # the driver instead of sitting in this worker's allocator cache.
+        if getattr(self, "_sync_gpu_staging", False):
+            # The NCCL staging buffer (a whole model, outside vLLM's memory budget) goes back to
+            # the driver instead of sitting in this worker's allocator cache. Only then: the
+            # call synchronises the device, inside the pause.
+            import torch
+
+            self._sync_gpu_staging = False
             torch.cuda.empty_cache()
         return {"apply_s": time.perf_counter() - t0}
 
