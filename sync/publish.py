@@ -106,6 +106,12 @@ def indexed_device(device: torch.device | str, current: Callable[[], int]) -> to
     return device
 
 
+def _abort_in_thread(comm: Any) -> None:
+    """Abort a communicator without blocking the caller (an abort can wait on the peer)."""
+    if comm is not None:
+        threading.Thread(target=nccl.abort, args=(comm,), daemon=True).start()
+
+
 class WeightPublisher:
     def __init__(self, device: torch.device | str, *, timeout_s: float = 30.0, keep: int = 2,
                  max_link_failures: int = 3):
@@ -194,8 +200,7 @@ class WeightPublisher:
 
     def _drop(self, link: Link) -> None:
         comm, link.comm = link.comm, None
-        if comm is not None:
-            threading.Thread(target=nccl.abort, args=(comm,), daemon=True).start()
+        _abort_in_thread(comm)
 
     def _fail(self, link: Link, error: str) -> None:
         link.state, link.error = "dead", error
@@ -216,7 +221,7 @@ class WeightPublisher:
             comm = await asyncio.wait_for(asyncio.to_thread(
                 nccl.connect, link.unique_id, 0, link.world_size, self.device), self.timeout_s)
             if link.state != "joining":  # the producer dropped it meanwhile
-                threading.Thread(target=nccl.abort, args=(comm,), daemon=True).start()
+                _abort_in_thread(comm)
                 return
             link.comm, link.state = comm, "ready"
             self.link_failures[producer_id] = 0
