@@ -344,8 +344,6 @@ class Producer:
             self._failed_links.add(link["unique_id"])
             log.error("%s: joining NCCL link epoch %d failed: %r", self.producer_id,
                       link["epoch"], e)
-            # The learner may have joined its end after all: make it drop it and offer anew.
-            await self._send_ready("drop", link["epoch"], 0)
 
     async def _hello(self) -> None:
         await self.endpoint.send(Hello(producer_id=self.producer_id,

@@ -177,9 +177,22 @@ class NcclTransport(_Rpc):
         """Join link ``link['epoch']`` (the learner joins when it gets our SyncReady)."""
         self.link = None
         await self.send_ready("link", link["epoch"], 0)
-        await self._rpc("sync_nccl_join", link["epoch"], link["unique_id"], link["rank_offset"],
-                        link["world_size"], self.timeout_s)
+        try:
+            await self._rpc("sync_nccl_join", link["epoch"], link["unique_id"],
+                            link["rank_offset"], link["world_size"], self.timeout_s)
+        except (Exception, asyncio.CancelledError) as e:
+            await self._give_up(link["epoch"], 0, e)  # the learner may have joined its end
+            raise
         self.link = link
+
+    async def _give_up(self, epoch: int, version: int, e: BaseException) -> None:
+        """Forget link ``epoch`` and tell the learner ("drop"), so it drops its end and offers
+        a new one instead of keeping a link we no longer hold."""
+        self.link = None
+        if isinstance(e, asyncio.CancelledError):  # being cancelled (a timeout): no awaiting
+            self._dropping = asyncio.ensure_future(self.send_ready("drop", epoch, version))
+        else:
+            await self.send_ready("drop", epoch, version)
 
     async def receive_and_apply(self, ref: SnapshotRef, transfer: dict[str, Any]
                                 ) -> dict[str, float]:
@@ -191,13 +204,9 @@ class NcclTransport(_Rpc):
         try:
             got = await self._rpc("sync_nccl_receive", ref.version, epoch, transfer["layout"],
                                   self.timeout_s, ref.uri, ref.checksum)
-        except Exception:
-            self.link = None  # the worker aborted its communicator: the link is gone
-            await self.send_ready("drop", epoch, ref.version)
-            raise
-        except asyncio.CancelledError:  # the barrier's load timeout: the worker times out too
-            self.link = None
-            self._dropping = asyncio.ensure_future(self.send_ready("drop", epoch, ref.version))
+        except (Exception, asyncio.CancelledError) as e:
+            # The worker aborted its communicator (or will, at its own timeout): link gone.
+            await self._give_up(epoch, ref.version, e)
             raise
         if got.get("refused"):
             raise RuntimeError(f"the learner no longer holds v{ref.version} (link kept)")
