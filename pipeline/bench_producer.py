@@ -40,19 +40,24 @@ def _prompts(tokenizer: Any, n: int) -> list[list[int]]:
             for r in make_arithmetic_prompts(n, seed=1234)]
 
 
-def _sampling(args: argparse.Namespace, n: int, streaming: str | None, logprobs: bool = False
-              ) -> Any:
+def _sampling(args: argparse.Namespace, n: int, kind: Any = None, logprobs: bool = False,
+              detokenize: bool = True) -> Any:
+    """Every request of this benchmark: ``n`` completions of exactly ``--max-tokens`` tokens;
+    ``logprobs``: the sampled token's logprob (flat), as the producer asks for it."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
 
-    if streaming:  # exactly the parameters of Producer._run_group (one request per completion)
-        kind = RequestOutputKind.FINAL_ONLY if streaming == "final" else RequestOutputKind.DELTA
-        return SamplingParams(n=1, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
-                              ignore_eos=True, logprobs=0, seed=None, output_kind=kind,
-                              detokenize=False, flat_logprobs=True)
+    extra = {} if kind is None else {"output_kind": kind}  # None: LLM.generate sets its own
     return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
                           ignore_eos=True, logprobs=0 if logprobs else None,
-                          flat_logprobs=logprobs)
+                          flat_logprobs=logprobs, detokenize=detokenize, **extra)
+
+
+def _producer_sampling(args: argparse.Namespace, stream: str) -> Any:
+    """Exactly the parameters of Producer._run_group (one request per completion)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind.FINAL_ONLY if stream == "final" else RequestOutputKind.DELTA
+    return _sampling(args, 1, kind, logprobs=True, detokenize=False)
 
 
 def _wait_children(timeout: float = 30.0) -> None:
@@ -80,7 +85,7 @@ def bench_offline(args, model_path: Path, kw: dict, prompts: list[list[int]]
     try:
         for label, logprobs in (("offline", False), ("offline+logprobs", True))[
                 :2 if args.offline_logprobs else 1]:
-            sp = _sampling(args, args.group_size, False, logprobs=logprobs)
+            sp = _sampling(args, args.group_size, logprobs=logprobs)
             llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)  # warm-up
             t0 = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -113,7 +118,7 @@ def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
                 mcfg = dataclasses.replace(cfg, generation=gen)
                 # No endpoint, rewards or prompt source: only the generation path is exercised.
                 producer = Producer(mcfg, 0, engine, tokenizer, None, None, None)
-                sp = _sampling(args, 1, mode)
+                sp = _producer_sampling(args, mode)
                 await producer._generate_one(f"warmup-{mode}", prompts[0], sp)
                 t0 = time.perf_counter()
                 results = await asyncio.gather(*(
@@ -143,13 +148,10 @@ async def _async_ablations(args, engine: Any, prompts: list[list[int]]) -> None:
     (c) G requests of n=1, FINAL_ONLY, no detokenisation, no logprobs;
     (d) as (c) with flat sampled-token logprobs (the producer's request, minus our Python);
     (e) n=G, FINAL_ONLY, no detokenisation, flat logprobs (one request per group)."""
-    from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     def sp(n: int, kind: Any, logprobs: bool, detok: bool) -> Any:
-        return SamplingParams(n=n, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0,
-                              ignore_eos=True, output_kind=kind, detokenize=detok,
-                              logprobs=0 if logprobs else None, flat_logprobs=logprobs)
+        return _sampling(args, n, kind, logprobs=logprobs, detokenize=detok)
 
     final, delta, g = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA, args.group_size
     cases = [("(a) n=G   FINAL_ONLY detok, no logprobs", sp(g, final, False, True), g),
