@@ -505,21 +505,16 @@ def _versions() -> dict[str, str | None]:
     return out
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
     """Fill ``result`` (also on failure: what was measured until then)."""
     rec = Recorder()
     if args.vllm_mode == "colocate" and not os.environ.get("MASTER_PORT"):
         # vLLM's external_launcher rendezvous uses MASTER_PORT; on CPU accelerate would pin it to
         # 29500, which another job on the machine may hold.
+        from pipeline.launch import free_port
+
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     out_dir = args.out.resolve().parent
     workdir = args.workdir or out_dir / f"{args.out.stem}.trl"
     server: VllmServer | None = None

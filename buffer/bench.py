@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import socket
 import time
 
 import numpy as np
 
 from buffer.schema import Completion, Hello, RolloutGroup
 from buffer.store import RolloutBuffer
-from buffer.transport import LearnerEndpoint, ProducerEndpoint, Receiver
+from buffer.transport import LearnerEndpoint, ProducerEndpoint, Receiver, free_tcp_port_pair
 
 
 def make_group(i: int, completions: int, tokens: int, prompt_tokens: int,
@@ -43,21 +42,6 @@ def make_group(i: int, completions: int, tokens: int, prompt_tokens: int,
         timing={"admitted_at": time.time(), "generated_s": 1.0, "reward_s": 0.01},
         metadata={"seq": i},
     )
-
-
-def _free_port() -> int:
-    # Two consecutive ports: addr (PULL) and addr+1 (PUB).
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free pair of TCP ports")
 
 
 def _producer(addr: str, n: int, completions: int, tokens: int, prompt_tokens: int) -> None:
@@ -110,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=32, help="groups per get_batch")
     args = p.parse_args(argv)
 
-    addr = f"tcp://127.0.0.1:{_free_port()}"
+    addr = f"tcp://127.0.0.1:{free_tcp_port_pair()}"
     proc = mp.get_context("spawn").Process(
         target=_producer,
         args=(addr, args.groups, args.completions, args.tokens, args.prompt_tokens),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +54,24 @@ def derive_pub_addr(addr: str) -> str:
     if addr.startswith(("ipc://", "inproc://")):
         return addr + ".pub"
     raise ValueError(f"unsupported ZeroMQ address {addr!r} (use tcp://, ipc:// or inproc://)")
+
+
+def free_tcp_port_pair(host: str = "127.0.0.1") -> int:
+    """A free TCP port P on ``host`` with P+1 free too: ``tcp://host:P`` for the learner's PULL
+    socket and, by ``derive_pub_addr``, P+1 for its PUB socket (tests and benchmarks)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind((host, 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as b:
+                try:
+                    b.bind((host, port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError(f"no free pair of TCP ports on {host}")
 
 
 def _is_loopback(addr: str) -> bool:

@@ -10,7 +10,6 @@ tests/unit/buffer/test_buffer_transport.py, not in the launcher's config.)
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
@@ -18,31 +17,15 @@ from conftest import assert_no_process_left
 from test_faults import Launcher, _assert_gone, _metrics
 
 from buffer.store import RolloutBuffer
+from buffer.transport import free_tcp_port_pair
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port_pair() -> int:
-    """A free TCP port P on 127.0.0.1 with P+1 free too (the learner's PUB socket)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise RuntimeError("no free pair of TCP ports on 127.0.0.1")
 
 
 def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monkeypatch):
     tag = f"roles{time.time_ns()}"
     monkeypatch.setenv("PIPELINE_TEST_RUN", tag)  # inherited by every launcher and its children
-    port = _free_port_pair()
+    port = free_tcp_port_pair()
     steps = 3
     common = ("--mode", "async", "--max-staleness", "2", "--steps", str(steps),
               "--sync.snapshot_dir", str(tmp_path / "shared_snapshots"))
