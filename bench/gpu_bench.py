@@ -80,6 +80,18 @@ class RunResult:
     note: str = ""
 
 
+def _nvml_handles() -> tuple[Any, list]:
+    """(pynvml, a handle per visible GPU), or (None, []) where there is no NVIDIA driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i)
+                        for i in range(pynvml.nvmlDeviceGetCount())]
+    except Exception:
+        return None, []
+
+
 class GpuSampler:
     """NVML utilization of every visible GPU every ``period`` s, in a daemon thread."""
 
@@ -88,15 +100,8 @@ class GpuSampler:
         self.samples: list[tuple[float, list[int]]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
-                             for i in range(pynvml.nvmlDeviceGetCount())]
-            self._nvml = pynvml
-        except Exception:  # no NVIDIA driver (CPU machines): busy fractions are n/a
-            self._handles, self._nvml = [], None
+        # No NVIDIA driver (CPU machines): no handles, busy fractions are n/a.
+        self._nvml, self._handles = _nvml_handles()
 
     def __enter__(self) -> GpuSampler:
         if self._handles:
@@ -280,13 +285,8 @@ def wait_gpus_free(timeout: float = 60.0, max_used_gib: float = 2.0) -> dict[int
     """Wait until every GPU holds at most ``max_used_gib`` (the previous run's processes have
     released theirs); returns {gpu: GiB used} of those still above it (empty: all free, or no
     NVML). Each run then starts on empty GPUs, as the ones before it did."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
-                   for i in range(pynvml.nvmlDeviceGetCount())]
-    except Exception:  # no NVIDIA driver: nothing to wait for
+    pynvml, handles = _nvml_handles()
+    if not handles:  # no NVIDIA driver: nothing to wait for
         return {}
     deadline = time.monotonic() + timeout
     while True:
