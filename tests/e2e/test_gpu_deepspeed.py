@@ -26,6 +26,7 @@ from test_deepspeed import (
     check_full_snapshot,
     check_resume_equals_uninterrupted,
     launch,
+    optim_states,
 )
 
 
@@ -44,12 +45,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def optim_states(rank: int) -> str:
-    """A rank's optimiser partition file; DeepSpeed prefixes it with bf16_ under bf16 (as the
-    shipped configs run on GPUs; the CPU tests run without bf16 and have no prefix)."""
-    return f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +90,7 @@ def test_zero_two_gpus_snapshot_checkpoint_resume(config, stage, plain, model_05
     ckpt = tmp_path / "run" / "checkpoints" / "step_2" / "deepspeed" / "zero"
     names = sorted(p.name for p in ckpt.iterdir())
     for r in (0, 1):
-        assert optim_states(r) in names, names
+        assert optim_states(r, bf16=True) in names, names
 
     launch(config, 2, "resume", tmp_path, model_05b, cpu=False)
     # Same kernels, same batch: near bit-exact (CUDA's embedding backward is not: fp32 noise,
@@ -135,7 +130,7 @@ def test_pipeline_train_two_gpu_learner_then_resume(config, transport, model_05b
     if config.startswith("zero3"):
         shards = {p.name for p in (ckpt / "deepspeed" / "zero").iterdir()}
         for r in (0, 1):  # ZeRO-3: each rank's parameter and optimiser partitions
-            assert optim_states(r) in shards, shards
+            assert optim_states(r, bf16=True) in shards, shards
             assert f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" in shards, shards
     version = json.loads((ckpt / "state.json").read_text())["version"]
     assert version >= 2
