@@ -371,6 +371,7 @@ class Producer:
 
     async def run(self) -> None:
         self.devices = await engine_devices(self.engine)
+        log.info("%s: engine ready; waiting for the learner's first announce", self.producer_id)
         await self._hello()
         try:
             async with asyncio.TaskGroup() as tg:

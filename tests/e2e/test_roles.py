@@ -30,13 +30,21 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
     common = ("--mode", "async", "--max-staleness", "2", "--steps", str(steps),
               "--sync.snapshot_dir", str(tmp_path / "shared_snapshots"))
     learner_dir = tmp_path / "learner"
-    learner = Launcher(tiny_model, learner_dir, *common, "--role", "learner",
-                       "--addr", f"tcp://127.0.0.1:{port}")
+    # Producers first, as an operator would start remote nodes; their sockets connect before the
+    # learner binds. The learner starts once both engines are up, so both producers' groups
+    # reach its 3 short steps (a learner started first could fill them from whichever engine
+    # came up first).
     producers = [Launcher(tiny_model, tmp_path / f"producer{k}", *common, "--role", "producer",
                           "--connect", f"127.0.0.1:{port}", "--producer-index", str(k))
                  for k in range(2)]
-    everyone = [learner, *producers]
+    everyone = list(producers)
     try:
+        for k, p in enumerate(producers):
+            p.wait_for(lambda p=p: any("engine ready" in ln for ln in list(p.lines)), 300,
+                       f"producer {k}'s engine")
+        learner = Launcher(tiny_model, learner_dir, *common, "--role", "learner",
+                           "--addr", f"tcp://127.0.0.1:{port}")
+        everyone.append(learner)
         assert learner.wait(480) == 0, learner.tail()
         finished_at = time.monotonic()
         # Producers learn from the learner's last announce that the run is over, and exit 0.
