@@ -32,7 +32,7 @@ from pipeline.config import (
     producer_gpu_env,
     to_dict,
 )
-from pipeline.shm import list_segments, reclaim_orphans
+from pipeline.shm import forget_tracked, list_segments, reclaim_orphans
 
 log = logging.getLogger("pipeline")
 
@@ -326,7 +326,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     _stop(p, signal.SIGKILL)
                     p.join(5)
                     _wait_group_gone(p.pid)  # its engine core may still hold the segments
-                    reclaim_orphans(shm_before)
+                    forget_tracked(reclaim_orphans(shm_before))
                     new = ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
                                       name=f"producer{i}")
                     new.start()
@@ -347,5 +347,5 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         for p in producers.values():
             _stop(p, signal.SIGTERM)
         _reap(procs, grace_s=20.0)
-        reclaim_orphans(shm_before)
+        forget_tracked(reclaim_orphans(shm_before))
     return code

@@ -68,3 +68,19 @@ def reclaim_orphans(before: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
         log.info("removed %d shared-memory segment(s) left by dead engine processes",
                  len(orphans))
     return orphans
+
+
+def forget_tracked(names: list[str]) -> None:
+    """Tell this process's multiprocessing resource tracker that ``names`` are gone.
+
+    Every process the launcher spawns (producers, their vLLM engine cores) shares the launcher's
+    tracker, which records each segment they create. For a segment that reclaim_orphans removed,
+    the tracker would otherwise try to unlink it again when the launcher exits and print two
+    alarming "leaked shared_memory" / "No such file" warnings. Registering first makes the
+    unregister safe for a name the tracker never saw (it raises on unknown names).
+    """
+    from multiprocessing import resource_tracker
+
+    for name in names:
+        resource_tracker.register(f"/{name}", "shared_memory")
+        resource_tracker.unregister(f"/{name}", "shared_memory")

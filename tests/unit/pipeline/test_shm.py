@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from pipeline.shm import list_segments, reclaim_orphans
 
@@ -45,3 +50,40 @@ def test_an_open_descriptor_also_counts_as_in_use(tmp_path):
 def test_missing_directory_is_not_an_error(tmp_path):
     assert list_segments(tmp_path / "nope") == set()
     assert reclaim_orphans(set(), tmp_path / "nope") == []
+
+
+_TRACKED = """
+import multiprocessing as mp, os, sys
+from multiprocessing import shared_memory
+from pipeline.shm import forget_tracked
+
+def child(conn):
+    seg = shared_memory.SharedMemory(create=True, size=64)  # registered with the parent's tracker
+    conn.send(seg.name)
+    os._exit(0)  # dies like a killed engine core: no unlink, no unregister
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=child, args=(there,))
+    p.start()
+    name = here.recv()
+    p.join()
+    os.unlink(f"/dev/shm/{name}")  # what reclaim_orphans does
+    if sys.argv[1] == "forget":
+        forget_tracked([name])
+"""
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_forget_tracked_silences_the_shared_trackers_double_unlink(forget, tmp_path):
+    """Real spawn children and the real resource tracker: without forget_tracked the launcher's
+    exit prints the two warnings users saw at the end of every run."""
+    script = tmp_path / "tracked.py"
+    script.write_text(_TRACKED)
+    out = subprocess.run([sys.executable, str(script), "forget" if forget else "keep"],
+                         capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[3],
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
+    assert out.returncode == 0, out.stderr
+    assert ("resource_tracker" in out.stderr) is not forget, out.stderr
