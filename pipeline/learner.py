@@ -253,8 +253,14 @@ class Learner:
         routes = self._gpu_routes()
         if self.publisher is not None and routes:
             # The GPU copy first: producers on ipc/nccl can load it as soon as they hear of it.
-            self.publisher.publish(version, tensors,
-                                   ipc=[p for p, r in routes.items() if r == "ipc"])
+            try:
+                self.publisher.publish(version, tensors,
+                                       ipc=[p for p, r in routes.items() if r == "ipc"])
+            except Exception as e:  # e.g. no GPU memory for the packed copy: the file still works
+                self.counters["gpu_publish_failures"] = \
+                    self.counters.get("gpu_publish_failures", 0) + 1
+                log.error("v%d: GPU copy for ipc/nccl producers failed (%r); they load it from "
+                          "the snapshot file", version, e)
         return {k: v.to("cpu", copy=True) for k, v in tensors.items()}
 
     def _write_snapshot(self, version: int, cpu: dict) -> SnapshotRef:

@@ -64,12 +64,35 @@ def _known_id_group(rank: int, world_size: int, uid: Any) -> Any:
     return _KnownIdGroup(rank=rank, world_size=world_size, store=None)  # type: ignore[arg-type]
 
 
+@contextlib.contextmanager
+def keep_current_stream(device: torch.device | int, *, get: Any = None, put: Any = None):
+    """Restore this thread's current CUDA stream on exit.
+
+    vLLM's ``current_stream()`` (called by PyNcclCommunicator's constructor) sets a fresh
+    non-blocking stream as the calling thread's current stream the first time a thread calls it,
+    for good. On the learner that thread is a pooled worker thread that later runs a training
+    step or a snapshot copy: its kernels would run unordered with the other threads' default
+    stream, and a snapshot could read half-updated weights. ``get``/``put`` are for tests."""
+    get = get or torch.cuda.current_stream
+    put = put or (lambda s: torch.cuda.set_stream(s))  # vLLM patches set_stream: late lookup
+    prev = get(device)
+    try:
+        yield
+    finally:
+        put(prev)
+
+
 def connect(unique_id: bytes, rank: int, world_size: int, device: torch.device | int) -> Any:
-    """Join the link as ``rank`` (blocks until all ranks have joined)."""
+    """Join the link as ``rank`` (blocks until all ranks have joined).
+
+    On rank 0 vLLM's constructor also draws a unique id of its own that we then replace, which
+    leaves one idle NCCL bootstrap thread and listening socket per link in this process (links
+    are made once per producer, and again only after a failure)."""
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
     group = _known_id_group(rank, world_size, unique_id_from_bytes(unique_id))
-    comm = PyNcclCommunicator(group, device=device)
+    with keep_current_stream(device):
+        comm = PyNcclCommunicator(group, device=device)
     if comm.disabled:
         raise NcclUnavailable("NCCL is not available in this process (no libnccl, or world "
                               "size 1)")
@@ -87,6 +110,8 @@ def abort(comm: Any) -> None:
 def timed_broadcast(comm: Any, tensor: torch.Tensor, *, deadline: float, what: str) -> None:
     """Broadcast from rank 0 into/out of ``tensor``; abort ``comm`` and raise if it does not
     complete before ``deadline`` (time.monotonic)."""
+    if getattr(comm, "disabled", False):  # aborted (a drop, a restart): vLLM would do nothing
+        raise LinkError(f"NCCL {what}: the link was aborted")
     stream = torch.cuda.Stream(device=tensor.device)
     stream.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(stream):
@@ -99,3 +124,5 @@ def timed_broadcast(comm: Any, tensor: torch.Tensor, *, deadline: float, what: s
             abort(comm)
             raise LinkError(f"NCCL {what} did not complete in time; link aborted")
         time.sleep(0.0005)
+    if getattr(comm, "disabled", False):  # aborted while in flight: nothing reliable arrived
+        raise LinkError(f"NCCL {what}: the link was aborted during the transfer")

@@ -39,6 +39,7 @@ from sync.packing import Layout, ipc_export, layout_to_wire, pack, plan_layout, 
 
 log = logging.getLogger(__name__)
 LinkState = Literal["offered", "joining", "ready", "dead"]
+EXPIRED = "offer not taken up in time"
 
 
 @dataclass
@@ -77,7 +78,7 @@ def link_due(link: Link | None, alive: bool, now: float, timeout_s: float, failu
     if link is None or link.state == "dead":
         return True
     if link.state == "offered" and link.since is not None and now - link.since > timeout_s:
-        link.state, link.error = "dead", "offer not taken up in time"
+        link.state, link.error = "dead", EXPIRED
         return True
     return False
 
@@ -112,11 +113,57 @@ def _abort_in_thread(comm: Any) -> None:
         threading.Thread(target=nccl.abort, args=(comm,), daemon=True).start()
 
 
+def in_daemon_thread(fn: Callable[..., Any], *args: Any,
+                     on_orphan: Callable[[Any], None] | None = None) -> asyncio.Future:
+    """Run ``fn(*args)`` in a daemon thread; await the returned future for its result.
+
+    Not ``asyncio.to_thread``: its executor threads are not daemons and ``asyncio.run`` joins
+    them without limit at exit, so a ``ncclCommInitRank`` whose peer died (it has no timeout)
+    would keep the learner process alive for good. A result that arrives after the future was
+    given up (``wait_for`` timed out) goes to ``on_orphan``, so a late communicator is aborted
+    rather than leaked."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def orphan(value: Any) -> None:
+        if on_orphan is not None:
+            on_orphan(value)
+
+    def deliver(ok: bool, value: Any) -> None:
+        if fut.done():  # cancelled by a timeout meanwhile
+            if ok:
+                orphan(value)
+        elif ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+    def body() -> None:
+        try:
+            ok, value = True, fn(*args)
+        except Exception as e:  # handed to the awaiting side
+            ok, value = False, e
+        try:
+            loop.call_soon_threadsafe(deliver, ok, value)
+        except RuntimeError:  # the loop is closed: nobody will ever take the result
+            if ok:
+                orphan(value)
+
+    threading.Thread(target=body, daemon=True, name=f"daemon-{getattr(fn, '__name__', 'call')}"
+                     ).start()
+    return fut
+
+
+def _abort_result(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        _abort_in_thread(fut.result())
+
+
 class WeightPublisher:
     def __init__(self, device: torch.device | str, *, timeout_s: float = 30.0, keep: int = 2,
-                 max_link_failures: int = 3):
+                 max_link_failures: int = 3, gpu_uuid: str | None = None):
         self.device = indexed_device(device, torch.cuda.current_device)
-        self.gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        self.gpu_uuid = gpu_uuid or str(torch.cuda.get_device_properties(self.device).uuid)
         self.timeout_s, self.keep, self.max_link_failures = timeout_s, keep, max_link_failures
         # version -> (packed buffer, layout, {producer id: IPC handle fields})
         self._held: OrderedDict[int, tuple[torch.Tensor, Layout, dict[str, dict]]] = OrderedDict()
@@ -124,6 +171,9 @@ class WeightPublisher:
         self.links: dict[str, Link] = {}
         self.link_failures: dict[str, int] = {}
         self._epoch = 0
+        # Offers that expired before the producer took them up, by (producer, epoch): a late
+        # join of one is completed and aborted at once (see ``join``). Only the newest few.
+        self._expired: OrderedDict[tuple[str, int], Link] = OrderedDict()
         self.sends = 0
         self.send_failures = 0
 
@@ -187,6 +237,10 @@ class WeightPublisher:
                         self.max_link_failures):
                 if link is not None and link.state == "dead":
                     self._drop(link)
+                    if link.error == EXPIRED:
+                        self._expired[(pid, link.epoch)] = link
+                        while len(self._expired) > 8:
+                            self._expired.popitem(last=False)
                 self._epoch += 1
                 self.links[pid] = Link(pid, self._epoch, nccl.new_unique_id(), world)
                 log.info("offering NCCL link epoch %d to %s", self._epoch, pid)
@@ -195,6 +249,7 @@ class WeightPublisher:
         """A producer restarted: its old link is useless; offer a fresh one (failures reset)."""
         link = self.links.pop(producer_id, None)
         if link is not None:
+            link.state = "dead"  # a join still under way aborts what it gets, counts nothing
             self._drop(link)
         self.link_failures.pop(producer_id, None)
 
@@ -211,28 +266,44 @@ class WeightPublisher:
         """The producer is joining link ``epoch``: join as rank 0 (in a thread)."""
         link = self.links.get(producer_id)
         if link is None or link.epoch != epoch or link.state != "offered":
+            stale = self._expired.pop((producer_id, epoch), None)
+            if stale is not None:
+                # Its engine is already inside ncclCommInitRank, which has no timeout: complete
+                # the rendezvous and abort at once, so its engine is not stuck for good; it
+                # then takes the newer offer.
+                log.warning("%s joins NCCL link epoch %d after that offer expired; completing "
+                            "and aborting it", producer_id, epoch)
+                in_daemon_thread(self._connect, stale, on_orphan=_abort_in_thread
+                                 ).add_done_callback(_abort_result)
+                return
             log.warning("%s joins NCCL link epoch %d, which is not on offer; ignored",
                         producer_id, epoch)
             return
         link.state = "joining"
         try:
-            # ncclCommInitRank has no timeout; the thread is a daemon so a producer that dies
-            # between its SyncReady and its own join leaks one thread, never the event loop.
-            comm = await asyncio.wait_for(asyncio.to_thread(
-                nccl.connect, link.unique_id, 0, link.world_size, self.device), self.timeout_s)
-            if link.state != "joining":  # the producer dropped it meanwhile
+            # A producer that dies between its SyncReady and its own join leaks one daemon
+            # thread (ncclCommInitRank has no timeout), never the event loop or the exit.
+            comm = await asyncio.wait_for(
+                in_daemon_thread(self._connect, link, on_orphan=_abort_in_thread),
+                self.timeout_s)
+            if link.state != "joining":  # the producer dropped it, or restarted, meanwhile
                 _abort_in_thread(comm)
                 return
             link.comm, link.state = comm, "ready"
             self.link_failures[producer_id] = 0
             log.info("NCCL link epoch %d to %s is up", epoch, producer_id)
         except Exception as e:  # any failure: the producer uses the file
+            if link.state != "joining":  # dropped or forgotten meanwhile: already handled
+                return
             self._fail(link, f"join failed: {e!r}")
             log.error("NCCL link epoch %d to %s failed: %r", epoch, producer_id, e)
             if permanent_link_error(e):
                 self.link_failures[producer_id] = self.max_link_failures
                 log.error("no more NCCL links to %s: that error will repeat; its weights come "
                           "by file", producer_id)
+
+    def _connect(self, link: Link) -> Any:
+        return nccl.connect(link.unique_id, 0, link.world_size, self.device)
 
     def drop(self, producer_id: str, epoch: int) -> bool:
         """The producer gave link ``epoch`` up: drop our end too (counted as a failure) so that
