@@ -350,7 +350,7 @@ class Learner:
                                         for i in self.producers.values()),
                 **{k: float(v) for k, v in self.counters.items()},
                 "duplicates_ignored": float(self.ledger.duplicates),
-                **self.last_sync,
+                **self._take_sync(),
             })
             last_end = now
             if st.first_reward is None:
@@ -360,6 +360,12 @@ class Learner:
             if ce and st.step % ce == 0 and st.step < t.steps:
                 await self.checkpoint()
         await self._publish_done()
+
+    def _take_sync(self) -> dict[str, float]:
+        """Sync timings that arrived since the last step's row, each reported once: repeating a
+        stale one in later rows would skew the per-step means (the GPU benchmark averages them)."""
+        out, self.last_sync = self.last_sync, {}
+        return out
 
     async def _publish_done(self) -> None:
         task, self._publishing = self._publishing, None
