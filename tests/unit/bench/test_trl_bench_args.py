@@ -147,3 +147,15 @@ def test_trl_accepts_the_config_and_keeps_one_generation_per_step(tmp_path):
     cfg = GRPOConfig(**grpo_config_kwargs(args, cuda=False, output_dir=str(tmp_path)))
     assert cfg.generation_batch_size == 16
     assert cfg.steps_per_generation == cfg.gradient_accumulation_steps
+
+
+def test_trainer_gpus_may_not_overlap_the_server_it_starts():
+    assert _args("--vllm-mode", "server", "--trainer-gpus", "0").trainer_gpus == "0"
+    assert _args().trainer_gpus is None  # inherited unless given
+    args = build_parser().parse_args(["--model", "/m", "--out", "/o.json", "--vllm-mode",
+                                      "server", "--trainer-gpus", "0,1"])
+    with pytest.raises(ValueError, match="overlap"):
+        validate_args(args)
+    # an external server (--server-url) is not on our GPUs' list
+    assert _args("--vllm-mode", "server", "--trainer-gpus", "1",
+                 "--server-url", "http://h:8000").trainer_gpus == "1"
