@@ -9,6 +9,7 @@ bad value fails before any process starts, with a message naming the option.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import types
 import typing
@@ -19,6 +20,8 @@ from typing import Any, Literal
 import yaml
 
 from pipeline.rewards import RewardSpec
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -369,6 +372,13 @@ class RunConfig:
                                                          self.train.max_staleness)
         _check(self.buffer_capacity >= self.train.batch_groups, "buffer_capacity",
                "must hold at least one batch")
+        budget = admission_budget(self.train.batch_groups, self.train.max_staleness)
+        if self.buffer_capacity < budget:
+            # The learner stops reading its socket while the buffer is full, and producers'
+            # acks and NCCL handshakes share that socket with their groups.
+            log.warning("buffer_capacity %d is below the admission budget (%d groups): the "
+                        "buffer can fill, and producers' sync messages then wait behind their "
+                        "groups; %d or more avoids that", self.buffer_capacity, budget, budget)
 
     @property
     def bind_addr(self) -> str:
