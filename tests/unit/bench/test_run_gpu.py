@@ -77,11 +77,12 @@ def test_budget_is_what_is_left_of_the_call_and_refuses_under_a_minute(tmp_path)
     assert late.returncode != 0 and "left in this call" in late.stderr
 
 
-def test_without_call_t0_the_budget_counts_from_the_calling_shell(tmp_path):
-    """The command line's shell started with the call (before activate.sh's unpack)."""
+def test_without_call_t0_the_budget_counts_from_the_scripts_start(tmp_path):
+    """Not from the parent process: under a long-lived runner (pytest here, the device's agent
+    there) that guess made the budget negative and every part refused to run."""
     out = tmp_path / "out"
     out.mkdir()
     res = subprocess.run(["bash", "-c", f"sleep 2; RUN_GPU_LIB=1 OUT={out} bash -c "
                           f"'source {SCRIPT} && left'"], capture_output=True, text=True,
                          timeout=60, env={"PATH": "/usr/bin:/bin"})
-    assert 550 <= int(res.stdout.strip()) <= 569  # 570 - the 2 s the outer shell slept (or more)
+    assert 565 <= int(res.stdout.strip()) <= 570
