@@ -118,6 +118,27 @@ def generate_curve_keys(directory: str | Path) -> CurveKeys:
     return CurveKeys(server_public, server_secret, client_public, client_secret)
 
 
+def load_curve_keys(directory: str | Path, role: str) -> CurveKeys:
+    """Keys for ``role`` ("learner": both pairs, created on first use; "producer": the server's
+    public key and the client pair, which is all a producer node needs). A producer never
+    creates keys: a fresh pair would not match the learner's, and it could never connect."""
+    import zmq.auth
+
+    if role == "learner":
+        return generate_curve_keys(directory)
+    d = Path(directory)
+    need = [d / "server.key", d / "client.key_secret"]
+    missing = [str(p) for p in need if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"CURVE keys missing: {', '.join(missing)}. Copy the learner's key directory "
+            "(server.key, client.key, client.key_secret; server.key_secret is not needed) to "
+            "this node")
+    server_public, _ = zmq.auth.load_certificate(d / "server.key")
+    client_public, client_secret = zmq.auth.load_certificate(d / "client.key_secret")
+    return CurveKeys(server_public, None, client_public, client_secret)
+
+
 def check_bind_addr(addr: str, curve: CurveKeys | None, insecure: bool) -> None:
     """Refuse to expose an unauthenticated endpoint beyond this host.
 

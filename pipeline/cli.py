@@ -18,7 +18,8 @@ ALIASES = {
     "batch-groups": "train.batch_groups", "lr": "train.lr", "group-size": "generation.group_size",
     "max-tokens": "generation.max_tokens", "model": "model.path", "data": "data.path",
     "num-producers": "num_producers", "run-dir": "run_dir", "name": "name",
-    "insecure": "insecure", "barrier": "sync.barrier", "sync-every": "sync.sync_every",
+    "insecure": "insecure", "curve-keys": "curve_keys", "barrier": "sync.barrier",
+    "sync-every": "sync.sync_every",
 }
 
 

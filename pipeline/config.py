@@ -325,6 +325,9 @@ class RunConfig:
     num_producers: int = opt(1, "producer processes (each one vLLM AsyncLLM engine)")
     addr: str = opt("", "learner bind address (default: ipc in run_dir); producers connect here")
     insecure: bool = opt(False, "allow a non-loopback bind without CURVE keys")
+    curve_keys: str = opt("", "directory of CurveZMQ keys (encrypted, authenticated traffic "
+                              "for a non-loopback addr): the learner creates them there on "
+                              "first use; copy the directory to every producer node")
     buffer_capacity: int = opt(0, "rollout buffer capacity in groups (0: 4 x the admission "
                                   "budget)")
     buffer_order: Literal["fifo", "freshest"] = opt("fifo", "which groups a batch takes first")
@@ -383,6 +386,19 @@ class RunConfig:
     @property
     def bind_addr(self) -> str:
         return self.addr or f"ipc://{Path(self.run_dir).resolve()}/learner.sock"
+
+
+def curve_keys(cfg: RunConfig, role: str) -> Any:
+    """This role's ``buffer.transport.CurveKeys`` from ``cfg.curve_keys`` (None: plain
+    ZeroMQ); the learner's are created on first use."""
+    if not cfg.curve_keys:
+        return None
+    from buffer.transport import load_curve_keys
+
+    try:
+        return load_curve_keys(cfg.curve_keys, role)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"curve_keys: {e}") from None
 
 
 def producer_gpu_env(producer_gpus: list[str], index: int) -> dict[str, str]:

@@ -27,6 +27,7 @@ import yaml
 from pipeline.config import (
     ConfigError,
     RunConfig,
+    curve_keys,
     learner_gpu_env,
     load_config,
     producer_gpu_env,
@@ -63,12 +64,15 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
         raise ConfigError(f"rewards.specs: {e}") from None
     from buffer.transport import check_bind_addr
 
+    # Keys are made here, before any child starts, so a single-host run's producers find them.
+    curve = curve_keys(cfg, "learner" if role in ("all", "learner") else "producer")
     if role in ("all", "learner"):  # producers connect; only the learner binds
         try:  # the learner would refuse it only after the producers' engines had started
-            check_bind_addr(cfg.bind_addr, None, cfg.insecure)
+            check_bind_addr(cfg.bind_addr, curve, cfg.insecure)
         except ValueError as e:
             raise ConfigError(f"addr: {e}") from None
     return model_path
+
 
 
 def set_aside_previous_run(run_dir: Path) -> Path | None:

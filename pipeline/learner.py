@@ -39,7 +39,7 @@ from pipeline.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, curve_keys
 from pipeline.metrics import MetricsLogger, plot_run
 from pipeline.trainer import PolicyTrainer
 from sync.snapshot import SnapshotRef, prune_snapshots, write_snapshot
@@ -399,7 +399,8 @@ class Learner:
                 self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s)
         if self.state.version > 0:  # resumed: producers must load this version first
             self.snapshot = await asyncio.to_thread(self._publish_snapshot, self.state.version)
-        self.endpoint = LearnerEndpoint(self.cfg.bind_addr, insecure=self.cfg.insecure)
+        self.endpoint = LearnerEndpoint(self.cfg.bind_addr, insecure=self.cfg.insecure,
+                                        curve=curve_keys(self.cfg, "learner"))
         finished = False
         try:
             async with asyncio.TaskGroup() as tg:

@@ -32,7 +32,7 @@ import numpy as np
 
 from buffer.schema import Ack, Announce, Completion, Heartbeat, Hello, RolloutGroup, SyncReady
 from buffer.transport import ProducerEndpoint
-from pipeline.config import RunConfig, producer_budget
+from pipeline.config import RunConfig, curve_keys, producer_budget
 from pipeline.data import PromptRecord, PromptSource, render_prompt
 from pipeline.engine import engine_progress
 from pipeline.outbox import Outbox
@@ -426,7 +426,7 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     prompts = PromptSource(cfg.data, index, cfg.num_producers, start_cursor=start_cursor)
     rewards = RewardSet(cfg.rewards.specs, on_failure=cfg.rewards.on_failure,
                         pool_workers=cfg.rewards.pool_workers)
-    endpoint = ProducerEndpoint(cfg.bind_addr)
+    endpoint = ProducerEndpoint(cfg.bind_addr, curve=curve_keys(cfg, "producer"))
     engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index)
     try:
         await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,

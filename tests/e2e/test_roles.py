@@ -2,14 +2,15 @@
 `pipeline-train --role producer --connect HOST:PORT --producer-index k` (real vLLM CPU engines),
 each with its own run_dir as on its own node; snapshots go through a shared --sync.snapshot_dir.
 
-(The bind-address check for --role learner is covered without engines in
-tests/unit/pipeline/test_cli.py; CURVE keys exist only in the buffer.transport API, tested in
-tests/unit/buffer/test_buffer_transport.py, not in the launcher's config.)
+The learner binds all interfaces with CURVE keys (--curve-keys); producers hold a copy of only
+the public server key and the client pair. (The bind-address checks are covered without engines
+in tests/unit/pipeline/test_cli.py, the key handling in tests/unit/buffer/test_buffer_transport.py.)
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from conftest import assert_no_process_left
 from test_faults import Launcher, _assert_gone, _metrics
 
 from buffer.store import RolloutBuffer
-from buffer.transport import free_tcp_port_pair
+from buffer.transport import free_tcp_port_pair, generate_curve_keys
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +31,21 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
     common = ("--mode", "async", "--max-staleness", "2", "--steps", str(steps),
               "--sync.snapshot_dir", str(tmp_path / "shared_snapshots"))
     learner_dir = tmp_path / "learner"
+    # Encrypted and authenticated as across real nodes: the learner binds every interface with
+    # CURVE keys; each producer node holds a copy of only the public server key + client pair.
+    keys = tmp_path / "learner_keys"
+    generate_curve_keys(keys)
+    node_keys = tmp_path / "node_keys"
+    node_keys.mkdir()
+    for name in ("server.key", "client.key", "client.key_secret"):
+        shutil.copy(keys / name, node_keys / name)
     # Producers first, as an operator would start remote nodes; their sockets connect before the
     # learner binds. The learner starts once both engines are up, so both producers' groups
     # reach its 3 short steps (a learner started first could fill them from whichever engine
     # came up first).
     producers = [Launcher(tiny_model, tmp_path / f"producer{k}", *common, "--role", "producer",
-                          "--connect", f"127.0.0.1:{port}", "--producer-index", str(k))
+                          "--connect", f"127.0.0.1:{port}", "--producer-index", str(k),
+                          "--curve-keys", str(node_keys))
                  for k in range(2)]
     everyone = list(producers)
     try:
@@ -43,7 +53,7 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
             p.wait_for(lambda p=p: any("engine ready" in ln for ln in list(p.lines)), 300,
                        f"producer {k}'s engine")
         learner = Launcher(tiny_model, learner_dir, *common, "--role", "learner",
-                           "--addr", f"tcp://127.0.0.1:{port}")
+                           "--addr", f"tcp://0.0.0.0:{port}", "--curve-keys", str(keys))
         everyone.append(learner)
         assert learner.wait(480) == 0, learner.tail()
         finished_at = time.monotonic()

@@ -22,6 +22,7 @@ from buffer.transport import (
     check_bind_addr,
     derive_pub_addr,
     generate_curve_keys,
+    load_curve_keys,
 )
 
 
@@ -190,6 +191,35 @@ def test_curve_encryption_and_client_allow_list(tmp_path):
 
     asyncio.run(main())
 
+
+
+def test_a_producer_node_needs_only_the_public_server_key_and_the_client_pair(tmp_path):
+    import shutil
+
+    learner_keys = load_curve_keys(tmp_path / "learner", "learner")  # created on first use
+    node = tmp_path / "node"
+    node.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"server\.key"):
+        load_curve_keys(node, "producer")  # a producer never makes keys of its own
+    assert not list(node.iterdir())
+    for name in ("server.key", "client.key", "client.key_secret"):
+        shutil.copy(tmp_path / "learner" / name, node / name)
+    keys = load_curve_keys(node, "producer")
+    assert keys.server_secret is None and keys.server_public == learner_keys.server_public
+    assert keys.client_secret == learner_keys.client_secret
+    port = free_tcp_port_pair()
+
+    async def main():
+        learner = LearnerEndpoint(f"tcp://0.0.0.0:{port}", curve=learner_keys)  # not loopback
+        producer = ProducerEndpoint(f"tcp://127.0.0.1:{port}", curve=keys)
+        try:
+            await producer.send(make_group("over-curve"), timeout=5)
+            assert (await asyncio.wait_for(learner.recv(), 5)).group_id == "over-curve"
+        finally:
+            producer.close()
+            learner.close()
+
+    asyncio.run(main())
 
 def test_three_producer_processes_into_slow_receiver():
     n_producers, n_groups = 3, 200

@@ -82,6 +82,24 @@ def test_bind_check_only_for_the_learner_and_lifted_by_insecure(tiny_model, tmp_
     assert prepare(cfg, role="all") == str(tiny_model)
 
 
+
+def test_curve_keys_lift_the_bind_check_and_a_producer_without_them_is_refused(tiny_model,
+                                                                               tmp_path):
+    from pipeline.config import ConfigError, load_config
+    from pipeline.launch import prepare
+
+    keys = tmp_path / "keys"
+    cfg = load_config(overrides={"model.path": str(tiny_model), "data.path": "arithmetic:10",
+                                 "rewards.specs": [{"fn": "examples.rewards:length_reward",
+                                                    "weight": 1.0}],
+                                 "addr": "tcp://0.0.0.0:5555", "run_dir": str(tmp_path),
+                                 "curve_keys": str(keys)})
+    with pytest.raises(ConfigError, match="curve_keys: CURVE keys missing"):
+        prepare(cfg, role="producer")  # the learner's directory was never copied here
+    assert prepare(cfg, role="learner") == str(tiny_model)  # encrypted: no --insecure needed
+    assert (keys / "server.key_secret").is_file() and (keys / "client.key_secret").is_file()
+    assert prepare(cfg, role="producer") == str(tiny_model)
+
 def test_impossible_pinned_placement_is_a_config_error_fake_gpu_count(monkeypatch, capsys,
                                                                       tmp_path):
     """nccl with the producer on the learner's GPU is refused before anything starts (the GPU
