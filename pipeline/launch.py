@@ -74,7 +74,6 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     return model_path
 
 
-
 def set_aside_previous_run(run_dir: Path) -> Path | None:
     """A fresh run (no --resume) in a run_dir that holds an earlier run's metrics or
     checkpoints renames that run_dir to ``<run_dir>.prev-<time>`` first: appending to its

@@ -154,11 +154,6 @@ def in_daemon_thread(fn: Callable[..., Any], *args: Any,
     return fut
 
 
-def _abort_result(fut: asyncio.Future) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        _abort_in_thread(fut.result())
-
-
 class WeightPublisher:
     def __init__(self, device: torch.device | str, *, timeout_s: float = 30.0, keep: int = 2,
                  max_link_failures: int = 3, gpu_uuid: str | None = None):
@@ -273,8 +268,7 @@ class WeightPublisher:
                 # then takes the newer offer.
                 log.warning("%s joins NCCL link epoch %d after that offer expired; completing "
                             "and aborting it", producer_id, epoch)
-                in_daemon_thread(self._connect, stale, on_orphan=_abort_in_thread
-                                 ).add_done_callback(_abort_result)
+                threading.Thread(target=self._join_and_abort, args=(stale,), daemon=True).start()
                 return
             log.warning("%s joins NCCL link epoch %d, which is not on offer; ignored",
                         producer_id, epoch)
@@ -304,6 +298,14 @@ class WeightPublisher:
 
     def _connect(self, link: Link) -> Any:
         return nccl.connect(link.unique_id, 0, link.world_size, self.device)
+
+    def _join_and_abort(self, link: Link) -> None:
+        """Blocking: the rendezvous of an expired offer, only so the producer's engine returns."""
+        try:
+            nccl.abort(self._connect(link))
+        except Exception as e:
+            log.warning("NCCL link epoch %d to %s (expired): join failed: %r", link.epoch,
+                        link.producer_id, e)
 
     def drop(self, producer_id: str, epoch: int) -> bool:
         """The producer gave link ``epoch`` up: drop our end too (counted as a failure) so that

@@ -57,6 +57,15 @@ def _publisher(timeout_s: float = 5.0) -> WeightPublisher:
     return WeightPublisher("cpu", timeout_s=timeout_s, gpu_uuid="GPU-fake")
 
 
+async def _join_under_way(pub: WeightPublisher) -> tuple:
+    """An offered link to p0 and the learner's join of it, blocked in the fake connect."""
+    pub.maintain({"p0": (True, 2)})
+    link = pub.links["p0"]
+    joining = asyncio.ensure_future(pub.join("p0", link.epoch))
+    await asyncio.sleep(0.05)
+    return link, joining
+
+
 async def _settle(pred, what: str, timeout: float = 3.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -129,10 +138,7 @@ def test_producer_restart_during_a_join_aborts_the_orphan_and_counts_nothing_fak
 
     async def main():
         pub = _publisher()
-        pub.maintain({"p0": (True, 2)})
-        old = pub.links["p0"]
-        joining = asyncio.ensure_future(pub.join("p0", old.epoch))
-        await asyncio.sleep(0.05)
+        old, joining = await _join_under_way(pub)
         pub.forget("p0")  # a new Hello with another pid
         pub.maintain({"p0": (True, 2)})
         new = pub.links["p0"]
@@ -151,10 +157,7 @@ def test_a_drop_during_a_join_that_then_fails_counts_one_failure_fake_nccl(monke
 
     async def main():
         pub = _publisher()
-        pub.maintain({"p0": (True, 2)})
-        link = pub.links["p0"]
-        joining = asyncio.ensure_future(pub.join("p0", link.epoch))
-        await asyncio.sleep(0.05)
+        link, joining = await _join_under_way(pub)
         assert pub.drop("p0", link.epoch)
         fake.gate.set()
         await joining
