@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.procs import wait_group_gone
+
 RUNS = {  # name -> (train.mode, max_staleness)
     "sync": ("sync", 0),
     "async1": ("async", 1),
@@ -224,7 +226,7 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
     mode, staleness = RUNS[name]
     producer_gpus, learner_gpus, roles = LAYOUTS[args.layout]
     run_dir = out / name
-    cmd = [sys.executable, "-m", "pipeline.cli", "--config", str(args.config),
+    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--config", str(args.config),
            "--name", f"bench-{name}", "--run_dir", str(run_dir), "--model.path", model,
            "--train.mode", mode, "--train.max_staleness", str(staleness),
            "--train.steps", str(args.steps), "--train.batch_groups", str(args.batch_groups),
@@ -240,8 +242,8 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
 
 
 def _yaml_float(x: float) -> str:
-    """``x`` as text that YAML reads back as a float (pipeline.cli parses option values as YAML,
-    and PyYAML takes "5e-05", without a dot, for a string)."""
+    """``x`` as text that YAML reads back as a float (pipeline.launch.cli parses option values
+    as YAML, and PyYAML takes "5e-05", without a dot, for a string)."""
     text = repr(float(x))
     mantissa, e, exp = text.partition("e")
     return f"{mantissa}.0e{exp}" if e and "." not in mantissa else text
@@ -324,6 +326,9 @@ def run_group(cmd: list[str], log: Any, timeout: float, grace: float = 30.0,
     finally:
         _signal_group(proc.pid, signal.SIGKILL)  # children left by a run that exited, too
         proc.wait()
+        # SIGKILL is delivered asynchronously: return only once the group is gone, so the next
+        # run never meets an engine of this one still holding its GPU memory.
+        wait_group_gone(proc.pid)
 
 
 def _stop_group(proc: subprocess.Popen, grace: float) -> None:
@@ -508,7 +513,7 @@ def prepare_model(spec: str, root: Path) -> str:
         return spec
     path = root / f"qwen2-{spec}"
     if not (path / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "sync.gpu_model", str(path), "--size", spec],
+        subprocess.run([sys.executable, "-m", "bench.gpu_model", str(path), "--size", spec],
                        check=True)
     return str(path)
 

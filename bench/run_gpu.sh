@@ -3,7 +3,7 @@
 # On the device, after `source .gpu-bundle/b/activate.sh` (with .whl carried for trl/deepspeed):
 #   bash bench/run_gpu.sh PART
 # PART: engine    - producer vs offline throughput, without and with logprobs (1 GPU)
-#       swap      - weight-swap timings per barrier mode (sync.bench, 1 GPU)
+#       swap      - weight-swap timings per barrier mode (bench.sync_bench, 1 GPU)
 #       colocated - ours sync vs async1 vs TRL colocate, all on GPU 0 (1 GPU)
 #       split     - ours sync vs async1 (engine GPU 0, learner GPU 1) vs TRL server (2 GPUs)
 #       split-shared - ours sync vs async1, producers on GPUs 0 and 1, learner on GPU 1 (2 GPUs)
@@ -52,7 +52,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # once per machine and per set of w
   [ -f "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target /tmp/site .whl/*.whl && touch "$stamp"; }
 fi
-q05() { [ -f /tmp/q05/config.json ] || python3 -m sync.gpu_model /tmp/q05; }
+q05() { [ -f /tmp/q05/config.json ] || python3 -m bench.gpu_model /tmp/q05; }
 quiet() { grep -v -E "^(INFO|DEBUG)|it/s\]|Loading safetensors|EngineCore" ; }
 steps=${STEPS:-8}
 common=(--model "${MODEL:-0.5b}" --steps "$steps" --set engine.enforce_eager=false
@@ -99,13 +99,13 @@ case "${1:?part}" in
   engine)
     q05
     # ABLATION=1 adds the five AsyncLLM request shapes (about 2.5 min more on an H100).
-    timeout 500 python3 -m pipeline.bench_producer --model /tmp/q05 --prompts 256 \
+    timeout 500 python3 -m bench.producer --model /tmp/q05 --prompts 256 \
       --group-size 8 --max-tokens 256 --streams final --offline-logprobs \
       ${ABLATION:+--ablation} 2>&1 | tee "$out/producer.log" | quiet
     ;;
   swap)
     q05
-    timeout 240 python3 -m sync.bench --model /tmp/q05 --requests 128 --swaps 3 --max-tokens 256 \
+    timeout 240 python3 -m bench.sync_bench --model /tmp/q05 --requests 128 --swaps 3 --max-tokens 256 \
       --modes drain_prefill,wait --max-num-batched-tokens 0 2>&1 | tee "$out/sync.log" | quiet
     ;;
   colocated)

@@ -1,7 +1,7 @@
 """The peer in issue 7's benchmark: TRL's GRPOTrainer on our model, prompts, reward and batch.
 
 Runs ``trl.GRPOTrainer`` for ``--steps`` optimiser steps with the settings our trainer uses
-(arithmetic prompts rendered through the tokenizer's chat template, ``examples.rewards:
+(arithmetic prompts rendered through the tokenizer's chat template, ``pipeline.tasks.rewards:
 exact_match``, ``--batch-groups`` prompts x ``--group-size`` completions per step, one optimiser
 step per generation batch, i.e. on-policy, no KL, PPO clip 0.2/0.28, token-mean loss, AdamW at
 ``--lr`` with a constant schedule, grad-norm clip 1.0, fp32 master weights with bf16 autocast on
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "divide batch-groups x group-size (default: the largest divisor <= 16, "
                         "our train.micro_batch)")
     p.add_argument("--task", choices=("arithmetic",), default="arithmetic",
-                   help="prompt set + reward: examples/arithmetic.py + rewards.exact_match")
+                   help="prompt set + reward: pipeline/tasks/arithmetic.py + rewards.exact_match")
     p.add_argument("--num-prompts", type=int, default=2000,
                    help="arithmetic prompts (the same records as our data.path arithmetic:N)")
     p.add_argument("--max-operand", type=int, default=20)
@@ -246,11 +246,12 @@ def server_command(args: argparse.Namespace, python: str = sys.executable) -> li
 
 def arithmetic_dataset_rows(num_prompts: int, max_operand: int,
                             chat: bool) -> list[dict[str, Any]]:
-    """Our trainer's arithmetic records (``pipeline.data.load_records('arithmetic:N[:M]')``:
+    """Our trainer's arithmetic records
+    (``pipeline.producer.data.load_records('arithmetic:N[:M]')``:
     make_arithmetic_prompts with seed 1234) as TRL dataset rows. ``chat``: a conversational
     prompt (one user message; TRL applies the chat template with add_generation_prompt, as our
     ``render_prompt`` does), else the plain text."""
-    from examples.arithmetic import make_arithmetic_prompts
+    from pipeline.tasks.arithmetic import make_arithmetic_prompts
     records = make_arithmetic_prompts(num_prompts, seed=1234, max_operand=max_operand)
     return [{"prompt": [{"role": "user", "content": r["prompt"]}] if chat else r["prompt"],
              "answer": r["answer"], "prompt_id": r["prompt_id"]} for r in records]
@@ -264,8 +265,8 @@ def _text(x: Any) -> str:
 
 
 def exact_match_reward(prompts: list, completions: list, answer: list, **_: Any) -> list[float]:
-    """examples.rewards.exact_match in TRL's reward-function signature (batched)."""
-    from examples.rewards import exact_match
+    """pipeline.tasks.rewards.exact_match in TRL's reward-function signature (batched)."""
+    from pipeline.tasks.rewards import exact_match
     return [exact_match(_text(p), _text(c), answer=a)
             for p, c, a in zip(prompts, completions, answer, strict=True)]
 
@@ -520,7 +521,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
     if args.vllm_mode == "colocate" and not os.environ.get("MASTER_PORT"):
         # vLLM's external_launcher rendezvous uses MASTER_PORT; on CPU accelerate would pin it to
         # 29500, which another job on the machine may hold.
-        from pipeline.launch import free_port
+        from pipeline.launch.local import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-
-from pipeline.rewards import RewardSpec
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,56 @@ _AGG_MODES = ("token_mean", "seq_mean")
 def _check(cond: bool, option: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{option}: {msg}")
+
+
+Executor = Literal["inline", "thread", "process"]
+
+
+@dataclass
+class RewardSpec:
+    """One reward of the config: what to call, how to weigh it and how to run it."""
+
+    fn: str | Callable[..., Any]
+    """Import path ``package.module:attr`` or ``path/to/file.py:attr`` (or, from Python, the
+    function/class itself; for ``executor="process"`` it must then be importable by reference)."""
+    weight: float | None = None
+    """Multiplier in the weighted sum; None takes the ``@reward`` default, else 1.0."""
+    name: str | None = None
+    """Name in logs, stats and the breakdown; None takes the ``@reward`` default, else the attr."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Constructor keyword arguments when ``fn`` is a class (ignored for functions)."""
+    batched: bool | None = None
+    """Scorer takes lists for the whole group; None takes the ``@reward`` default, else False."""
+    timeout_s: float = 30.0
+    """Per-call time limit; a call past it counts as a failure (timeout)."""
+    executor: Executor = "inline"
+    """inline: on the event loop (async or fast sync rewards); thread: blocking sync rewards;
+    process: CPU-heavy rewards in a spawn ProcessPoolExecutor."""
+    max_concurrency: int | None = None
+    """Upper bound on this reward's concurrent calls (None: unbounded)."""
+    rate_per_s: float | None = None
+    """Upper bound on this reward's call starts per second, for remote (HTTP) rewards."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fn, str) and ":" not in self.fn:
+            raise ValueError(f"reward fn {self.fn!r} must look like 'package.module:attr' "
+                             "or 'path/to/file.py:attr'")
+        if not isinstance(self.fn, str) and not callable(self.fn):
+            raise ValueError(f"reward fn must be an import path or a callable, got {self.fn!r}")
+        if self.weight is not None and not math.isfinite(self.weight):
+            raise ValueError(f"reward weight must be finite, got {self.weight}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward timeout_s must be > 0, got {self.timeout_s}")
+        if self.executor not in ("inline", "thread", "process"):
+            raise ValueError(f"reward executor must be inline, thread or process, "
+                             f"got {self.executor!r}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"reward max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.rate_per_s is not None and not self.rate_per_s > 0:
+            raise ValueError(f"reward rate_per_s must be > 0, got {self.rate_per_s}")
+        if not isinstance(self.kwargs, dict):
+            raise ValueError(f"reward kwargs must be a mapping, got {self.kwargs!r}")
+
 
 
 @dataclass(frozen=True)
@@ -172,7 +222,7 @@ class DataConfig:
 
 @dataclass
 class RewardsConfig:
-    specs: list = opt([{"fn": "examples.rewards:exact_match"}],
+    specs: list = opt([{"fn": "pipeline.tasks.rewards:exact_match"}],
                       "list of reward specs {fn, weight, name, kwargs, batched, timeout_s, "
                       "executor, max_concurrency, rate_per_s}")
     on_failure: Literal["zero", "drop"] = opt("zero", "a reward that raises/hangs/NaNs scores 0 "
@@ -544,3 +594,15 @@ def parse_value(text: str, tp: Any, option: str) -> Any:
     if typing.get_origin(tp) is Literal:
         value = text
     return value
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as dotted ``section.key`` overrides (``engine.extra`` stays a
+    mapping: it is one option). How a child process rebuilds its parent's config."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("extra",):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

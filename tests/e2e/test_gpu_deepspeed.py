@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def model_05b(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models") / "qwen2-0.5b-random"
-    subprocess.run([sys.executable, "-m", "sync.gpu_model", str(out), "--size", "0.5b"],
+    subprocess.run([sys.executable, "-m", "bench.gpu_model", str(out), "--size", "0.5b"],
                    cwd=REPO, check=True, timeout=600)
     return out
 
@@ -108,8 +108,8 @@ def test_pipeline_train_two_gpu_learner_then_resume(config, transport, model_05b
     tag = f"gpuds{os.getpid()}"
 
     def train(*extra: str) -> None:
-        cmd = [sys.executable, "-m", "pipeline.cli", "--model", str(model_05b),
-               "--data", "arithmetic:200", "--reward", "examples.rewards:length_reward",
+        cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(model_05b),
+               "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
                "--num-producers", "1", "--batch-groups", "4", "--group-size", "4",
                "--max-tokens", "32", "--run-dir", str(run_dir), "--mode", "async",
                "--max-staleness", "1", "--engine.max_model_len", "512",

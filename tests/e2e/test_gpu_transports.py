@@ -29,9 +29,9 @@ import torch
 from conftest import assert_no_children, assert_no_process_left
 from test_sync_swap import VOCAB, EngineLoop, hf_dir_with, probe
 
+from bench.sync_bench import generate, model_tensors, perturbed, random_prompt
 from buffer.schema import SyncReady, decode, encode
 from sync.barrier import RequestTracker, SwapBarrier
-from sync.bench import generate, model_tensors, perturbed, random_prompt
 from sync.snapshot import SnapshotRef, write_snapshot
 from sync.transfer import (
     FileTransport,
@@ -221,8 +221,8 @@ def test_nccl_swap_under_load_matches_fresh_engine_and_survives_faults(eng, weig
 @pytest.mark.skipif(_gpus() < 2, reason="the split layout needs 2 GPUs")
 def test_pipeline_train_split_layout_routes_weights_by_nccl(tiny_model, tmp_path):
     run_dir, tag = tmp_path / "run", f"gpusplit{os.getpid()}"
-    cmd = [sys.executable, "-m", "pipeline.cli", "--model", str(tiny_model),
-           "--data", "arithmetic:200", "--reward", "examples.rewards:length_reward",
+    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
+           "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
            "--num-producers", "1", "--batch-groups", "4", "--group-size", "4",
            "--max-tokens", "32", "--run-dir", str(run_dir), "--mode", "async",
            "--max-staleness", "1", "--steps", "6", "--engine.gpu_memory_utilization", "0.3",

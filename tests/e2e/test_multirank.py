@@ -28,9 +28,9 @@ def _grads(model_dir: str, out: str, micro_batch: int) -> None:
     import torch
 
     from buffer.schema import Completion, RolloutGroup
-    from pipeline import distributed as D
     from pipeline.config import load_config
-    from pipeline.trainer import PolicyTrainer
+    from pipeline.learner import distributed as D
+    from pipeline.learner.trainer import PolicyTrainer
 
     rng = np.random.default_rng(0)
     groups = []
@@ -89,8 +89,8 @@ def test_two_rank_gradient_equals_single_rank_gradient(tiny_model, tmp_path):
 
 def test_learner_on_two_processes_runs_to_the_end(tiny_model, tmp_path):
     run_dir = tmp_path / "multirank"
-    cmd = [sys.executable, "-m", "pipeline.cli", "--model", str(tiny_model),
-           "--data", "arithmetic:200", "--reward", "examples.rewards:length_reward",
+    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
+           "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
            "--num-producers", "1", "--batch-groups", "2", "--group-size", "4",
            "--max-tokens", "8", "--run-dir", str(run_dir), "--steps", "2",
            "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",

@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _train(tiny_model: Path, run_dir: Path, *extra: str, timeout: float = 600
            ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pipeline.cli", "--model", str(tiny_model),
-           "--data", "arithmetic:200", "--reward", "examples.rewards:length_reward",
+    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
+           "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
            "--num-producers", "2", "--batch-groups", "2", "--group-size", "4",
            "--max-tokens", "8", "--run-dir", str(run_dir),
            "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",

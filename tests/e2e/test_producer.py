@@ -21,9 +21,9 @@ from conftest import assert_no_children
 from buffer.schema import Announce, Hello, RolloutGroup
 from buffer.transport import LearnerEndpoint, ProducerEndpoint
 from pipeline.config import RunConfig, load_config
-from pipeline.data import PromptSource, render_prompt
-from pipeline.producer import Producer
-from pipeline.rewards import RewardSet
+from pipeline.producer.data import PromptSource, render_prompt
+from pipeline.producer.loop import Producer
+from pipeline.producer.rewards import RewardSet
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def engine_env(tiny_model):
     """(loop, engine, tokenizer): one AsyncLLM for the module, built inside its own loop."""
     from transformers import AutoTokenizer
 
-    from pipeline.engine import build_engine
+    from pipeline.producer.engine import build_engine
 
     cfg = _config(tiny_model, "ipc:///tmp/unused")
     loop = asyncio.new_event_loop()
@@ -67,8 +67,8 @@ def _config(model: Path, addr: str, **over) -> RunConfig:
         "engine.max_num_seqs": 16,
         "generation.group_size": GROUP_SIZE, "generation.max_tokens": MAX_TOKENS,
         "data.path": "arithmetic:64",
-        "rewards.specs": [{"fn": "examples.rewards:exact_match"},
-                          {"fn": "examples.rewards:length_reward", "weight": 0.01}],
+        "rewards.specs": [{"fn": "pipeline.tasks.rewards:exact_match"},
+                          {"fn": "pipeline.tasks.rewards:length_reward", "weight": 0.01}],
         "train.batch_groups": 2, "train.max_staleness": 0,
     }
     base.update(over)
@@ -231,7 +231,7 @@ def test_groups_shapes_rewards_and_admission_cap(engine_env, tiny_model):
 
 
 def _records(cfg: RunConfig):
-    from pipeline.data import load_records
+    from pipeline.producer.data import load_records
 
     return load_records(cfg.data.path)
 

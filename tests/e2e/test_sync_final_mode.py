@@ -15,9 +15,9 @@ import pytest
 from conftest import assert_no_children
 from test_sync_swap import EngineLoop
 
-from pipeline.engine import engine_progress
+from bench.sync_bench import model_tensors
+from pipeline.producer.engine import engine_progress
 from sync.barrier import RequestTracker, SwapBarrier
-from sync.bench import model_tensors
 from sync.snapshot import write_snapshot
 from sync.transfer import FileTransport
 

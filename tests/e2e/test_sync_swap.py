@@ -2,7 +2,7 @@
 
 One engine serves the whole module (start ~25 s): it lives on an event loop in a background
 thread and each test submits coroutines to it. Requests are driven the way the producer drives
-them (sync.bench.generate: admit -> DELTA stream -> on_output -> finish, abort -> resubmit).
+them (bench.sync_bench.generate: admit -> DELTA stream -> on_output -> finish, abort -> resubmit).
 The last test shuts that engine down, starts a fresh one on a HF directory holding the swapped-in
 weights, and checks both give the same greedy tokens and logprobs.
 """
@@ -21,8 +21,8 @@ import pytest
 from conftest import assert_no_children
 from safetensors.torch import save_file
 
+from bench.sync_bench import generate, load_via_worker_ext, model_tensors, perturbed, random_prompt
 from sync.barrier import RequestTracker, SwapBarrier
-from sync.bench import generate, load_via_worker_ext, model_tensors, perturbed, random_prompt
 from sync.snapshot import SnapshotRef, write_snapshot
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ class EngineLoop:
     @staticmethod
     async def _build(model_dir: Path):
         from pipeline.config import EngineConfig, ModelConfig
-        from pipeline.engine import build_engine
+        from pipeline.producer.engine import build_engine
 
         eng = EngineConfig(max_model_len=2048, enable_chunked_prefill=True,
                            max_num_batched_tokens=256, max_num_seqs=128,

@@ -150,7 +150,7 @@ def test_children_pin_their_gpus_before_building_the_config_fake_load(monkeypatc
     (load_config is replaced by a recorder: pure ordering logic.)"""
     import os
 
-    import pipeline.launch as launch
+    import pipeline.launch.local as launch
     from pipeline.config import to_dict
 
     cfg = to_dict(load_config(overrides={"num_producers": 2, "producer_gpus": ["1", "2"],

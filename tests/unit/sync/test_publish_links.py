@@ -189,7 +189,7 @@ def test_a_late_join_of_an_expired_offer_is_completed_and_aborted_fake_nccl(monk
 
 
 def test_a_failed_gpu_copy_leaves_the_file_route_with_a_fake_publisher():
-    from pipeline.learner import Learner
+    from pipeline.learner.loop import Learner
 
     class Broken:
         def publish(self, *a, **k):

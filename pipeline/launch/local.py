@@ -1,0 +1,320 @@
+"""Process management: validate config, then run the learner and N producers as processes.
+
+Every child runs in its own process group so that stopping it also stops what it started (vLLM's
+engine-core processes). On Ctrl-C/SIGTERM the learner gets SIGINT first (it saves a final
+checkpoint), producers get SIGTERM, and whatever is left after a grace period gets SIGKILL; the
+launcher returns only when no child process group is left. A child that dies stops the whole run
+unless ``max_producer_restarts`` allows restarting a dead producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import (
+    ConfigError,
+    RunConfig,
+    curve_keys,
+    flatten,
+    learner_gpu_env,
+    load_config,
+    producer_gpu_env,
+    to_dict,
+)
+from pipeline.launch.shm import forget_tracked, list_segments, reclaim_orphans
+from pipeline.procs import run_with_sigterm, setup_logging, wait_group_gone
+
+log = logging.getLogger("pipeline")
+
+
+def prepare(cfg: RunConfig, role: str = "all") -> str:
+    """Fail fast, before any process starts: model, data and rewards must all resolve."""
+    from pipeline.models import resolve_model
+    from pipeline.producer.data import load_records
+    from pipeline.producer.rewards import validate_specs
+
+    try:
+        model_path = str(resolve_model(cfg.model.path, Path(cfg.model.cache_dir)))
+    except ValueError as e:
+        raise ConfigError(f"model.path: {e}") from None
+    if not load_records(cfg.data.path):
+        raise ConfigError(f"data.path: {cfg.data.path} holds no records")
+    try:
+        validate_specs(cfg.rewards.specs)
+    except (ImportError, ValueError, AttributeError, TypeError) as e:
+        raise ConfigError(f"rewards.specs: {e}") from None
+    from buffer.transport import check_bind_addr
+
+    # Keys are made here, before any child starts, so a single-host run's producers find them.
+    curve = curve_keys(cfg, "learner" if role in ("all", "learner") else "producer")
+    if role in ("all", "learner"):  # producers connect; only the learner binds
+        try:  # the learner would refuse it only after the producers' engines had started
+            check_bind_addr(cfg.bind_addr, curve, cfg.insecure)
+        except ValueError as e:
+            raise ConfigError(f"addr: {e}") from None
+    return model_path
+
+
+def set_aside_previous_run(run_dir: Path) -> Path | None:
+    """A fresh run (no --resume) in a run_dir that holds an earlier run's metrics or
+    checkpoints renames that run_dir to ``<run_dir>.prev-<time>`` first: appending to its
+    metrics would mix two runs in one curve, and ``--resume`` would later pick its checkpoints.
+    Nothing is deleted."""
+    if not ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        return None
+    dest = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while dest.exists():
+        dest = dest.with_name(f"{dest.name.split('~')[0]}~{n}")
+        n += 1
+    run_dir.rename(dest)
+    log.warning("%s held an earlier run; moved it to %s (use --resume to continue a run)",
+                run_dir, dest)
+    return dest
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGTERM if the launcher dies (even by kill -9), so no child is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _child_setup() -> None:
+    os.setpgrp()  # own process group: killpg stops vLLM's children with us
+    _die_with_parent()
+    setup_logging()
+    # Children ignore the terminal's Ctrl-C; the launcher decides who stops and in which order.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
+    _child_setup()
+    # Pinned before the config is built: nothing may initialise CUDA before this.
+    os.environ.update(learner_gpu_env(cfg_dict.get("learner_gpus", "")))
+    cfg = load_config(overrides=flatten(cfg_dict))
+    from pipeline.learner.loop import Learner
+
+    try:
+        asyncio.run(run_with_sigterm(Learner(cfg, model_path, resume=resume).run()))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.info("learner stopped")
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _config_names_port(path: str) -> bool:
+    """Whether an accelerate config file sets main_process_port itself (then it is kept)."""
+    if not path:
+        return False
+    with contextlib.suppress(OSError, yaml.YAMLError):
+        data = yaml.safe_load(Path(path).read_text())
+        return isinstance(data, dict) and data.get("main_process_port") is not None
+    return False
+
+
+class LaunchedLearner:
+    """The learner as ``accelerate launch ... -m pipeline.learner.main`` (``learner_processes``
+    > 1 or an accelerate config), behind the slice of ``mp.Process`` that ``run`` uses: its own
+    process group (``_stop`` signals the launcher and every rank), SIGTERM if we die."""
+
+    def __init__(self, cfg: RunConfig, model_path: str, resume: bool):
+        t = cfg.train
+        self.cmd = [sys.executable, "-m", "accelerate.commands.launch",
+                    "--num_processes", str(t.learner_processes), "--num_machines", "1"]
+        if t.accelerate_config:
+            self.cmd += ["--config_file", t.accelerate_config]
+        elif t.learner_processes > 1:
+            # torchrun launcher: one process per GPU, or gloo on CPU (PolicyTrainer's
+            # Accelerator(cpu=True)); accelerate's --cpu launcher would need mpirun.
+            self.cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+        self.args = ["-m", "pipeline.learner.main", str(Path(cfg.run_dir) / "config.yaml"),
+                     "--model", model_path] + (["--resume"] if resume else [])
+        # torchrun's rendezvous port: accelerate's default (29500) is one per host, so a
+        # second multi-rank learner on the machine would fail; a free one per start instead.
+        self.own_port = not _config_names_port(t.accelerate_config)
+        self.cfg = cfg
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cmd = self.cmd + (["--main_process_port", str(free_port())] if self.own_port else [])
+        cmd += self.args
+        log.info("learner: %s", " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, preexec_fn=_popen_setup,
+                                     env=os.environ | learner_gpu_env(self.cfg.learner_gpus))
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout)
+
+
+def _popen_setup() -> None:
+    os.setpgrp()
+    _die_with_parent()
+
+
+def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, resume: bool
+                  ) -> Any:
+    if cfg.train.learner_processes > 1 or cfg.train.accelerate_config:
+        return LaunchedLearner(cfg, model_path, resume)
+    return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume), name="learner")
+
+
+def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False
+                   ) -> None:
+    _child_setup()
+    # Pinned before the config is built: nothing may initialise CUDA before this.
+    os.environ.update(producer_gpu_env(cfg_dict.get("producer_gpus", []), index))
+    cfg = load_config(overrides=flatten(cfg_dict))
+    from pipeline.producer.loop import producer_main
+
+    try:
+        asyncio.run(run_with_sigterm(producer_main(cfg, index, model_path,
+                                                    stop_when_learner_done=standalone)))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.info("producer %d stopped", index)
+
+
+def _stop(proc: mp.Process, sig: int) -> None:
+    if proc.pid is None:
+        return
+    for kill in (os.killpg, os.kill):  # the group; the process itself if it has none yet
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            kill(proc.pid, sig)
+
+
+def _reap(procs: list[mp.Process], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        _stop(p, signal.SIGKILL)  # the whole group, including vLLM engine cores
+        p.join(5)
+
+
+def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_index: int = 0,
+        max_producer_restarts: int = 0, max_learner_restarts: int = 0) -> int:
+    """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
+    model_path = prepare(cfg, role)
+    shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
+    run_dir = Path(cfg.run_dir)
+    if not resume and role in ("all", "learner"):
+        set_aside_previous_run(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        # A fresh run must not resend the outbox of an earlier run in the same run_dir.
+        for stale in (run_dir / "producers").glob("*.wal"):
+            stale.unlink()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    ctx = mp.get_context("spawn")
+    cfg_dict = to_dict(cfg)
+    learner = None
+    if role in ("all", "learner"):
+        learner = _make_learner(ctx, cfg, cfg_dict, model_path, resume)
+    indices = range(cfg.num_producers) if role == "all" else (
+        [producer_index] if role == "producer" else [])
+    # --role producer: its producer exits when the learner announces its last step.
+    producers = {i: ctx.Process(target=producer_entry, name=f"producer{i}",
+                                args=(cfg_dict, model_path, i, role == "producer"))
+                 for i in indices}
+    procs = ([learner] if learner else []) + list(producers.values())
+    # SIGTERM (e.g. from `timeout` or a job scheduler) stops the run like Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Also SIGINT: a launcher started in the background (`cmd &`) inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for p in procs:
+        p.start()
+    restarts = 0
+    learner_restarts = 0
+    code = 0
+    try:
+        while True:
+            if learner is not None and not learner.is_alive():
+                code = learner.exitcode or 0
+                if code and learner_restarts < max_learner_restarts:
+                    # Producers keep running: they hold every group the learner's last
+                    # checkpoint lacks and resend it to the restored learner.
+                    learner_restarts += 1
+                    from pipeline.learner.checkpoint import latest_checkpoint
+
+                    has_ckpt = latest_checkpoint(run_dir) is not None
+                    log.warning("learner died (exit %s); restarting it %s(%d/%d)", code,
+                                "from its last checkpoint " if has_ckpt else "",
+                                learner_restarts, max_learner_restarts)
+                    _stop(learner, signal.SIGKILL)
+                    learner = _make_learner(ctx, cfg, cfg_dict, model_path, has_ckpt)
+                    learner.start()
+                    procs.append(learner)
+                    code = 0
+                    continue
+                if code:
+                    log.error("learner exited with code %d; stopping producers", code)
+                break
+            for i, p in list(producers.items()):
+                if p.is_alive():
+                    continue
+                if learner is None:  # producer-only role: its exit is the end
+                    return p.exitcode or 0
+                if restarts < max_producer_restarts:
+                    restarts += 1
+                    log.warning("producer %d died (exit %s); restarting (%d/%d)", i, p.exitcode,
+                                restarts, max_producer_restarts)
+                    _stop(p, signal.SIGKILL)
+                    p.join(5)
+                    wait_group_gone(p.pid)  # its engine core may still hold the segments
+                    forget_tracked(reclaim_orphans(shm_before))
+                    new = ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
+                                      name=f"producer{i}")
+                    new.start()
+                    producers[i] = new
+                    procs.append(new)
+                else:
+                    log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
+                    code = 1
+                    raise SystemExit(code)
+            time.sleep(0.5)
+    except (KeyboardInterrupt, SystemExit):
+        code = code or 130
+        log.warning("stopping: learner saves a checkpoint, producers shut down")
+        if learner is not None and learner.is_alive():
+            _stop(learner, signal.SIGINT)
+            learner.join(120)
+    finally:
+        for p in producers.values():
+            _stop(p, signal.SIGTERM)
+        _reap(procs, grace_s=20.0)
+        forget_tracked(reclaim_orphans(shm_before))
+    return code

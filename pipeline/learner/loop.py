@@ -1,0 +1,440 @@
+"""The learner process: receives groups into the rollout buffer, trains, publishes snapshots.
+
+Three coroutines under one TaskGroup: ``_receive`` (socket -> buffer, control messages ->
+producer table), ``_announce`` (re-broadcasts the current version every second, so producers
+that (re)connect catch up before they generate), and ``_train`` (batch -> optimiser step in a
+worker thread -> snapshot -> announce). Sync mode is the same loop with max_staleness 0 and
+admission budgets of exactly one batch: generate with v, train on that batch, publish v+1.
+
+Counts kept per producer: ``received`` (groups that arrived) and, derived, ``consumed`` (received
+minus still held), which producers use for admission control.
+
+Weights: every version is written as a snapshot file; producers whose route (picked per producer
+from the GPUs in its Hello, ``sync.transfer.choose_transport``) is ``ipc`` or ``nccl`` also get
+it from a packed GPU copy (``sync.publish.WeightPublisher``): its IPC handle or NCCL link offer
+rides in the Announce, and SyncReady messages drive the NCCL side of each transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from buffer.ledger import GroupLedger
+from buffer.schema import Ack, Announce, Heartbeat, Hello, Message, RolloutGroup, SyncReady
+from buffer.store import RolloutBuffer
+from buffer.transport import LearnerEndpoint
+from pipeline.config import RunConfig, curve_keys
+from pipeline.learner.checkpoint import (
+    CheckpointError,
+    LearnerState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from pipeline.learner.metrics import MetricsLogger, plot_run
+from pipeline.learner.trainer import PolicyTrainer
+from sync.snapshot import SnapshotRef, prune_snapshots, write_snapshot
+from sync.transfer import TransportChoiceError, choose_transport
+
+log = logging.getLogger(__name__)
+ALIVE_S = 10.0  # a producer silent for longer is reported as not alive
+
+
+@dataclass
+class ProducerInfo:
+    pid: int = 0
+    version: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    stats: dict[str, float] = field(default_factory=dict)
+    devices: list[str] = field(default_factory=list)  # GPU UUID per vLLM worker ([] = CPU)
+    route: str = "file"  # weight transport for this producer (sync.transfer)
+
+
+def snapshot_dir(configured: str, run_dir: Path, run_key: str, need_bytes: int,
+                 shm: Path = Path("/dev/shm")) -> Path:
+    """Where snapshots go: the configured dir, else shared memory (no disk I/O) when it has
+    room for ``need_bytes`` (the kept snapshots and the one being written), else run_dir.
+    Docker's default /dev/shm is 64 MB: the first snapshot write would fail there."""
+    if configured:
+        return Path(configured)
+    if shm.is_dir():
+        mine = shm / f"pipeline-grpo-{run_key}"  # a restarted learner reuses (and prunes) it
+        free = shutil.disk_usage(shm).free + sum(
+            f.stat().st_size for f in mine.rglob("*") if f.is_file())
+        if free >= need_bytes:
+            return mine
+        log.warning("%s has %.1f GB free, snapshots need %.1f GB: writing them under %s "
+                    "(set sync.snapshot_dir to choose)", shm, free / 1e9, need_bytes / 1e9,
+                    run_dir / "snapshots")
+    return run_dir / "snapshots"
+
+
+class Learner:
+    def __init__(self, cfg: RunConfig, model_path: str, resume: bool = False):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.session = uuid.uuid4().hex[:8]
+        self.trainer = PolicyTrainer(cfg, model_path)
+        self.state = LearnerState()
+        buf_args = (cfg.buffer_capacity, cfg.train.max_staleness, cfg.buffer_order)
+        self.buffer = RolloutBuffer(*buf_args)
+        if resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is None:
+                raise CheckpointError(f"--resume: no checkpoint under {self.run_dir}/checkpoints")
+            self.state, tensors, buf = load_checkpoint(ckpt)
+            self.trainer.load_state(tensors, ckpt)
+            self.buffer = RolloutBuffer.restore(buf, *buf_args)
+            log.info("resumed from %s: step %d, version %d, %d groups buffered", ckpt,
+                     self.state.step, self.state.version, len(self.buffer))
+        # One snapshot dir per run (not per session): a learner restarted after kill -9 reuses
+        # and prunes it instead of leaking the old one in shared memory.
+        run_key = hashlib.sha1(str(self.run_dir.resolve()).encode()).hexdigest()[:12]
+        model = self.trainer.model
+        # An upper bound (frozen tensors stay home); ZeRO-3 parameters hold ds_numel.
+        snapshot_bytes = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) * \
+            self.trainer.snapshot_dtype.itemsize
+        self.snapshot_dir = snapshot_dir(cfg.sync.snapshot_dir, self.run_dir, run_key,
+                                         (cfg.sync.keep_snapshots + 1) * snapshot_bytes)
+        self.snapshot: SnapshotRef | None = None  # the newest snapshot written (on offer)
+        self._publishing: asyncio.Future | None = None  # the write + announce in flight
+        self.producers: dict[str, ProducerInfo] = {}
+        self.acks: dict[int, dict[str, Ack]] = {}
+        self.last_sync: dict[str, float] = {}
+        self.endpoint: LearnerEndpoint | None = None
+        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard,
+                                     progress=cfg.progress, total_steps=cfg.train.steps)
+        self.counters = dict(self.state.counters)
+        self.ledger = GroupLedger.from_dict(self.state.ledger)
+        self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
+        self.learner_gpu: str | None = None  # set in run() when the trainer is on CUDA
+        self.publisher = None  # sync.publish.WeightPublisher, for ipc/nccl routes
+        self._transfer_tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ messages
+    def _on_group(self, g: RolloutGroup) -> None:
+        pid = g.producer_id
+        self.state.received[pid] = self.state.received.get(pid, 0) + 1
+        cursor = g.metadata.get("cursor")
+        if isinstance(cursor, int):
+            self.state.cursors[pid] = max(self.state.cursors.get(pid, 0), cursor)
+
+    def _on_control(self, msg: Message) -> None:
+        if isinstance(msg, (Hello, Heartbeat)):
+            info = self.producers.setdefault(msg.producer_id, ProducerInfo())
+            info.last_seen = time.monotonic()
+            info.version = msg.policy_version
+            if isinstance(msg, Hello):
+                if info.pid and info.pid != msg.pid and self.publisher is not None:
+                    self.publisher.forget(msg.producer_id)  # restarted: its link died with it
+                info.pid = msg.pid
+                info.devices = list(msg.devices)
+                info.route = self._route(msg.producer_id, info.devices)
+                log.info("producer %s (pid %d) connected at version %d; weights by %s",
+                         msg.producer_id, msg.pid, msg.policy_version, info.route)
+            else:
+                info.stats = msg.stats
+        elif isinstance(msg, SyncReady):
+            self._on_sync_ready(msg)
+        elif isinstance(msg, Ack):
+            self.acks.setdefault(msg.version if msg.ok else -1, {})[msg.producer_id] = msg
+            info = self.producers.setdefault(msg.producer_id, ProducerInfo())
+            info.last_seen = time.monotonic()
+            if msg.ok:
+                info.version = msg.version
+                if msg.timings.get("fallback"):
+                    self.counters["transport_fallbacks"] = \
+                        self.counters.get("transport_fallbacks", 0) + 1
+                    log.warning("producer %s loaded v%d from the snapshot file: %s",
+                                msg.producer_id, msg.version, msg.error)
+            else:
+                self.counters["sync_failures"] = self.counters.get("sync_failures", 0) + 1
+                log.error("producer %s failed to sync: %s", msg.producer_id, msg.error)
+
+    def _route(self, producer_id: str, devices: list[str]) -> str:
+        """This producer's weight transport; an impossible explicit choice is an error in the
+        log and the file (placement is only known once the producer has said hello)."""
+        try:
+            route = choose_transport(self.cfg.sync.transport, self.learner_gpu, devices)
+        except TransportChoiceError as e:
+            log.error("producer %s: sync.transport: %s; it gets weights from the snapshot file",
+                      producer_id, e)
+            return "file"
+        if route != "file" and self.publisher is None:
+            return "file"
+        return route
+
+    def _on_sync_ready(self, msg: SyncReady) -> None:
+        pub = self.publisher
+        if pub is None:
+            log.warning("SyncReady from %s but no GPU transport here; ignored", msg.producer_id)
+            return
+        if msg.purpose == "drop":
+            pub.drop(msg.producer_id, msg.epoch)
+            return
+        coro = pub.join(msg.producer_id, msg.epoch) if msg.purpose == "link" else \
+            pub.send(msg.producer_id, msg.epoch, msg.version)
+        task = asyncio.get_running_loop().create_task(coro)
+        self._transfer_tasks.add(task)
+        task.add_done_callback(self._transfer_tasks.discard)
+
+    def _gpu_routes(self) -> dict[str, str]:
+        """GPU routes of the producers alive now. A dead one gets no IPC export: torch keeps
+        an exported buffer until its user releases it, so one never opened would leak."""
+        now = time.monotonic()
+        # list(): also called from the snapshot thread while the loop may add producers.
+        return {p: i.route for p, i in list(self.producers.items())
+                if i.route in ("ipc", "nccl") and now - i.last_seen <= ALIVE_S}
+
+    async def _receive(self) -> None:
+        assert self.endpoint is not None
+        while True:
+            msg = await self.endpoint.recv()
+            if msg is None:
+                self.buffer.note_rejected()
+                continue
+            if isinstance(msg, RolloutGroup):
+                await self.buffer.wait_for_space()
+                inc, seq = msg.metadata.get("incarnation"), msg.metadata.get("seq")
+                if isinstance(inc, str) and isinstance(seq, int) \
+                        and not self.ledger.accept(inc, seq):
+                    continue  # a resend of a group we already have (counted in the ledger)
+                self._on_group(msg)
+                self.buffer.put(msg)
+            else:
+                self._on_control(msg)
+
+    def announcement(self, finished: bool = False) -> Announce:
+        held = self.buffer.held_by_producer()
+        received = dict(self.state.received)
+        consumed = {p: n - held.get(p, 0) for p, n in received.items()}
+        ref = self.snapshot
+        # The version on offer is the newest *written* snapshot's: while the next one is still
+        # being written (in the background, see _train) the learner is already one ahead.
+        version = ref.version if ref else self.state.version
+        routes = self._gpu_routes() if ref else {}
+        transfer = self.publisher.payload(version, routes) \
+            if self.publisher is not None and routes else {}
+        return Announce(version=version, snapshot_uri=ref.uri if ref else "",
+                        snapshot_checksum=ref.checksum if ref else "",
+                        learner_session=self.session, received=received, consumed=consumed,
+                        cursors=dict(self.state.cursors), durable=dict(self.durable),
+                        accepted={k: st.accepted for k, st in self.ledger.streams.items()},
+                        routes=routes if transfer else {}, transfer=transfer,
+                        finished=finished)
+
+    async def _announce(self) -> None:
+        assert self.endpoint is not None
+        while True:
+            if self.publisher is not None:
+                now = time.monotonic()
+                self.publisher.maintain({p: (now - i.last_seen < ALIVE_S, 1 + len(i.devices))
+                                         for p, i in self.producers.items()
+                                         if i.route == "nccl"})
+            await self.endpoint.publish(self.announcement())
+            await asyncio.sleep(1.0)
+
+    # ------------------------------------------------------------------ snapshots
+    def _publish_snapshot(self, version: int) -> SnapshotRef:
+        return self._write_snapshot(version, self._capture_snapshot(version))
+
+    def _capture_snapshot(self, version: int) -> dict:
+        """Copy the weights out of the model (the next step may change them at once)."""
+        tensors = self.trainer.snapshot_tensors()
+        routes = self._gpu_routes()
+        if self.publisher is not None and routes:
+            # The GPU copy first: producers on ipc/nccl can load it as soon as they hear of it.
+            try:
+                self.publisher.publish(version, tensors,
+                                       ipc=[p for p, r in routes.items() if r == "ipc"])
+            except Exception as e:  # e.g. no GPU memory for the packed copy: the file still works
+                self.counters["gpu_publish_failures"] = \
+                    self.counters.get("gpu_publish_failures", 0) + 1
+                log.error("v%d: GPU copy for ipc/nccl producers failed (%r); they load it from "
+                          "the snapshot file", version, e)
+        return {k: v.to("cpu", copy=True) for k, v in tensors.items()}
+
+    def _write_snapshot(self, version: int, cpu: dict) -> SnapshotRef:
+        # Written whatever the transport: the fallback, and how any producer catches up.
+        ref = write_snapshot(cpu, version, self.snapshot_dir)
+        prune_snapshots(self.snapshot_dir, self.cfg.sync.keep_snapshots)
+        return ref
+
+    async def _publish_in_background(self, version: int, cpu: dict) -> None:
+        """Write, announce, collect acks: off the training path (the file write of a 0.5B
+        model took ~1 s of every 3.5 s step on an H100 when the learner waited for it)."""
+        t0 = time.monotonic()
+        self.snapshot = await asyncio.to_thread(self._write_snapshot, version, cpu)
+        self.last_sync["publish_s"] = time.monotonic() - t0
+        assert self.endpoint is not None
+        await self.endpoint.publish(self.announcement())
+        asyncio.get_running_loop().create_task(self._collect_acks(version, time.monotonic()))
+
+    async def _collect_acks(self, version: int, published_at: float) -> None:
+        """Wait for every live producer's ack; report the ones that did not (never block)."""
+        deadline = published_at + self.cfg.sync.ack_timeout_s
+        while time.monotonic() < deadline:
+            alive = {p for p, i in self.producers.items()
+                     if time.monotonic() - i.last_seen < ALIVE_S}
+            got = self.acks.get(version, {})
+            if alive and alive <= set(got):
+                break
+            await asyncio.sleep(0.02)
+        got = self.acks.pop(version, {})
+        missing = sorted(set(self.producers) - set(got))
+        if missing:
+            log.warning("version %d: no ack from %s within %.0fs; training goes on without "
+                        "them", version, missing, self.cfg.sync.ack_timeout_s)
+        if got:
+            timings = [a.timings for a in got.values()]
+            self.last_sync |= {
+                "sync_s": time.monotonic() - published_at,
+                "swap_idle_s": max(t.get("idle_s", 0.0) for t in timings),
+                "swap_drain_s": max(t.get("drain_s", 0.0) for t in timings),
+                "swap_load_s": max(t.get("load_s", 0.0) for t in timings),
+                "producers_acked": float(len(got)),
+            }
+
+    # ------------------------------------------------------------------ training
+    async def _train(self) -> None:
+        t = self.cfg.train
+        st = self.state
+        last_end = time.monotonic()
+        while st.step < t.steps:
+            t0 = time.monotonic()
+            try:
+                batch = await self.buffer.get_batch(t.batch_groups, st.version,
+                                                    timeout=t.batch_timeout_s)
+            except TimeoutError as e:
+                alive = [p for p, i in self.producers.items()
+                         if time.monotonic() - i.last_seen < ALIVE_S]
+                raise TimeoutError(f"no batch of {t.batch_groups} groups within "
+                                   f"{t.batch_timeout_s:.0f}s (producers alive: {alive or 'none'}"
+                                   f"): {e}") from None
+            wait_s = time.monotonic() - t0
+            m = await asyncio.to_thread(self.trainer.step, batch, st.version)
+            st.step += 1
+            if m["skipped_nonfinite"]:
+                self.counters["skipped_nonfinite"] = self.counters.get("skipped_nonfinite", 0) + 1
+                log.error("step %d: non-finite loss or gradient; update skipped, no snapshot",
+                          st.step)
+            elif st.step % self.cfg.sync.sync_every == 0 and st.step < t.steps:
+                await self._publish_done()  # versions go out in order, one write at a time
+                t1 = time.monotonic()
+                cpu = await asyncio.to_thread(self._capture_snapshot, st.version + 1)
+                m["snapshot_copy_s"] = time.monotonic() - t1
+                st.version += 1
+                self._publishing = asyncio.ensure_future(
+                    self._publish_in_background(st.version, cpu))
+            now = time.monotonic()
+            bs = self.buffer.stats
+            m.update({
+                "version": float(st.version), "wait_s": wait_s, "step_s": now - last_end,
+                "tokens_per_s": m["trained_tokens"] / max(now - last_end, 1e-9),
+                "samples_per_s": t.batch_groups * self.cfg.generation.group_size
+                / max(now - last_end, 1e-9),
+                "buffer_size": float(len(self.buffer)), "dropped_stale": float(bs.dropped_stale),
+                "rejected_frames": float(bs.rejected), "received": float(bs.received),
+                "producers_alive": float(sum(1 for i in self.producers.values()
+                                             if now - i.last_seen < ALIVE_S)),
+                "gen_tokens_per_s": sum(i.stats.get("tokens_per_s", 0.0)
+                                        for i in self.producers.values()),
+                **{k: float(v) for k, v in self.counters.items()},
+                "duplicates_ignored": float(self.ledger.duplicates),
+                **self._take_sync(),
+            })
+            last_end = now
+            if st.first_reward is None:
+                st.first_reward = m["reward_mean"]
+            self.metrics.log(st.step, m)
+            ce = t.checkpoint_every
+            if ce and st.step % ce == 0 and st.step < t.steps:
+                await self.checkpoint()
+        await self._publish_done()
+
+    def _take_sync(self) -> dict[str, float]:
+        """Sync timings that arrived since the last step's row, each reported once: repeating a
+        stale one in later rows would skew the per-step means (the GPU benchmark averages them)."""
+        out, self.last_sync = self.last_sync, {}
+        return out
+
+    async def _publish_done(self) -> None:
+        task, self._publishing = self._publishing, None
+        if task is not None:
+            await task  # a failed write raises here, on the training path, not silently
+
+    async def checkpoint(self) -> Path:
+        self.state.counters = dict(self.counters)
+        self.state.ledger = self.ledger.to_dict()
+        # Buffer and ledger are captured together, before any await, so they agree exactly.
+        prefixes = self.ledger.prefixes()
+        state = self.trainer.state()
+        buf = self.buffer.snapshot()
+        path = await asyncio.to_thread(save_checkpoint, self.run_dir, self.state, state, buf,
+                                       shards=self.trainer.save_shards)
+        self.durable = prefixes  # producers may now forget these groups
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    async def run(self) -> None:
+        log.info("learner pid %d, session %s, step %d, version %d", os.getpid(), self.session,
+                 self.state.step, self.state.version)
+        dev = self.trainer.device
+        if dev.type == "cuda":
+            import torch
+
+            from sync.publish import WeightPublisher
+
+            self.learner_gpu = str(torch.cuda.get_device_properties(dev).uuid)
+            if self.cfg.sync.transport != "file":
+                self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s)
+        if self.state.version > 0:  # resumed: producers must load this version first
+            self.snapshot = await asyncio.to_thread(self._publish_snapshot, self.state.version)
+        self.endpoint = LearnerEndpoint(self.cfg.bind_addr, insecure=self.cfg.insecure,
+                                        curve=curve_keys(self.cfg, "learner"))
+        finished = False
+        try:
+            async with asyncio.TaskGroup() as tg:
+                background = [tg.create_task(self._receive()), tg.create_task(self._announce())]
+                await self._train()
+                finished = True
+                for task in background:
+                    task.cancel()
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.checkpoint())
+            if finished:  # producers of other launchers (--role producer) exit on this
+                with contextlib.suppress(Exception):
+                    await self.endpoint.publish(self.announcement(finished=True))
+            self.endpoint.close()  # LINGER flushes that last announce
+            self.metrics.close()
+            if self.publisher is not None:
+                self.publisher.close()
+            if not self.cfg.sync.snapshot_dir:
+                shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+            if finished:
+                self.summary()
+
+    def summary(self) -> None:
+        from pipeline.learner.metrics import read_metrics
+
+        path = self.run_dir / "metrics.jsonl"
+        rows = [r for r in read_metrics(path) if "reward_mean" in r]
+        if not rows:
+            return
+        png = plot_run(path, self.run_dir / "reward.png")
+        k = max(1, min(5, len(rows) // 4))
+        first = sum(r["reward_mean"] for r in rows[:k]) / k
+        last = sum(r["reward_mean"] for r in rows[-k:]) / k
+        print(f"\nreward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
+              f"({len(rows)} steps, {rows[-1]['time'] / 60:.1f} min)\nplot: {png}\n"
+              f"metrics: {path}", flush=True)

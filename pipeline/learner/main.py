@@ -1,0 +1,54 @@
+"""Entry of a learner started by ``accelerate launch`` (``train.learner_processes`` > 1 or a
+``train.accelerate_config``): ``python -m pipeline.learner.main CONFIG.yaml --model DIR``
+(``--resume`` to continue from the last checkpoint).
+
+Rank 0 runs the whole Learner (I/O, buffer, snapshots, checkpoints, metrics); the other ranks
+only build the PolicyTrainer and follow rank 0's commands. The other ranks ignore SIGINT: a stop
+reaches the whole process group, and rank 0 still needs them for its final checkpoint; it releases
+them when it is done (and accelerate's launcher stops them with SIGTERM if rank 0 dies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import flatten, load_config
+from pipeline.learner import distributed as D
+from pipeline.procs import run_with_sigterm, setup_logging
+
+log = logging.getLogger("pipeline")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("config", help="the run's config.yaml (as written to run_dir)")
+    p.add_argument("--model", required=True, help="resolved local model directory")
+    p.add_argument("--resume", action="store_true")
+    args = p.parse_args(argv)
+    setup_logging()
+    cfg = load_config(overrides=flatten(yaml.safe_load(Path(args.config).read_text())))
+    if not D.is_main():
+        from pipeline.learner.trainer import PolicyTrainer
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        PolicyTrainer(cfg, args.model).follow()
+        return
+    from pipeline.learner.loop import Learner
+
+    learner = Learner(cfg, args.model, resume=args.resume)
+    try:
+        asyncio.run(run_with_sigterm(learner.run()))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.info("learner stopped")
+    finally:
+        learner.trainer.release_followers()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,528 @@
+"""The policy and its optimiser: turns a batch of rollout groups into one GRPO optimiser step.
+
+Synchronous torch code only (the learner runs it in a worker thread so that its event loop keeps
+receiving groups). Owns: model loading (optionally LoRA through peft), batch packing, micro-batched
+forward/backward with the loss from ``pipeline.learner.loss``, the non-finite-step guard, and the
+weights that go into snapshots (LoRA merged into plain HF names, so vLLM loads them as full
+weights).
+
+Model and optimiser go through an ``accelerate.Accelerator``: one process by default; under
+``accelerate launch`` (DDP, DeepSpeed ZeRO) rank 0 drives and the other ranks ``follow()``: every
+public method that runs a collective first broadcasts its command
+(``pipeline.learner.distributed``), and each rank trains on its slice of the batch's completions
+with a batch-global token normaliser.
+
+Under DeepSpeed the engine owns the update: micro-batches mark the accumulation boundary
+themselves (the config's gradient_accumulation_steps is forced to 1), every rank runs the same
+number of micro-batches (ZeRO-2/3 communicate in each backward, ZeRO-3 in each forward), the
+engine's ``step()`` clips with ``train.grad_clip`` and skips a step whose gradient norm is not
+finite. Snapshots gather ZeRO-3 partitions onto rank 0; checkpoints hold every rank's optimiser
+(and ZeRO-3 parameter) partition through DeepSpeed's checkpoint API (``save_shards``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from buffer.schema import RolloutGroup
+from pipeline.config import RunConfig
+from pipeline.learner import distributed as D
+from pipeline.learner.checkpoint import CheckpointError
+from pipeline.learner.loss import group_advantages, grpo_loss
+
+log = logging.getLogger(__name__)
+DEEPSPEED_DIR = "deepspeed"  # inside a checkpoint dir: DeepSpeed's files, every rank's partitions
+DEEPSPEED_TAG = "zero"
+
+
+@dataclass
+class PackedBatch:
+    """Completions of a batch, flattened (one row per completion), before padding."""
+
+    sequences: list[np.ndarray]     # prompt + completion token ids
+    prompt_lens: list[int]
+    behaviour: list[np.ndarray]     # behaviour logprobs of the completion tokens
+    versions: list[np.ndarray]      # per-token policy version of the completion tokens
+    advantages: torch.Tensor        # (n_completions,)
+    rewards: torch.Tensor           # (n_groups, G)
+
+
+def pack_groups(groups: list[RolloutGroup], scale_rewards: bool, std_eps: float) -> PackedBatch:
+    sizes = {len(g.completions) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"groups of different sizes in one batch: {sorted(sizes)}")
+    rewards = torch.tensor([[c.reward for c in g.completions] for g in groups],
+                           dtype=torch.float32)
+    adv = group_advantages(rewards, scale=scale_rewards, eps=std_eps).reshape(-1)
+    seqs, plens, beh, vers = [], [], [], []
+    for g in groups:
+        for c in g.completions:
+            seqs.append(np.concatenate([g.prompt_token_ids, c.token_ids]).astype(np.int64))
+            plens.append(len(g.prompt_token_ids))
+            beh.append(c.logprobs)
+            vers.append(c.per_token_versions())
+    return PackedBatch(seqs, plens, beh, vers, adv, rewards)
+
+
+def collate(pb: PackedBatch, rows: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for ``rows``; targets/masks are aligned with logits[:, :-1]."""
+    L = max(len(pb.sequences[i]) for i in rows)
+    n = len(rows)
+    ids = torch.full((n, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, L), dtype=torch.long)
+    mask = torch.zeros((n, L - 1), dtype=torch.bool)
+    behaviour = torch.zeros((n, L - 1), dtype=torch.float32)
+    for r, i in enumerate(rows):
+        seq = pb.sequences[i]
+        ids[r, : len(seq)] = torch.from_numpy(seq)
+        attn[r, : len(seq)] = 1
+        p, t = pb.prompt_lens[i], len(seq) - pb.prompt_lens[i]
+        if t:
+            lp = torch.from_numpy(np.asarray(pb.behaviour[i], dtype=np.float32))
+            # Token at position p + k is predicted by logits at p + k - 1.
+            behaviour[r, p - 1: p - 1 + t] = lp
+            mask[r, p - 1: p - 1 + t] = torch.isfinite(lp)
+    return {"input_ids": ids, "attention_mask": attn, "mask": mask, "behaviour": behaviour,
+            "advantages": pb.advantages[rows]}
+
+
+def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """log pi(x_t | x_<t) for t >= 1, shape (B, L-1); 0 where ``mask`` is False.
+
+    The output projection and softmax run only on the masked (completion) positions: with a
+    large vocabulary they dominate the cost, and prompt positions carry no loss.
+    """
+    if hasattr(model, "get_base_model"):  # peft: the HF model with LoRA layers injected
+        model = model.get_base_model()
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask
+                              ).last_hidden_state[:, :-1]
+    logits = model.get_output_embeddings()(hidden[mask]).float()
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:][mask][:, None])
+    out = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device)
+    return out.masked_scatter(mask, picked.squeeze(-1))
+
+
+class _Policy(torch.nn.Module):
+    """The model behind one ``forward`` that returns token logprobs: DDP and DeepSpeed hook
+    their gradient reduction into the wrapped module's forward, so it must be called, not
+    ``model.base_model`` directly."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, mask):
+        return token_logprobs(self.model, input_ids, attention_mask, mask)
+
+
+def lora_modules(model: Any) -> dict[str, float]:
+    """peft LoRA layers of ``model``: state-dict prefix -> scaling of the default adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: float(m.scaling["default"]) for name, m in model.named_modules()
+            if isinstance(m, LoraLayer) and "default" in m.scaling}
+
+
+def hf_name(peft_name: str) -> str:
+    """peft state-dict name -> the base model's name (as in its safetensors files)."""
+    name = peft_name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def merge_lora(state: dict[str, torch.Tensor], modules: dict[str, float],
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """W + scale * B @ A for each LoRA module of a peft state dict, under the base model's name.
+
+    Computed from a (gathered) state dict, not from the live modules, so it works for ZeRO-3
+    partitioned parameters too; only the LoRA-targeted weights are returned (nothing else
+    changes under LoRA). Each merge is done in fp32 and cast to ``dtype`` at once, so the fp32
+    copies never all exist together (about twice the model, on the learner's GPU)."""
+    out = {}
+    for prefix, scale in modules.items():
+        w = state[f"{prefix}.base_layer.weight"].float()
+        a = state[f"{prefix}.lora_A.default.weight"].float()
+        b = state[f"{prefix}.lora_B.default.weight"].float()
+        merged = w + scale * (b @ a)
+        out[hf_name(f"{prefix}.weight")] = merged if dtype is None else merged.to(dtype)
+    return out
+
+
+def make_accelerator(cuda: bool) -> Any:
+    """One process on CPU/GPU by default; under `accelerate launch` the launcher's env (and its
+    --config_file: DDP, DeepSpeed ZeRO-2/3, offload) decides."""
+    from accelerate import Accelerator
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not cuda:
+        # DeepSpeed on CPU (DS_ACCELERATOR=cpu; tests): accelerate ignores DeepSpeed with
+        # cpu=True and names a backend only for accelerators, so name gloo.
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return Accelerator(cpu=False, kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
+    return Accelerator(cpu=not cuda)
+
+
+class PolicyTrainer:
+    def __init__(self, cfg: RunConfig, model_path: str, device: str | None = None):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg = cfg
+        t = cfg.train
+        torch.manual_seed(t.seed)
+        cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+        self.accelerator = make_accelerator(cuda)
+        self.device = self.accelerator.device
+        self.world = D.world_size() if D.is_distributed() else 1
+        self.rank = D.rank() if self.world > 1 else 0
+        # DeepSpeed's plugin (None without DeepSpeed); its config is adjusted before any model
+        # is built: ZeRO-3's zero3_init_flag makes from_pretrained load partitions only.
+        self.deepspeed = self.accelerator.state.deepspeed_plugin
+        self.zero_stage = 0
+        if self.deepspeed is not None:
+            self.zero_stage = self._configure_deepspeed(self.deepspeed.deepspeed_config)
+        self._lock = threading.Lock()  # a command and its collectives are never interleaved
+        self._released = False
+        # fp32 master weights; bf16 autocast on GPUs (CPU autocast is slower than fp32 here);
+        # DeepSpeed with bf16 keeps bf16 weights and fp32 masters in the optimiser partitions.
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if t.freeze_layers:
+            self._freeze(model, t.freeze_layers)
+        self._lora: dict[str, float] = {}
+        if t.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(
+                r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout,
+                target_modules=list(t.lora_target_modules), bias="none"))
+            self._lora = lora_modules(model)
+        model.train()
+        self.model = model
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        warm = max(t.warmup_steps, 0)
+        # The scheduler stays outside accelerate: it steps once per optimiser step, not per rank.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.policy, self.optimizer = self.accelerator.prepare(_Policy(self.model), optimizer)
+        self.ref_model = self._reference(model_path) if t.loss.kl_coef > 0 else None
+        self.snapshot_dtype = getattr(torch, cfg.model.dtype)
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        self._skip = {"lm_head.weight"} if tied else set()
+
+    def _configure_deepspeed(self, c: dict[str, Any]) -> int:
+        """Our micro-batching, clipping and gathering in the DeepSpeed config; returns the stage.
+
+        The batch's micro-batches are ours (one accumulation boundary per batch), so DeepSpeed
+        accumulates over exactly one "step"; ``train.grad_clip`` is the one clipping knob;
+        ZeRO-3 must gather full weights for snapshots; CPU offload runs the client AdamW on the
+        CPU partitions (DeepSpeedCPUAdam would need a compiled op).
+        """
+        t = self.cfg.train
+        for key, ours in (("gradient_accumulation_steps", 1), ("gradient_clipping", t.grad_clip)):
+            theirs = c.get(key, "auto")
+            if theirs not in ("auto", ours):
+                log.warning("DeepSpeed config %s=%s replaced by %s (set by train.micro_batch / "
+                            "train.grad_clip)", key, theirs, ours)
+        c.update({"train_micro_batch_size_per_gpu": t.micro_batch,
+                  "gradient_accumulation_steps": 1,
+                  "train_batch_size": t.micro_batch * self.world,
+                  "gradient_clipping": t.grad_clip})
+        zo = c.setdefault("zero_optimization", {})
+        stage = int(zo.get("stage", 0))
+        if stage == 3:
+            zo["stage3_gather_16bit_weights_on_model_save"] = True
+        if (zo.get("offload_optimizer") or {}).get("device", "none") not in ("none", None):
+            c.setdefault("zero_force_ds_cpu_optimizer", False)
+        return stage
+
+    def _reference(self, model_path: str) -> Any:
+        """The frozen reference for the KL term, behind the same token-logprob forward."""
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        ref = _Policy(ref).eval().requires_grad_(False)
+        if self.zero_stage != 3:
+            return ref.to(self.device)
+        # ZeRO-3: the reference is as large as the policy, so it is partitioned like it (loaded
+        # partitioned under zero3_init_flag): an inference engine, no optimiser. Its forward
+        # gathers layer by layer, a collective that every rank runs (same micro-batch count).
+        import deepspeed
+
+        conf = copy.deepcopy(self.deepspeed.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            conf.pop(key, None)
+        engine, *_ = deepspeed.initialize(model=ref, config=conf)
+        engine.eval()
+        return engine
+
+    @staticmethod
+    def _freeze(model: Any, k: int) -> None:
+        layers = model.base_model.layers
+        if k > len(layers):
+            raise ValueError(f"train.freeze_layers={k} but the model has {len(layers)} layers")
+        model.get_input_embeddings().requires_grad_(False)
+        for layer in layers[:k]:
+            layer.requires_grad_(False)
+
+    def _autocast(self):
+        """bf16 autocast where the hardware has bf16 math (GPUs, AVX512-BF16/AMX CPUs: ~5x
+        faster matmuls than fp32 on the 2-core dev machines); fp32 master weights either way."""
+        if self.cfg.model.dtype != "bfloat16":
+            return torch.autocast(self.device.type, enabled=False)
+        if self.device.type == "cpu" and not torch.cpu._is_avx512_bf16_supported():
+            return torch.autocast("cpu", enabled=False)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    # -------------------------------------------------------------- rank 0 leads, others follow
+    def _lead(self, *cmd: Any) -> None:
+        if self.world > 1 and self.rank == 0:
+            D.broadcast_object(cmd)
+
+    def follow(self) -> None:
+        """Non-zero ranks: run rank 0's commands until it says stop (or the job dies)."""
+        while True:
+            cmd = D.broadcast_object(None)
+            op, args = cmd[0], cmd[1:]
+            if op == "stop":
+                return
+            {"step": self._step, "grads": self._accumulate, "snapshot": self._snapshot,
+             "state": self._state, "load": self._load_state, "save": self._save_shards,
+             }[op](*args)
+
+    def release_followers(self) -> None:
+        """Rank 0, at the end: let the other ranks return from ``follow()``."""
+        with self._lock:
+            if not self._released:
+                self._released = True
+                self._lead("stop")
+
+    # -------------------------------------------------------------- training
+    def step(self, groups: list[RolloutGroup], learner_version: int) -> dict[str, float]:
+        """One optimiser step on ``groups``; returns metrics. A non-finite loss or gradient
+        skips the update (``skipped_nonfinite`` = 1) so bad weights never reach producers."""
+        with self._lock:
+            self._lead("step", groups, learner_version)
+            return self._step(groups, learner_version)
+
+    def accumulate_gradients(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """Forward/backward only: leaves the (rank-averaged) gradients of the batch loss in
+        ``.grad`` (for tests and debugging); returns the loss metrics. Not under DeepSpeed,
+        whose gradients live in ZeRO partitions until its ``step()``."""
+        if self.deepspeed is not None:
+            raise NotImplementedError("accumulate_gradients under DeepSpeed")
+        with self._lock:
+            self._lead("grads", groups)
+            return self._accumulate(groups)[1]
+
+    def _accumulate(self, groups: list[RolloutGroup]) -> tuple[PackedBatch, dict[str, float],
+                                                              bool, int]:
+        lc = self.cfg.train.loss
+        pb = pack_groups(groups, lc.scale_rewards, lc.std_eps)
+        n = len(pb.sequences)
+        mb = self.cfg.train.micro_batch
+        # Global normaliser: every completion token of the whole batch, on every rank.
+        total_tokens = sum(len(s) - p for s, p in zip(pb.sequences, pb.prompt_lens,
+                                                       strict=True))
+        normalizer = float(max(total_tokens, 1))
+        mine = D.shard_rows(n, self.rank, self.world)
+        # A rank without rows still runs one zero-weighted backward: DDP/ZeRO reductions are
+        # collectives that every rank must enter.
+        chunks = [(mine[i: i + mb], 1.0) for i in range(0, len(mine), mb)] or [([0], 0.0)]
+        ds = self.deepspeed is not None
+        if ds:  # ZeRO-2/3 communicate in every backward (ZeRO-3 also in every forward)
+            most = -(-len(D.shard_rows(n, 0, self.world)) // mb)  # rank 0 has the most rows
+            chunks += [([0], 0.0)] * (most - len(chunks))
+        self.optimizer.zero_grad(set_to_none=True)
+        acc: dict[str, float] = {}
+        finite = True
+        for ci, (rows, keep) in enumerate(chunks):
+            b = {k: v.to(self.device) for k, v in collate(pb, rows, self.pad_id).items()}
+            last = ci == len(chunks) - 1
+            if ds:
+                self.policy.set_gradient_accumulation_boundary(last)
+            sync = contextlib.nullcontext() if last or ds else \
+                self.accelerator.no_sync(self.policy)
+            with sync:
+                with self._autocast():
+                    lp = self.policy(b["input_ids"], b["attention_mask"], b["mask"])
+                    ref = None
+                    if self.ref_model is not None:
+                        with torch.no_grad():
+                            ref = self.ref_model(b["input_ids"], b["attention_mask"], b["mask"])
+                out = grpo_loss(lp, b["behaviour"], b["advantages"], b["mask"].float(), lc,
+                                ref_logprobs=ref,
+                                normalizer=normalizer if lc.agg == "token_mean" else None)
+                loss = out.loss if lc.agg == "token_mean" else out.loss * len(rows) / n
+                if not torch.isfinite(loss):
+                    finite = False
+                    if self.world == 1 and not ds:
+                        break
+                    # Ranks must stay in step (and DeepSpeed must reach its boundary):
+                    # back-propagate anyway; the NaN reaches every rank's gradient and the
+                    # update is skipped on all of them (all_true() below; DeepSpeed's check).
+                # Gradient reduction averages over ranks; the loss is a sum over the global
+                # batch, so undo the 1/world.
+                if ds:  # not accelerator.backward: under DeepSpeed it steps at each call
+                    self.policy.backward(loss * (keep * self.world))
+                else:
+                    self.accelerator.backward(loss * (keep * self.world))
+            if keep:
+                weight = b["mask"].sum().item() / normalizer
+                for k, v in out.metrics.items():
+                    acc[k] = acc.get(k, 0.0) + float(v) * (1.0 if k == "loss" else weight)
+        acc = D.sum_dicts(acc)
+        return pb, acc, finite, total_tokens
+
+    def _step(self, groups: list[RolloutGroup], learner_version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        pb, acc, finite, total_tokens = self._accumulate(groups)
+        n = len(pb.sequences)
+        grad_norm = math.nan
+        if self.deepspeed is not None:
+            finite = D.all_true(finite, self.device)
+            # Clips (train.grad_clip) and skips an update whose gradient norm is not finite.
+            self.policy.step()
+            norm = self.policy.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else math.nan
+            finite = finite and self.policy.was_step_applied()
+            if finite:
+                self.scheduler.step()
+        else:
+            if finite or self.world > 1:
+                clip = self.cfg.train.grad_clip
+                params = [p for p in self.policy.parameters() if p.requires_grad]
+                grad_norm = float(self.accelerator.clip_grad_norm_(
+                    params, clip if clip > 0 else float("inf")))
+                finite = finite and math.isfinite(grad_norm)
+            finite = D.all_true(finite, self.device)
+            if finite:
+                self.optimizer.step()
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        vers = np.concatenate([v for v in pb.versions if len(v)]) if total_tokens else \
+            np.zeros(0)
+        stale = [learner_version - g.policy_version for g in groups]
+        metrics = {f"loss/{k}": v for k, v in acc.items()}
+        metrics.update({
+            "reward_mean": float(pb.rewards.mean()),
+            "reward_std": float(pb.rewards.std()) if pb.rewards.numel() > 1 else 0.0,
+            "degenerate_frac": float((pb.rewards.amax(1) == pb.rewards.amin(1)).float().mean()),
+            "completion_len_mean": total_tokens / max(n, 1),
+            "trained_tokens": float(total_tokens),
+            "staleness_mean": float(np.mean(stale)),
+            "staleness_max": float(np.max(stale)),
+            "token_staleness_mean": float(np.mean(learner_version - vers)) if len(vers) else 0.0,
+            "grad_norm": grad_norm,
+            "lr": self.scheduler.get_last_lr()[0],
+            "skipped_nonfinite": 0.0 if finite else 1.0,
+            "train_s": time.perf_counter() - t0,
+            "learner_processes": float(self.world),
+        })
+        for s in stale:
+            metrics[f"staleness_hist/{s}"] = metrics.get(f"staleness_hist/{s}", 0.0) + 1
+        keys = {k for g in groups for c in g.completions for k in c.reward_breakdown}
+        for k in sorted(keys):
+            vals = [c.reward_breakdown.get(k, 0.0) for g in groups for c in g.completions]
+            metrics[f"reward/{k}"] = float(np.mean(vals))
+        return metrics
+
+    # -------------------------------------------------------------- weights
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The full (unwrapped) model state dict on rank 0, {} on the others. Under ZeRO-3 a
+        collective: each layer's partitions are gathered in turn and copied to rank 0's CPU."""
+        if self.rank != 0 and self.zero_stage != 3:
+            return {}
+        sd = self.accelerator.get_state_dict(self.policy) or {}
+        return {k.removeprefix("model."): v for k, v in sd.items()}
+
+    def snapshot_tensors(self) -> dict[str, torch.Tensor]:
+        """Weights for producers, in the engines' dtype, HF names (tied lm_head left out).
+
+        Only tensors that can change travel: trainable ones, or under LoRA the targeted
+        modules' weights with the adapter merged in (W + scale * B @ A).
+        """
+        with self._lock:
+            self._lead("snapshot")
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        sd = self._model_state()
+        if not sd:  # a follower rank: rank 0 alone holds (and sends) the full weights
+            return {}
+        if self._lora:
+            merged = merge_lora(sd, self._lora, self.snapshot_dtype)
+        else:
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            merged = {k: v for k, v in sd.items() if k in trainable}
+        return {k: v.detach().to(self.snapshot_dtype) for k, v in merged.items()
+                if k not in self._skip}
+
+    # -------------------------------------------------------------- checkpoint state
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            self._lead("state")
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
+        common = {"scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
+        if self.deepspeed is not None:  # model and optimiser: every rank's, in save_shards()
+            return {"deepspeed_zero_stage": self.zero_stage, **common}
+        return {"model": self._model_state(), "optimizer": self.optimizer.state_dict(), **common}
+
+    def save_shards(self, directory: Path) -> None:
+        """Under DeepSpeed, every rank writes its partitions (optimiser state, and ZeRO-3
+        parameters) into ``directory``/deepspeed: a collective; returns once all are written.
+        Nothing to do otherwise (``state()`` holds everything)."""
+        if self.deepspeed is None:
+            return
+        with self._lock:
+            self._lead("save", str(directory))
+            self._save_shards(str(directory))
+
+    def _save_shards(self, directory: str) -> None:
+        self.policy.save_checkpoint(str(Path(directory) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                                    client_state={}, save_latest=False)
+        D.barrier()  # every rank's files are complete before rank 0 renames the directory
+
+    def load_state(self, state: dict[str, Any], directory: Path | None = None) -> None:
+        """Restore ``state()``; under DeepSpeed every rank also reads its partitions from the
+        checkpoint ``directory``."""
+        with self._lock:
+            self._lead("load", state, None if directory is None else str(directory))
+            self._load_state(state, None if directory is None else str(directory))
+
+    def _load_state(self, state: dict[str, Any], directory: str | None = None) -> None:
+        written_by_ds = "deepspeed_zero_stage" in state
+        if written_by_ds != (self.deepspeed is not None):
+            raise CheckpointError(
+                f"checkpoint {directory} was written {'with' if written_by_ds else 'without'} "
+                f"DeepSpeed; resume it with the same train.accelerate_config")
+        if self.deepspeed is not None:
+            if directory is None:
+                raise CheckpointError("a DeepSpeed checkpoint needs its directory to load")
+            loaded, _ = self.policy.load_checkpoint(
+                str(Path(directory) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                load_optimizer_states=True, load_lr_scheduler_states=False)
+            if loaded is None:
+                raise CheckpointError(f"DeepSpeed could not load {directory}/{DEEPSPEED_DIR}")
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+

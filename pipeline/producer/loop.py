@@ -1,0 +1,441 @@
+"""A producer: one vLLM AsyncLLM turning prompts into scored GRPO groups, pushed to the learner.
+
+Three coroutines under one TaskGroup (an error in any stops the producer):
+- ``_admit``: starts a group whenever the admission budget allows (in-flight + sent-but-not-yet-
+  consumed groups <= this producer's share of (max_staleness + 1) x batch_groups), so no
+  generation is spent on a group that would be too stale to train;
+- ``_listen``: applies announces: new snapshot -> sync barrier -> ack; consumption counts.
+  The weights come by the route the learner names for us (file, ipc or nccl; see
+  ``sync.transfer``); a GPU route that fails is followed by a file swap to the same version;
+- ``_heartbeat``: liveness and stats for the learner.
+Completions stream with RequestOutputKind.DELTA: each delta is tagged with the version the
+engine holds when it arrives (the barrier settles outputs before switching versions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from buffer.schema import Ack, Announce, Completion, Heartbeat, Hello, RolloutGroup, SyncReady
+from buffer.transport import ProducerEndpoint
+from pipeline.config import RunConfig, curve_keys, producer_budget
+from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
+from pipeline.producer.engine import engine_progress
+from pipeline.producer.outbox import Outbox
+from pipeline.producer.rewards import RewardSet, rate_limiter
+from sync.barrier import RequestTracker, SwapBarrier
+from sync.snapshot import SnapshotRef
+from sync.transfer import (
+    FileTransport,
+    IpcTransport,
+    NcclTransport,
+    nccl_offer,
+    plan_route,
+    swap_with_fallback,
+)
+
+log = logging.getLogger(__name__)
+
+
+class LearnerFinished(Exception):
+    """The learner announced its end (all steps trained): the producer's run is over."""
+
+
+@dataclass
+class ProducerStats:
+    groups_started: int = 0
+    groups_sent: int = 0
+    groups_dropped_reward: int = 0
+    prompts_skipped_too_long: int = 0
+    completions_resubmitted: int = 0
+    groups_resent: int = 0
+    retention_overflow: int = 0
+    tokens: int = 0
+    swaps: int = 0
+    swap_failures: int = 0
+    transport_fallbacks: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    def to_dict(self) -> dict[str, float]:
+        d = {k: float(v) for k, v in self.__dict__.items() if k != "started_at"}
+        d["tokens_per_s"] = self.tokens / max(time.monotonic() - self.started_at, 1e-9)
+        return d
+
+
+class Producer:
+    def __init__(self, cfg: RunConfig, index: int, engine: Any, tokenizer: Any,
+                 endpoint: ProducerEndpoint, rewards: RewardSet, prompts: PromptSource,
+                 stop_when_learner_done: bool = False):
+        self.cfg, self.index = cfg, index
+        # --role producer: nobody else stops us. (Under --role all the launcher does, after
+        # the learner process has exited; exiting first would look like a producer crash.)
+        self.stop_when_learner_done = stop_when_learner_done
+        self.producer_id = f"p{index}"
+        self.engine, self.tokenizer, self.endpoint = engine, tokenizer, endpoint
+        self.rewards, self.prompts = rewards, prompts
+        self.final = cfg.generation.stream == "final"
+        self.tracker = RequestTracker(probe=partial(engine_progress, engine) if self.final
+                                      else None)
+        s = cfg.sync
+        self.barrier = SwapBarrier(engine, self.tracker, mode=s.barrier,
+                                   drain_timeout_s=s.drain_timeout_s,
+                                   pause_timeout_s=s.pause_timeout_s,
+                                   load_timeout_s=s.load_timeout_s)
+        self.budget = producer_budget(cfg.train.batch_groups, cfg.train.max_staleness,
+                                      cfg.num_producers, index)
+        self.transport = FileTransport(engine)
+        self.ipc = IpcTransport(engine, self.producer_id)
+        self.nccl = NcclTransport(engine, self._send_ready, s.nccl_timeout_s)
+        self.devices: list[str] = []  # GPU UUID per worker, from sync_device_info
+        self.stats = ProducerStats()
+        self.in_flight_groups = 0
+        self.held = 0            # our groups in the learner's buffer (from announces)
+        self.accepted = 0        # groups of this process the learner has (from announces)
+        self.learner_session = ""
+        # Exactly-once delivery across learner restarts: this process numbers its groups and
+        # keeps each until the learner announces it durable (in a checkpoint); a restored learner
+        # gets the rest again and drops what it already has (buffer.ledger).
+        self.incarnation = f"{self.producer_id}-{os.getpid()}-{time.time_ns() % 10**12}"
+        self.seq = 0
+        out_dir = Path(cfg.run_dir) / "producers"
+        self.outbox = Outbox(out_dir, self.producer_id, self.incarnation, cfg.sync.retain_groups)
+        self.sent_log = out_dir / f"{self.incarnation}.jsonl"
+        self._budget_changed = asyncio.Event()
+        self._synced = asyncio.Event()   # set once we hold the learner's current version
+        self._failed_links: set[bytes] = set()  # NCCL offers we could not join (not retried)
+        self._group_tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ admission
+    def outstanding(self) -> int:
+        """Groups generating, in transit, or waiting in the learner's buffer."""
+        in_transit = max(self.seq - self.accepted, 0)
+        return self.in_flight_groups + in_transit + self.held
+
+    async def _admit(self) -> None:
+        await self._synced.wait()
+        rate = self.cfg.generation.admit_rate_per_s
+        throttle = rate_limiter(rate) if rate else contextlib.nullcontext()
+        for record in self.prompts:
+            while self.outstanding() >= self.budget or not self._synced.is_set():
+                self._budget_changed.clear()
+                await self._budget_changed.wait()
+            async with throttle:  # asyncio-throttle: at most `rate` admissions per second
+                pass
+            ids = render_prompt(self.tokenizer, self.cfg.data, record.prompt)
+            if len(ids) > self.cfg.data.max_prompt_tokens or \
+                    len(ids) + 1 >= self.cfg.engine.max_model_len:
+                self.stats.prompts_skipped_too_long += 1
+                continue
+            self.in_flight_groups += 1
+            self.stats.groups_started += 1
+            task = asyncio.create_task(self._run_group(record, ids))
+            self._group_tasks.add(task)
+            task.add_done_callback(self._group_done)
+
+    def _group_done(self, task: asyncio.Task) -> None:
+        self._group_tasks.discard(task)
+        self.in_flight_groups -= 1
+        self._budget_changed.set()
+        if not task.cancelled() and task.exception() is not None:
+            # A group failing is a bug in our code or the engine: stop the producer loudly.
+            self._fatal = task.exception()
+            self._budget_changed.set()
+
+    # ------------------------------------------------------------------ one group
+    async def _run_group(self, record: PromptRecord, prompt_ids: list[int]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        g = self.cfg.generation
+        group_id = f"{self.producer_id}-{uuid.uuid4().hex[:12]}"
+        admitted_at = time.time()
+        t0 = time.perf_counter()
+        completions = await asyncio.gather(*(
+            self._generate_one(f"{group_id}-{j}", prompt_ids, SamplingParams(
+                n=1, max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
+                stop=list(g.stop) or None, ignore_eos=g.ignore_eos, logprobs=0,
+                # vLLM detokenizes every token (and every logprob) in Python on the engine's
+                # event loop; one decode per finished completion here costs a fraction of that.
+                # Stop strings need vLLM's incremental text, so they keep it on.
+                detokenize=bool(g.stop),
+                flat_logprobs=True,  # a few flat lists per request, not a dict per token
+                seed=None, output_kind=RequestOutputKind.FINAL_ONLY if self.final
+                else RequestOutputKind.DELTA))
+            for j in range(g.group_size)))
+        gen_s = time.perf_counter() - t0
+        texts = [c[1] for c in completions]
+        meta = dict(record.meta, prompt_id=record.prompt_id)
+        result = await self.rewards.score_group(record.prompt, texts, meta)
+        if result.dropped:
+            self.stats.groups_dropped_reward += 1
+            self._log_sent({"dropped_by_reward": group_id, "prompt_id": record.prompt_id})
+            log.warning("group for prompt %s dropped: a reward failed (on_failure=drop)",
+                        record.prompt_id)
+            return
+        comps = []
+        for (comp, _text), total, breakdown in zip(completions, result.total, result.breakdown,
+                                                  strict=True):
+            comp.reward = float(total)
+            comp.reward_breakdown = {k: float(v) for k, v in breakdown.items()}
+            comps.append(comp)
+        group = RolloutGroup(
+            group_id=group_id, producer_id=self.producer_id, prompt_id=record.prompt_id,
+            prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32), completions=comps,
+            timing={"admitted_at": admitted_at, "generate_s": gen_s,
+                    "reward_s": time.perf_counter() - t0 - gen_s},
+            metadata={"cursor": record.cursor, "producer_index": self.index,
+                      "incarnation": self.incarnation, "seq": self.seq})
+        self.seq += 1
+        self.outbox.add(group)
+        self.stats.retention_overflow = self.outbox.overflow
+        await self.endpoint.send(group)
+        self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
+        self.stats.groups_sent += 1
+
+    def _log_sent(self, record: dict[str, Any]) -> None:
+        """One line per group handed to the transport: the producer side of the soak's
+        conservation check (groups produced = trained + dropped + held)."""
+        with self.sent_log.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    async def _generate_one(self, rid: str, prompt_ids: list[int], sp: Any
+                            ) -> tuple[Completion, str]:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        segments: list[tuple[int, int]] = []
+        text: list[str] = []
+        attempt = 0
+        while True:
+            request_id = f"{rid}-a{attempt}"
+            version = await self.tracker.admit(request_id)
+            # The salt keeps prefix-cache hits within one weights version: KV computed by old
+            # weights is never reused for a request admitted after a swap.
+            prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
+            finish = ""
+            try:
+                async for out in self.engine.generate(prompt, sp, request_id):
+                    c = out.outputs[0]
+                    new = list(c.token_ids)
+                    v = self.tracker.on_output(request_id, len(new))
+                    if new:
+                        if self.final:  # the one output: versions from the swap boundaries
+                            segments = self.tracker.segments(request_id, version, len(new))
+                        elif not segments or segments[-1][1] != v:
+                            segments.append((len(tokens), v))
+                        tokens.extend(new)
+                        logprobs.extend(sampled_logprobs(c.logprobs, new))
+                        text.append(c.text)
+                    if out.finished:
+                        finish = c.finish_reason or ""
+            finally:
+                self.tracker.finish(request_id)
+            if finish == "abort" and attempt < 100:
+                # Aborted by an abort-mode swap: regenerate from scratch under the new weights.
+                tokens, logprobs, segments, text = [], [], [], []
+                attempt += 1
+                self.stats.completions_resubmitted += 1
+                continue
+            break
+        self.stats.tokens += len(tokens)
+        if not segments:
+            segments = [(0, self.tracker.version)]
+        comp = Completion(token_ids=np.asarray(tokens, dtype=np.int32),
+                          logprobs=np.asarray(logprobs, dtype=np.float32),
+                          version_segments=segments, finish_reason=finish)
+        if not sp.detokenize:
+            return comp, self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return comp, "".join(text)
+
+    # ------------------------------------------------------------------ control
+    async def _listen(self) -> None:
+        while True:
+            ann = await self.endpoint.recv_announce(timeout=1.0)
+            if ann is None:
+                continue
+            await self._apply_announce(ann)
+
+    async def _apply_announce(self, ann: Announce) -> None:
+        self.outbox.forget_durable(ann.durable)
+        if ann.finished and self.stop_when_learner_done:
+            raise LearnerFinished(f"learner session {ann.learner_session} trained its last "
+                                  f"step (version {ann.version})")
+        if ann.learner_session != self.learner_session:
+            # New learner (first contact or a restart): resend what its checkpoint lacks, ours
+            # and any a killed predecessor left in its log (the learner drops duplicates).
+            # Resends do not count against admission: they were budgeted when first sent.
+            if self.learner_session:
+                # A restarted learner knows us only from heartbeats: tell it our GPUs again, or
+                # it routes our weights by file for good.
+                await self._hello()
+            self.learner_session = ann.learner_session
+            resend = self.outbox.unconfirmed()
+            for group in resend:
+                await self.endpoint.send(group)
+            self.stats.groups_resent += len(resend)
+            # Prompts the learner already has are not generated again after a restart.
+            self.prompts.cursor = max(self.prompts.cursor, ann.cursors.get(self.producer_id, 0))
+            log.info("%s: learner session %s at version %d", self.producer_id,
+                     ann.learner_session, ann.version)
+        route = ann.routes.get(self.producer_id, "file")
+        if route == "nccl":
+            await self._ensure_link(ann)
+        if ann.version != self.tracker.version and ann.snapshot_uri:
+            self._synced.clear()  # generate nothing more on weights the learner has left
+            ref = SnapshotRef(ann.version, ann.snapshot_uri, ann.snapshot_checksum)
+            report = await self._swap(ref, route, ann.transfer)
+            self.stats.swaps = self.barrier.swaps
+            self.stats.swap_failures = self.barrier.failures
+            if report.timings.get("fallback"):
+                self.stats.transport_fallbacks += 1
+            if not report.ok:
+                log.error("%s: %s", self.producer_id, report.error)
+            await self.endpoint.send(Ack(producer_id=self.producer_id, version=report.version,
+                                         ok=report.ok, error=report.error,
+                                         timings=report.timings))
+        pid = self.producer_id
+        self.held = max(ann.received.get(pid, 0) - ann.consumed.get(pid, 0), 0)
+        self.accepted = ann.accepted.get(self.incarnation, 0)
+        if self.tracker.version == ann.version or not ann.snapshot_uri:
+            if not ann.snapshot_uri:
+                self.tracker.version = ann.version
+            self._synced.set()
+        self._budget_changed.set()
+
+    async def _swap(self, ref: SnapshotRef, route: str, transfer: dict[str, Any]) -> Any:
+        """The barrier around the route's load; a failed GPU route falls back to the file."""
+        used, why = plan_route(route, transfer, self.producer_id, self.devices, self.nccl.joined)
+        if why:
+            log.warning("%s: v%d by file instead of %s: %s", self.producer_id, ref.version,
+                        route, why)
+        if used == "ipc":
+            return await swap_with_fallback(
+                self.barrier, "ipc", ref, self.transport, load=partial(self.ipc.apply, ref.version),
+                prepare=partial(self.ipc.stage, ref, transfer))
+        if used == "nccl":
+            return await swap_with_fallback(
+                self.barrier, "nccl", ref, self.transport,
+                load=partial(self.nccl.receive_and_apply, ref, transfer))
+        return await swap_with_fallback(self.barrier, "file", ref, self.transport)
+
+    async def _ensure_link(self, ann: Announce) -> None:
+        """Join the NCCL link the learner offers us, unless we hold it already."""
+        link = nccl_offer(ann.transfer, self.producer_id)
+        if link is None or link["unique_id"] == self.nccl.joined or \
+                link["unique_id"] in self._failed_links:
+            return
+        try:
+            await asyncio.wait_for(self.nccl.join(link), self.cfg.sync.nccl_timeout_s)
+            log.info("%s: NCCL link epoch %d joined", self.producer_id, link["epoch"])
+        except Exception as e:  # the learner offers a new epoch; meanwhile weights come by file
+            self._failed_links.add(link["unique_id"])
+            log.error("%s: joining NCCL link epoch %d failed: %r", self.producer_id,
+                      link["epoch"], e)
+
+    async def _hello(self) -> None:
+        await self.endpoint.send(Hello(producer_id=self.producer_id,
+                                       policy_version=self.tracker.version, pid=os.getpid(),
+                                       devices=self.devices))
+
+    async def _send_ready(self, purpose: str, epoch: int, version: int) -> None:
+        await self.endpoint.send(SyncReady(producer_id=self.producer_id, purpose=purpose,
+                                           epoch=epoch, version=version))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await self.endpoint.send(Heartbeat(producer_id=self.producer_id,
+                                               policy_version=self.tracker.version,
+                                               stats=self.stats.to_dict()))
+            await asyncio.sleep(2.0)
+
+    async def _watch(self) -> None:
+        while True:
+            await self._budget_changed.wait()
+            err = getattr(self, "_fatal", None)
+            if err is not None:
+                raise err
+            await asyncio.sleep(0.05)
+
+    async def run(self) -> None:
+        self.devices = await engine_devices(self.engine)
+        log.info("%s: engine ready; waiting for the learner's first announce", self.producer_id)
+        await self._hello()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._listen())
+                tg.create_task(self._heartbeat())
+                tg.create_task(self._admit())
+                tg.create_task(self._watch())
+        except* LearnerFinished as eg:
+            log.info("%s: %s; stopping", self.producer_id, eg.exceptions[0])
+        finally:
+            self.outbox.close()
+            for t in list(self._group_tasks):
+                t.cancel()
+            for rid in list(self.tracker.in_flight):
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(rid)
+
+
+async def engine_devices(engine: Any) -> list[str]:
+    """GPU UUID of each vLLM worker ([] on CPU, or if the engine cannot say)."""
+    try:
+        infos = await engine.collective_rpc("sync_device_info")
+    except Exception as e:  # an engine without our worker extension: weights by file
+        log.warning("cannot read the engine's GPUs (%r); weights will come by file", e)
+        return []
+    uuids = [i.get("gpu_uuid", "") for i in infos if isinstance(i, dict)]
+    return uuids if uuids and all(uuids) else []
+
+
+def sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
+    """Behaviour logprob of each sampled token from vLLM's per-position logprob dicts."""
+    if lp is None:
+        return [math.nan] * len(token_ids)
+    flat = getattr(lp, "start_indices", None) is not None  # vLLM's FlatLogprobs
+    if flat and len(lp.logprobs) == len(token_ids) and list(lp.token_ids) == list(token_ids):
+        return [float(x) for x in lp.logprobs]  # logprobs=0: one entry, the sampled token
+    out = []
+    for pos, tok in zip(lp, token_ids, strict=False):
+        entry = pos.get(tok) if pos is not None else None
+        out.append(float(entry.logprob) if entry is not None else math.nan)
+    return out
+
+
+async def producer_main(cfg: RunConfig, index: int, model_path: str, start_cursor: int = 0,
+                        stop_when_learner_done: bool = False) -> None:
+    """Entry point of a producer process (called under ``if __name__ == '__main__'``)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.producer.engine import build_engine
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = PromptSource(cfg.data, index, cfg.num_producers, start_cursor=start_cursor)
+    rewards = RewardSet(cfg.rewards.specs, on_failure=cfg.rewards.on_failure,
+                        pool_workers=cfg.rewards.pool_workers)
+    endpoint = ProducerEndpoint(cfg.bind_addr, curve=curve_keys(cfg, "producer"))
+    engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index)
+    try:
+        await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,
+                       stop_when_learner_done).run()
+    finally:
+        endpoint.close()
+        rewards.close()
+        engine.shutdown()
+        # Collect the engine now: AsyncLLM.__del__ calls shutdown() again, which fails noisily
+        # when it runs at interpreter teardown.
+        del engine
+        gc.collect()

@@ -1,0 +1,521 @@
+"""Reward actors: the public API for user rewards, and the scorer that runs them for a group.
+
+A user reward is any of:
+- a function ``r(prompt: str, completion: str, **meta) -> float`` (sync or async);
+- a class, instantiated once with ``RewardSpec.kwargs`` (setup state: a loaded verifier, an HTTP
+  client); its ``__call__`` is the scorer, sync or async, with the signature above;
+- a batched scorer (``batched=True``):
+  ``(prompts: list[str], completions: list[str], metas: list[dict]) -> list[float]``, sync or async.
+``meta`` carries the dataset record's extra fields (e.g. ``answer``) plus ``prompt_id`` and
+``completion_index``. A scorer whose signature has no ``**meta`` receives only the keywords it
+names. ``@reward(name=..., batched=..., weight=...)`` attaches defaults that a spec may override.
+
+Invariants of ``RewardSet.score_group``:
+- it never raises (except on cancellation) and never waits longer than the slowest reward's
+  ``timeout_s`` per call (plus queueing for ``max_concurrency``/``rate_per_s``), provided
+  ``inline`` rewards are fast: an ``inline`` *sync* reward runs on the event loop and cannot be
+  timed out, so anything that may block belongs on ``executor="thread"`` or ``"process"``;
+- every exception, timeout and non-finite value is logged with the prompt id, counted in
+  ``stats`` and handled by ``on_failure``: ``"zero"`` scores that reward 0 for the affected
+  completions, ``"drop"`` marks the result ``dropped`` so the caller discards the group;
+- on timeout the waiting side gives up. A hung thread cannot be killed (Python has no way to), so
+  thread rewards run on daemon threads that never block interpreter exit; a hung process call
+  keeps its pool worker busy until ``close()`` terminates the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import multiprocessing
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.config import RewardSpec
+
+log = logging.getLogger(__name__)
+
+OnFailure = Literal["zero", "drop"]
+STAT_KINDS = ("calls", "failures", "timeouts", "nan", "dropped_groups")
+
+
+# ------------------------------------------------------------------------------ user-facing API
+
+
+def reward(
+    fn: Any = None, *, name: str | None = None, batched: bool = False, weight: float = 1.0
+) -> Any:
+    """Attach defaults (name, batched, weight) to a reward function or class.
+
+    Usable bare (``@reward``) or with arguments (``@reward(batched=True)``). A ``RewardSpec``
+    field that is set explicitly wins over these defaults.
+    """
+
+    def attach(obj: Any) -> Any:
+        obj.__reward_defaults__ = {"name": name, "batched": batched, "weight": weight}
+        return obj
+
+    return attach(fn) if fn is not None else attach
+
+
+@dataclass
+class RewardResult:
+    """Scores of one group."""
+
+    total: list[float]
+    """Weighted sum per completion (a failed reward contributes 0)."""
+    breakdown: list[dict[str, float]]
+    """Per completion: reward name -> value used (raw, unweighted; 0.0 where it failed)."""
+    failed: bool
+    """Some reward failed (exception, timeout or non-finite value) for some completion."""
+    dropped: bool
+    """on_failure == "drop" and a failure happened: the caller must discard the group."""
+
+
+def load_callable(path: str) -> Any:
+    """Import ``package.module:attr`` or ``path/to/file.py:attr`` and return the attribute."""
+    module_part, sep, attr = path.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise ValueError(f"reward path {path!r} must look like 'package.module:attr' "
+                         "or 'path/to/file.py:attr'")
+    if module_part.endswith(".py"):
+        file = Path(module_part).expanduser().resolve()
+        if not file.is_file():
+            raise ImportError(f"reward path {path!r}: file {file} does not exist")
+        # A stable per-file module name, so repeated loads (and pickling by reference inside the
+        # same process) see one module object.
+        mod_name = f"_reward_file_{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            spec = importlib.util.spec_from_file_location(mod_name, file)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"reward path {path!r}: cannot load {file} as a module")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException as e:
+                del sys.modules[mod_name]
+                raise ImportError(f"reward path {path!r}: importing {file} failed: {e!r}") from e
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as e:
+            raise ImportError(f"reward path {path!r}: cannot import module {module_part!r}: "
+                              f"{e}") from e
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"reward path {path!r}: module {module_part!r} has no "
+                          f"attribute {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"reward path {path!r} names {type(obj).__name__}, not a function "
+                         "or class")
+    return obj
+
+
+def validate_specs(specs: list[RewardSpec]) -> None:
+    """Import every reward now and check names are unique, so bad config fails before any
+    process starts. Classes are not instantiated here (that may be expensive)."""
+    seen: set[str] = set()
+    for spec in specs:
+        obj = _resolve_obj(spec)
+        name = _defaults(spec, obj)["name"]
+        if name in seen:
+            raise ValueError(f"duplicate reward name {name!r}; set RewardSpec.name to tell "
+                             "them apart")
+        seen.add(name)
+        if spec.executor == "process" and not isinstance(spec.fn, str):
+            qual = getattr(obj, "__qualname__", "")
+            if "<locals>" in qual or "<lambda>" in qual:
+                raise ValueError(f"reward {name!r} runs in a process but {qual} cannot be "
+                                 "pickled; give its import path instead")
+
+
+# ------------------------------------------------------------------------------- spec plumbing
+
+
+def _resolve_obj(spec: RewardSpec) -> Any:
+    return load_callable(spec.fn) if isinstance(spec.fn, str) else spec.fn
+
+
+def _defaults(spec: RewardSpec, obj: Any) -> dict[str, Any]:
+    """Effective name/batched/weight: explicit spec field > @reward default > built-in."""
+    deco = getattr(obj, "__reward_defaults__", {})
+    if isinstance(spec.fn, str):
+        fallback_name = spec.fn.rpartition(":")[2]
+    else:
+        fallback_name = getattr(obj, "__name__", type(obj).__name__)
+    name = spec.name or deco.get("name") or fallback_name
+    batched = spec.batched if spec.batched is not None else bool(deco.get("batched", False))
+    weight = spec.weight if spec.weight is not None else float(deco.get("weight", 1.0))
+    return {"name": name, "batched": batched, "weight": weight}
+
+
+def _instantiate(obj: Any, kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """Classes are built once with kwargs; functions are used as they are."""
+    return obj(**kwargs) if inspect.isclass(obj) else obj
+
+
+def _meta_filter(scorer: Callable[..., Any]) -> frozenset[str] | None:
+    """Names of keyword arguments the scorer accepts, or None when it takes ``**meta``."""
+    try:
+        params = inspect.signature(scorer).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+
+
+def _invoke(scorer: Callable[..., Any], accepts: frozenset[str] | None, batched: bool,
+            args: tuple[Any, ...]) -> Any:
+    """Call a scorer; the result may be a value or an awaitable."""
+    if batched:
+        return scorer(*args)
+    prompt, completion, meta = args
+    if accepts is not None:
+        meta = {k: v for k, v in meta.items() if k in accepts}
+    return scorer(prompt, completion, **meta)
+
+
+def _run_blocking(scorer: Callable[..., Any], accepts: frozenset[str] | None, batched: bool,
+                  args: tuple[Any, ...]) -> Any:
+    """Thread/process side: call, and drive an async scorer to completion on a private loop."""
+    out = _invoke(scorer, accepts, batched, args)
+    if inspect.isawaitable(out):
+        async def await_it() -> Any:
+            return await out
+
+        out = asyncio.run(await_it())
+    return out
+
+
+# Process-pool worker side. The registry lives only in spawned worker processes (filled by the
+# pool initializer); the parent never reads or writes it.
+_WORKER_SCORERS: dict[str, tuple[Callable[..., Any], frozenset[str] | None, bool]] = {}
+
+
+def _worker_init(entries: list[tuple[str, Any, dict[str, Any], bool]]) -> None:
+    for name, fn, kwargs, batched in entries:
+        obj = load_callable(fn) if isinstance(fn, str) else fn
+        scorer = _instantiate(obj, kwargs)
+        _WORKER_SCORERS[name] = (scorer, _meta_filter(scorer), batched)
+
+
+def _worker_call(name: str, args: tuple[Any, ...]) -> Any:
+    scorer, accepts, batched = _WORKER_SCORERS[name]
+    return _run_blocking(scorer, accepts, batched, args)
+
+
+class _RewardTimeout(Exception):
+    pass
+
+
+class _NonFinite(Exception):
+    pass
+
+
+@dataclass
+class _Actor:
+    """One loaded reward with its limiters (parent side)."""
+
+    spec: RewardSpec
+    name: str
+    weight: float
+    batched: bool
+    scorer: Callable[..., Any] | None  # None for process rewards (lives in the workers)
+    accepts: frozenset[str] | None
+    throttler: Any = None
+    _sem: asyncio.Semaphore | None = None
+    _sem_loop: asyncio.AbstractEventLoop | None = None
+
+    def semaphore(self) -> asyncio.Semaphore | None:
+        # asyncio primitives bind to the loop that first uses them; rebuild per loop so a
+        # RewardSet survives being driven by successive asyncio.run() calls.
+        if self.spec.max_concurrency is None:
+            return None
+        loop = asyncio.get_running_loop()
+        if self._sem is None or self._sem_loop is not loop:
+            self._sem = asyncio.Semaphore(self.spec.max_concurrency)
+            self._sem_loop = loop
+        return self._sem
+
+
+def rate_limiter(rate_per_s: float) -> Any:
+    """An asyncio-throttle Throttler allowing ``rate_per_s`` entries per second (async with)."""
+    from asyncio_throttle import Throttler
+
+    # Throttler counts whole calls per period: express a float rate as n calls per n/rate s.
+    n = max(1, round(rate_per_s))
+    return Throttler(rate_limit=n, period=n / rate_per_s)
+
+
+# --------------------------------------------------------------------------------- the scorer
+
+
+class RewardSet:
+    """All configured rewards; scores one group at a time (``score_group`` is safe to run
+    concurrently for many groups)."""
+
+    def __init__(self, specs: list[RewardSpec], on_failure: OnFailure = "zero",
+                 pool_workers: int = 2) -> None:
+        if on_failure not in ("zero", "drop"):
+            raise ValueError(f"on_failure must be 'zero' or 'drop', got {on_failure!r}")
+        if pool_workers < 1:
+            raise ValueError(f"pool_workers must be >= 1, got {pool_workers}")
+        validate_specs(specs)
+        self.on_failure = on_failure
+        self.pool_workers = pool_workers
+        self.actors: list[_Actor] = []
+        self.stats: dict[str, int] = {"reward/dropped_groups": 0}
+        process_entries = []
+        for spec in specs:
+            obj = _resolve_obj(spec)
+            d = _defaults(spec, obj)
+            if spec.executor == "process":
+                scorer, accepts = None, None
+                process_entries.append((d["name"], spec.fn, dict(spec.kwargs), d["batched"]))
+            else:
+                scorer = _instantiate(obj, spec.kwargs)
+                accepts = _meta_filter(scorer)
+            throttler = rate_limiter(spec.rate_per_s) if spec.rate_per_s else None
+            self.actors.append(_Actor(spec, d["name"], d["weight"], d["batched"], scorer,
+                                      accepts, throttler))
+            for kind in STAT_KINDS:
+                self.stats[f"reward/{d['name']}/{kind}"] = 0
+        self._process_entries = process_entries
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._closed = False
+        if process_entries:
+            self._pool = self._new_pool()
+
+    @property
+    def names(self) -> list[str]:
+        return [a.name for a in self.actors]
+
+    # -- public -------------------------------------------------------------------------------
+
+    async def score_group(self, prompt: str, completions: list[str],
+                          meta: dict[str, Any]) -> RewardResult:
+        """Score the G completions of one prompt with every reward, concurrently."""
+        n = len(completions)
+        metas = [{**meta, "completion_index": i} for i in range(n)]
+        per_actor = await asyncio.gather(
+            *(self._score_actor(a, prompt, completions, metas) for a in self.actors)
+        )
+        total = [0.0] * n
+        breakdown: list[dict[str, float]] = [{} for _ in range(n)]
+        failed_names = []
+        for actor, (values, ok) in zip(self.actors, per_actor, strict=True):
+            if not all(ok):
+                failed_names.append(actor.name)
+            for i in range(n):
+                v = values[i] if ok[i] else 0.0
+                breakdown[i][actor.name] = v
+                total[i] += actor.weight * v
+        failed = bool(failed_names)
+        dropped = failed and self.on_failure == "drop"
+        if dropped:
+            self.stats["reward/dropped_groups"] += 1
+            for name in failed_names:
+                self.stats[f"reward/{name}/dropped_groups"] += 1
+            log.warning("prompt %s: group dropped, rewards failed: %s",
+                        meta.get("prompt_id"), ", ".join(failed_names))
+        return RewardResult(total=total, breakdown=breakdown, failed=failed, dropped=dropped)
+
+    def close(self) -> None:
+        """Shut down the process pool, terminating workers stuck in hung calls."""
+        self._closed = True
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            _terminate_pool(pool)
+
+    def __enter__(self) -> RewardSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        # spawn: forking a process that holds vLLM/torch threads is unsafe.
+        return concurrent.futures.ProcessPoolExecutor(
+            max_workers=self.pool_workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(self._process_entries,),
+        )
+
+    async def _score_actor(self, actor: _Actor, prompt: str, completions: list[str],
+                           metas: list[dict[str, Any]]) -> tuple[list[float], list[bool]]:
+        """Values and per-completion success flags of one reward for the group."""
+        n = len(completions)
+        if actor.batched:
+            res = await self._guarded(actor, metas[0] if metas else {},
+                                      ([prompt] * n, list(completions), metas), n)
+            if res is None:
+                return [0.0] * n, [False] * n
+            return res, [math.isfinite(v) for v in res]
+        outs = await asyncio.gather(
+            *(self._guarded(actor, m, (prompt, c, m), None)
+              for c, m in zip(completions, metas, strict=True))
+        )
+        return ([o[0] if o else 0.0 for o in outs], [o is not None for o in outs])
+
+    async def _guarded(self, actor: _Actor, meta: dict[str, Any], args: tuple[Any, ...],
+                       n: int | None) -> list[float] | None:
+        """One call with limits, timeout and validation; None on failure (already counted)."""
+        key = f"reward/{actor.name}"
+        self.stats[f"{key}/calls"] += 1
+        try:
+            sem = actor.semaphore()
+            if sem is not None:
+                async with sem:
+                    raw = await self._throttled_call(actor, args)
+            else:
+                raw = await self._throttled_call(actor, args)
+            values = _validate(raw, n)
+        except asyncio.CancelledError:
+            raise
+        except _RewardTimeout:
+            self._fail(actor, meta, "timeout", f"timed out after {actor.spec.timeout_s} s")
+            return None
+        except _NonFinite as e:
+            self._fail(actor, meta, "nan", str(e))
+            # Keep the finite entries of a batched result; the caller zeroes the rest.
+            return e.args[1] if n is not None else None
+        except Exception as e:
+            self._fail(actor, meta, None, f"raised {e!r}")
+            return None
+        return values
+
+    async def _throttled_call(self, actor: _Actor, args: tuple[Any, ...]) -> Any:
+        if actor.throttler is not None:
+            async with actor.throttler:
+                pass  # the throttler only spaces call starts; the call runs outside it
+        # The timeout covers the call, not the queueing above.
+        try:
+            return await asyncio.wait_for(self._call(actor, args), actor.spec.timeout_s)
+        except TimeoutError:
+            raise _RewardTimeout() from None
+
+    async def _call(self, actor: _Actor, args: tuple[Any, ...]) -> Any:
+        ex = actor.spec.executor
+        if ex == "inline":
+            out = _invoke(actor.scorer, actor.accepts, actor.batched, args)
+            return await out if inspect.isawaitable(out) else out
+        if ex == "thread":
+            return await _in_daemon_thread(_run_blocking, actor.scorer, actor.accepts,
+                                           actor.batched, args)
+        return await self._in_process(actor.name, args)
+
+    async def _in_process(self, name: str, args: tuple[Any, ...]) -> Any:
+        loop = asyncio.get_running_loop()
+        for attempt in (0, 1):
+            with self._pool_lock:
+                if self._closed or self._pool is None:
+                    raise RuntimeError("RewardSet is closed")
+                pool = self._pool
+            try:
+                return await asyncio.wrap_future(pool.submit(_worker_call, name, args), loop=loop)
+            except concurrent.futures.process.BrokenProcessPool:
+                # A worker died (segfault, OOM kill): replace the pool once and retry.
+                if attempt:
+                    raise
+                log.warning("reward process pool broke; restarting it")
+                with self._pool_lock:
+                    if self._pool is pool and not self._closed:
+                        self._pool = self._new_pool()
+                _terminate_pool(pool)
+        raise AssertionError("unreachable")
+
+    def _fail(self, actor: _Actor, meta: dict[str, Any], kind: str | None, why: str) -> None:
+        self.stats[f"reward/{actor.name}/failures"] += 1
+        if kind == "timeout":
+            self.stats[f"reward/{actor.name}/timeouts"] += 1
+        elif kind == "nan":
+            self.stats[f"reward/{actor.name}/nan"] += 1
+        log.warning("prompt %s: reward %s %s (on_failure=%s)", meta.get("prompt_id"),
+                    actor.name, why, self.on_failure)
+
+
+def _validate(raw: Any, n: int | None) -> list[float]:
+    """Coerce a scorer's output to floats; raise _NonFinite for NaN/inf, TypeError for junk."""
+    if n is None:
+        items = [raw]
+    else:
+        if isinstance(raw, str | bytes) or not hasattr(raw, "__len__"):
+            raise TypeError(f"batched reward returned {type(raw).__name__}, expected a list")
+        items = list(raw)
+        if len(items) != n:
+            raise TypeError(f"batched reward returned {len(items)} values for {n} completions")
+    values = []
+    for v in items:
+        if isinstance(v, str | bytes) or v is None:
+            raise TypeError(f"reward returned {v!r}, expected a number")
+        values.append(float(v))
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad:
+        raise _NonFinite(f"returned non-finite value(s) {bad[:3]}", values)
+    return values
+
+
+async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` on a fresh daemon thread; the awaiting side may give up (wait_for) at any time.
+
+    Not the loop's default executor: a hung call there would hold a pool slot forever and
+    block interpreter exit, whereas a daemon thread is simply abandoned.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            (fut.set_result if ok else fut.set_exception)(value)
+
+    def target() -> None:
+        try:
+            res = fn(*args)
+        except BaseException as e:  # delivered to the awaiting side
+            ok, res = False, e
+        else:
+            ok = True
+        # RuntimeError: the loop closed while we ran (an abandoned call); nobody is waiting.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, ok, res)
+
+    threading.Thread(target=target, name="reward-thread", daemon=True).start()
+    return await fut
+
+
+def _terminate_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Stop a pool without waiting for hung calls: cancel queued work, then terminate the
+    workers this RewardSet started (by their process objects)."""
+    procs = list(getattr(pool, "_processes", {}).values())  # no public API before 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + 2.0
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=1.0)

@@ -1,0 +1,218 @@
+"""PolicyTrainer on the tiny model (transformers only): packing and masks, token logprobs,
+the non-finite guard, a normal step, and snapshots with frozen layers."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from buffer.schema import Completion, RolloutGroup
+from pipeline.config import load_config
+from pipeline.learner.trainer import PolicyTrainer, collate, pack_groups, token_logprobs
+
+
+def _cfg(tiny_model, tmp_path, **over):
+    base = {"model.path": str(tiny_model), "data.path": "arithmetic:10",
+            "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward", "weight": 1.0}],
+            "run_dir": str(tmp_path), "train.lr": 1e-3, "train.micro_batch": 3,
+            "generation.group_size": 4}
+    base.update(over)
+    return load_config(overrides=base)
+
+
+def _group(rng: np.random.Generator, gid: str, plen: int, lens: list[int],
+           rewards: list[float], version: int = 0) -> RolloutGroup:
+    comps = [Completion(token_ids=rng.integers(32, 127, size=t).astype(np.int32),
+                        logprobs=(-rng.random(t) - 0.1).astype(np.float32),
+                        version_segments=[(0, version)], reward=r,
+                        reward_breakdown={"length": r})
+             for t, r in zip(lens, rewards, strict=True)]
+    return RolloutGroup(group_id=gid, producer_id="p0", prompt_id=gid,
+                        prompt_token_ids=rng.integers(32, 127, size=plen).astype(np.int32),
+                        completions=comps)
+
+
+def _groups(seed: int = 0) -> list[RolloutGroup]:
+    rng = np.random.default_rng(seed)
+    return [_group(rng, "a", 5, [3, 6, 1, 4], [0.0, 1.0, 0.5, 0.2]),
+            _group(rng, "b", 8, [2, 5, 7, 3], [1.0, 0.0, 0.0, 1.0])]
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model, tmp_path_factory):
+    return PolicyTrainer(_cfg(tiny_model, tmp_path_factory.mktemp("run")), str(tiny_model),
+                         device="cpu")
+
+
+def _params(tr: PolicyTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                       b.view(torch.int32) if b.dtype == torch.float32 else b)  # NaN-safe
+
+
+# ------------------------------------------------------------------ packing and masks
+def test_pack_groups_flattens_completions_and_normalises_rewards():
+    groups = _groups()
+    pb = pack_groups(groups, scale_rewards=True, std_eps=1e-6)
+    assert len(pb.sequences) == 8 and pb.rewards.shape == (2, 4)
+    g, c = groups[1], groups[1].completions[2]
+    np.testing.assert_array_equal(pb.sequences[6], np.concatenate([g.prompt_token_ids,
+                                                                   c.token_ids]))
+    assert pb.prompt_lens == [5] * 4 + [8] * 4
+    np.testing.assert_array_equal(pb.behaviour[6], c.logprobs)
+    adv = pb.advantages.reshape(2, 4)
+    assert torch.allclose(adv.mean(1), torch.zeros(2), atol=1e-6)
+    assert torch.allclose(adv.std(1), torch.ones(2), atol=1e-4)
+    assert torch.equal(adv[1] > 0, torch.tensor([True, False, False, True]))
+
+
+def test_pack_groups_rejects_mixed_group_sizes():
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="different sizes"):
+        pack_groups([_group(rng, "a", 3, [1, 2], [0, 1]), _group(rng, "b", 3, [1], [0])],
+                    True, 1e-6)
+
+
+def test_collate_masks_prompt_and_padding_and_aligns_behaviour():
+    groups = _groups()
+    pb = pack_groups(groups, True, 1e-6)
+    rows = [0, 2, 6, 5]
+    pad = 257
+    b = collate(pb, rows, pad_id=pad)
+    L = max(len(pb.sequences[i]) for i in rows)
+    assert b["input_ids"].shape == (4, L) and b["mask"].shape == (4, L - 1)
+    assert b["behaviour"].shape == (4, L - 1)
+    for r, i in enumerate(rows):
+        seq, p = pb.sequences[i], pb.prompt_lens[i]
+        t = len(seq) - p
+        n = len(seq)
+        assert b["input_ids"][r, :n].tolist() == seq.tolist()
+        assert (b["input_ids"][r, n:] == pad).all()
+        assert b["attention_mask"][r].tolist() == [1] * n + [0] * (L - n)
+        # Exactly the positions whose *target* (input_ids[:, 1:]) is a completion token.
+        want = torch.zeros(L - 1, dtype=torch.bool)
+        want[p - 1: p - 1 + t] = True
+        assert torch.equal(b["mask"][r], want), (r, b["mask"][r])
+        targets = b["input_ids"][r, 1:][b["mask"][r]]
+        assert targets.tolist() == pb.sequences[i][p:].tolist()
+        assert torch.equal(b["behaviour"][r][b["mask"][r]],
+                           torch.from_numpy(np.asarray(pb.behaviour[i])))
+        assert (b["behaviour"][r][~b["mask"][r]] == 0).all()
+    assert torch.equal(b["advantages"], pb.advantages[rows])
+
+
+def test_collate_masks_non_finite_behaviour_tokens():
+    groups = _groups()
+    groups[0].completions[1].logprobs[2] = -np.inf
+    pb = pack_groups(groups, True, 1e-6)
+    b = collate(pb, [1], pad_id=0)
+    p = pb.prompt_lens[1]
+    assert b["mask"][0].sum() == 5 and not b["mask"][0, p - 1 + 2]
+
+
+# ------------------------------------------------------------------ logprobs
+def test_token_logprobs_equal_full_log_softmax(trainer):
+    pb = pack_groups(_groups(), True, 1e-6)
+    b = collate(pb, list(range(8)), trainer.pad_id)
+    with torch.no_grad():
+        lp = token_logprobs(trainer.model, b["input_ids"], b["attention_mask"], b["mask"])
+        logits = trainer.model(input_ids=b["input_ids"],
+                               attention_mask=b["attention_mask"]).logits[:, :-1].float()
+    full = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
+    assert lp.shape == b["mask"].shape
+    m = b["mask"]
+    torch.testing.assert_close(lp[m], full[m], atol=1e-5, rtol=1e-5)
+    assert (lp[~m] == 0).all()
+    assert (lp[m] < 0).all()
+
+
+# ------------------------------------------------------------------ steps
+def test_normal_step_changes_weights_with_finite_metrics(tiny_model, tmp_path):
+    tr = PolicyTrainer(_cfg(tiny_model, tmp_path), str(tiny_model), device="cpu")
+    before = _params(tr)
+    m = tr.step(_groups(), learner_version=2)
+    assert m["skipped_nonfinite"] == 0
+    for k, v in m.items():
+        assert math.isfinite(v), (k, v)
+    assert m["grad_norm"] > 0 and m["trained_tokens"] == 31
+    assert m["staleness_max"] == 2 and m["token_staleness_mean"] == 2
+    assert m["reward_mean"] == pytest.approx(np.mean([0, 1, .5, .2, 1, 0, 0, 1]))
+    assert "loss/loss" in m and "reward/length" in m
+    after = _params(tr)
+    changed = [k for k in before if not _same(before[k], after[k])]
+    assert changed and all(torch.isfinite(after[k]).all() for k in after)
+
+
+def test_nan_parameter_step_is_skipped_and_weights_unchanged(tiny_model, tmp_path):
+    tr = PolicyTrainer(_cfg(tiny_model, tmp_path), str(tiny_model), device="cpu")
+    with torch.no_grad():
+        tr.model.base_model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    before = _params(tr)
+    m = tr.step(_groups(), learner_version=0)
+    assert m["skipped_nonfinite"] == 1
+    after = _params(tr)
+    assert all(_same(before[k], after[k]) for k in before)
+    assert not tr.optimizer.state  # no moment estimates were written either
+    assert all(p.grad is None for p in tr.model.parameters())
+
+
+def test_nan_reward_step_is_skipped_then_training_recovers(tiny_model, tmp_path):
+    tr = PolicyTrainer(_cfg(tiny_model, tmp_path), str(tiny_model), device="cpu")
+    groups = _groups()
+    groups[0].completions[0].reward = float("nan")
+    before = _params(tr)
+    m = tr.step(groups, learner_version=0)
+    assert m["skipped_nonfinite"] == 1
+    assert all(_same(before[k], after) for k, after in _params(tr).items())
+    m = tr.step(_groups(1), learner_version=0)  # the next good batch trains normally
+    assert m["skipped_nonfinite"] == 0 and math.isfinite(m["grad_norm"])
+    assert any(not _same(before[k], v) for k, v in _params(tr).items())
+
+
+# ------------------------------------------------------------------ snapshots
+def test_snapshot_tensors_excludes_frozen_params(tiny_model, tmp_path):
+    tr = PolicyTrainer(_cfg(tiny_model, tmp_path, **{"train.freeze_layers": 1}),
+                       str(tiny_model), device="cpu")
+    snap = tr.snapshot_tensors()
+    names = set(tr.model.state_dict())
+    frozen = {n for n in names if n.startswith(("model.embed_tokens.", "model.layers.0."))}
+    assert frozen and not frozen & set(snap)
+    assert any(n.startswith("model.layers.1.") for n in snap)
+    assert "model.norm.weight" in snap and "lm_head.weight" in snap  # untied tiny model
+    assert set(snap) == {n for n, p in tr.model.named_parameters() if p.requires_grad}
+    assert all(v.dtype == tr.snapshot_dtype for v in snap.values())
+    before = _params(tr)
+    assert tr.step(_groups(), 0)["skipped_nonfinite"] == 0
+    after = _params(tr)
+    assert all(_same(before[n], after[n]) for n in frozen)
+    assert any(not _same(before[n], after[n]) for n in snap)
+    # Full snapshot without freezing: every parameter travels.
+    full = PolicyTrainer(_cfg(tiny_model, tmp_path), str(tiny_model), device="cpu")
+    assert set(full.snapshot_tensors()) == {n for n, _ in full.model.named_parameters()}
+
+
+def test_freeze_more_layers_than_the_model_has(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="freeze_layers"):
+        PolicyTrainer(_cfg(tiny_model, tmp_path, **{"train.freeze_layers": 3}),
+                      str(tiny_model), device="cpu")
+
+
+def test_state_round_trip_restores_weights_and_optimizer(tiny_model, tmp_path):
+    a = PolicyTrainer(_cfg(tiny_model, tmp_path), str(tiny_model), device="cpu")
+    a.step(_groups(), 0)
+    b = PolicyTrainer(_cfg(tiny_model, tmp_path), str(tiny_model), device="cpu")
+    f = io.BytesIO()  # as in a checkpoint (in memory, load_state_dict aliases optimizer state)
+    torch.save(a.state(), f)
+    f.seek(0)
+    b.load_state(torch.load(f, weights_only=True))
+    ma, mb = a.step(_groups(1), 1), b.step(_groups(1), 1)
+    assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
+    pa, pb = _params(a), _params(b)
+    assert all(_same(pa[k], pb[k]) for k in pa)

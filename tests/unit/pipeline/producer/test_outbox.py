@@ -1,0 +1,60 @@
+"""Outbox: unconfirmed groups survive a learner restart (memory) and a producer kill (log file)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from buffer.schema import Completion, RolloutGroup
+from pipeline.producer import outbox as outbox_mod
+from pipeline.producer.outbox import Outbox, read_log
+
+
+def _group(inc: str, seq: int) -> RolloutGroup:
+    c = Completion(token_ids=np.array([1, 2], np.int32), logprobs=np.array([-1, -2], np.float32),
+                   version_segments=[(0, 0)], reward=1.0)
+    return RolloutGroup(group_id=f"{inc}-{seq}", producer_id="p0", prompt_id=str(seq),
+                        prompt_token_ids=np.array([5], np.int32), completions=[c, c],
+                        metadata={"incarnation": inc, "seq": seq})
+
+
+def test_durable_groups_are_forgotten_the_rest_resent(tmp_path):
+    box = Outbox(tmp_path, "p0", "p0-1", max_groups=100)
+    for seq in range(5):
+        box.add(_group("p0-1", seq))
+    box.forget_durable({"p0-1": 3})
+    assert [g.metadata["seq"] for g in box.unconfirmed()] == [3, 4]
+    assert [g.group_id for g in read_log(tmp_path / "p0-1.wal")] == [f"p0-1-{i}" for i in range(5)]
+
+
+def test_a_new_process_recovers_a_killed_ones_log_and_deletes_it_once_durable(tmp_path):
+    dead = Outbox(tmp_path, "p0", "p0-1", max_groups=100)
+    for seq in range(3):
+        dead.add(_group("p0-1", seq))
+    # kill -9: no close(); a torn frame at the end must be ignored
+    with (tmp_path / "p0-1.wal").open("ab") as fh:
+        fh.write(b"\x40\x00\x00\x00partial")
+    Outbox(tmp_path, "p1", "p1-9", max_groups=100)  # another producer id takes nothing
+    box = Outbox(tmp_path, "p0", "p0-2", max_groups=100)
+    assert box.recovered == 3
+    assert [g.group_id for g in box.unconfirmed()] == ["p0-1-0", "p0-1-1", "p0-1-2"]
+    box.forget_durable({"p0-1": 3})
+    assert box.unconfirmed() == [] and not (tmp_path / "p0-1.wal").exists()
+
+
+def test_overflow_drops_the_oldest_and_counts(tmp_path):
+    box = Outbox(tmp_path, "p0", "p0-1", max_groups=2)
+    for seq in range(4):
+        box.add(_group("p0-1", seq))
+    assert [g.metadata["seq"] for g in box.unconfirmed()] == [2, 3]
+    assert box.overflow == 2
+
+
+def test_log_is_compacted_to_the_unconfirmed_groups(tmp_path, monkeypatch):
+    monkeypatch.setattr(outbox_mod, "COMPACT_BYTES", 1)
+    box = Outbox(tmp_path, "p0", "p0-1", max_groups=100)
+    for seq in range(4):
+        box.add(_group("p0-1", seq))
+    box.forget_durable({"p0-1": 3})
+    assert [g.metadata["seq"] for g in read_log(tmp_path / "p0-1.wal")] == [3]
+    box.add(_group("p0-1", 4))
+    assert [g.metadata["seq"] for g in read_log(tmp_path / "p0-1.wal")] == [3, 4]

@@ -1,0 +1,66 @@
+"""Producer._apply_announce across a learner restart (pure control logic: the engine is absent
+and the endpoint and prompt source are fakes that record what the producer does)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from buffer.schema import Announce, Hello, SyncReady
+from pipeline.config import load_config
+from pipeline.producer.loop import Producer
+
+
+class RecordingEndpoint:
+    def __init__(self):
+        self.sent: list = []
+
+    async def send(self, msg) -> None:
+        self.sent.append(msg)
+
+
+class Cursor:
+    cursor = 0
+
+
+def _announce(session: str) -> Announce:
+    # No snapshot: only the session bookkeeping runs (no swap, no engine).
+    return Announce(version=0, snapshot_uri="", snapshot_checksum="", learner_session=session,
+                    received={}, consumed={})
+
+
+def test_restarted_learner_gets_a_new_hello_with_our_gpus_fake_endpoint(tmp_path):
+    cfg = load_config(overrides={"run_dir": str(tmp_path)})
+    endpoint = RecordingEndpoint()
+    producer = Producer(cfg, 0, None, None, endpoint, None, Cursor())
+    producer.devices = ["GPU-uuid-0"]
+
+    async def run() -> None:
+        await producer._apply_announce(_announce("first"))   # first contact: Hello came at start
+        await producer._apply_announce(_announce("first"))
+        assert not [m for m in endpoint.sent if isinstance(m, Hello)]
+        await producer._apply_announce(_announce("second"))  # the learner restarted
+        hellos = [m for m in endpoint.sent if isinstance(m, Hello)]
+        assert len(hellos) == 1 and hellos[0].devices == ["GPU-uuid-0"]
+
+    asyncio.run(run())
+
+
+class FailingJoinEngine:
+    """collective_rpc fails the worker's NCCL join (as a learner that never joins would)."""
+
+    async def collective_rpc(self, method: str, args: tuple = ()):
+        raise RuntimeError(f"fake {method} failed")
+
+
+def test_failed_nccl_join_tells_the_learner_to_drop_the_link_fake_engine(tmp_path):
+    cfg = load_config(overrides={"run_dir": str(tmp_path)})
+    endpoint = RecordingEndpoint()
+    producer = Producer(cfg, 0, FailingJoinEngine(), None, endpoint, None, Cursor())
+    offer = {"epoch": 5, "unique_id": b"u" * 128, "world_size": 2, "rank_offset": 1}
+    ann = Announce(version=0, snapshot_uri="", snapshot_checksum="", learner_session="s",
+                   received={}, consumed={}, routes={"p0": "nccl"},
+                   transfer={"layout": [], "nccl": {"p0": offer}})
+    asyncio.run(producer._apply_announce(ann))
+    ready = [(m.purpose, m.epoch) for m in endpoint.sent if isinstance(m, SyncReady)]
+    assert ready == [("link", 5), ("drop", 5)]
+    assert producer.nccl.link is None
