@@ -99,7 +99,11 @@ case "${1:?part}" in
   engine)
     q05
     # ABLATION=1 adds the five AsyncLLM request shapes (about 2.5 min more on an H100).
-    timeout 500 python3 -m bench.producer --model /tmp/q05 --prompts 256 \
+    # The benchmark job's batch (16 prompts x 8 = 128 completions) and a large one (2048).
+    timeout 200 python3 -m bench.producer --model /tmp/q05 --prompts 16 \
+      --group-size 8 --max-tokens 256 --streams final --offline-logprobs \
+      2>&1 | tee "$out/producer-128.log" | quiet
+    timeout 400 python3 -m bench.producer --model /tmp/q05 --prompts 256 \
       --group-size 8 --max-tokens 256 --streams final --offline-logprobs \
       ${ABLATION:+--ablation} 2>&1 | tee "$out/producer.log" | quiet
     ;;
