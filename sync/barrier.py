@@ -22,7 +22,9 @@ gate, so the engine is never left paused. Other modes, for comparison: ``keep`` 
 producer resubmits them under the new version).
 
 Callers resubmit every request that ends with finish reason "abort" (same completion slot, a new
-request id, its partial output discarded), which is all a drain-aborted request needs.
+request id, its partial output discarded), which is all a drain-aborted request needs. Not
+covered by the salt: a request vLLM preempts (KV cache full) and recomputes after a swap keeps
+its old salt, so it may reuse prompt blocks the old weights computed.
 
 The engine is reached only through ``pause_generation``/``resume_generation``, ``abort`` and
 ``collective_rpc`` (AsyncLLM has all four in vLLM 0.25 and 0.32), so this module is tested
