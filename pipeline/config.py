@@ -257,8 +257,9 @@ def _cuda_device_count() -> int:
 @dataclass
 class SyncConfig:
     barrier: Literal["drain_prefill", "keep", "wait", "abort"] = opt(
-        "drain_prefill", "swap mode: drain running prefills then pause-keep (default); keep "
-                         "(no drain); wait (drain everything); abort (abort and resubmit)")
+        "drain_prefill", "swap mode: finish the prefills under way, resubmit requests not yet "
+                         "started, then pause-keep (default); keep (no drain); wait (drain "
+                         "everything); abort (abort and resubmit)")
     transport: Literal["auto", "file", "ipc", "nccl"] = opt(
         "auto", "weight transport: 'file' (safetensors in snapshot_dir, loaded by a vLLM worker "
                 "extension), 'ipc' (CUDA IPC, learner and producer on one GPU), 'nccl' (GPU to "
@@ -272,7 +273,7 @@ class SyncConfig:
     retain_groups: int = opt(4096, "groups a producer keeps until the learner has checkpointed "
                                    "them (resent after a learner restart; oldest dropped first)")
     ack_timeout_s: float = opt(120.0, "learner waits this long for producer acks, then goes on")
-    drain_timeout_s: float = opt(30.0, "barrier: max wait for running prefills")
+    drain_timeout_s: float = opt(30.0, "barrier: max wait for the prefills under way")
     pause_timeout_s: float = opt(60.0, "barrier: max wait for pause_generation")
     load_timeout_s: float = opt(120.0, "barrier: max wait for the weight load")
     nccl_timeout_s: float = opt(30.0, "nccl: max wait for a link set-up or one version's "

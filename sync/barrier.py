@@ -2,8 +2,14 @@
 
 Protocol (mode ``drain_prefill``, the default), each step under its own timeout:
   1. gate: stop admitting new requests (callers block in ``tracker.admit()``);
-  2. drain: wait until every in-flight request has produced its first token, i.e. its prompt is
-     fully prefilled (the ms-swift crash came from swapping while prefills were scheduled);
+  2. drain: requests without a first token are split by whether the scheduler has started them
+     (``sync_scheduled_requests``, the worker extension's list of requests its model runner
+     holds). A started one is mid-prefill: wait for its first token, so its whole prompt KV comes
+     from the old weights (the ms-swift crash came from swapping while prefills were scheduled).
+     A request not started has computed nothing: abort it, and its caller resubmits it, held
+     at the gate, under the new version and its cache salt (``v<version>``), so it can neither
+     start on the old weights nor reuse prompt KV the old weights computed for a sibling. The
+     drain therefore lasts as long as the prefills under way, not the queue behind them;
   3. pause: ``pause_generation(mode="keep", clear_cache=False)`` freezes decoding requests;
   4. settle: wait until no output arrives any more, so tokens sampled by the old weights are
      tagged with the old version;
@@ -15,20 +21,29 @@ gate, so the engine is never left paused. Other modes, for comparison: ``keep`` 
 ``wait`` (pause mode "wait": drain everything), ``abort`` (abort in-flight requests; the
 producer resubmits them under the new version).
 
-The engine is reached only through ``pause_generation``/``resume_generation`` (AsyncLLM has both
-in vLLM 0.25 and 0.32), so this module is tested against real engines and knows nothing else.
+Callers resubmit every request that ends with finish reason "abort" (same completion slot, a new
+request id, its partial output discarded), which is all a drain-aborted request needs. Not
+covered by the salt: a request vLLM preempts (KV cache full) and recomputes after a swap keeps
+its old salt, so it may reuse prompt blocks the old weights computed.
+
+The engine is reached only through ``pause_generation``/``resume_generation``, ``abort`` and
+``collective_rpc`` (AsyncLLM has all four in vLLM 0.25 and 0.32), so this module is tested
+against real engines and knows nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 BarrierMode = Literal["drain_prefill", "keep", "wait", "abort"]
+# The vLLM worker extension the producer's engine loads (its drain and weight-load RPCs).
+WORKER_EXTENSION = "sync.worker_ext.WeightSyncExtension"
 
 
 class SwapError(RuntimeError):
@@ -38,6 +53,66 @@ class SwapError(RuntimeError):
 class PausableEngine(Protocol):
     async def pause_generation(self, *, mode: str = ..., clear_cache: bool = ...) -> None: ...
     async def resume_generation(self) -> None: ...
+    async def abort(self, request_id: str | Iterable[str]) -> None: ...
+    async def collective_rpc(self, method: str) -> list[Any]: ...
+
+
+# ------------------------------------------------------------------ drain decisions (pure)
+def ours_from_engine_ids(engine_ids: Iterable[str], ours: Iterable[str]) -> set[str]:
+    """Our request ids among the ids an engine's workers know.
+
+    vLLM 0.25 and 0.32 give each request an internal id, ``<ours>-<8 random characters>``
+    (``InputProcessor.assign_request_id``; the id unchanged when
+    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set), and with ``n > 1`` each sample is a child
+    ``<index>_<internal id>``: a request counts once any of its children is known.
+    """
+    mine = set(ours)
+    found: set[str] = set()
+    for eid in engine_ids:
+        for cand in _id_forms(eid):
+            if cand in mine:
+                found.add(cand)
+                break
+    return found
+
+
+def _id_forms(eid: str) -> list[str]:
+    """The ids ``eid`` may stand for, exact first (see ``ours_from_engine_ids``)."""
+    forms = [eid]
+    head, sep, tail = eid.partition("_")
+    if sep and head.isdigit():  # a parallel-sampling child
+        forms.append(tail)
+    for f in list(forms):
+        if len(f) > 9 and f[-9] == "-":
+            forms.append(f[:-9])
+    return forms
+
+
+def split_pending(pending: Iterable[str], started: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(mid-prefill, not started) among requests without a first token, in ``pending``'s order.
+
+    ``started`` is the engine's answer taken after the gate closed: a request it lacks either
+    had no token computed then, or was admitted just before the gate and is not yet known to
+    the engine; both are aborted and resubmitted (nothing of theirs was computed, or what was
+    is dropped with them, its prefix-cache blocks keyed by the old salt).
+    """
+    begun = set(started)
+    mid = [r for r in pending if r in begun]
+    return mid, [r for r in pending if r not in begun]
+
+
+def aborts_due(unstarted: Iterable[str], aborted_at: dict[str, float], now: float,
+               retry_s: float) -> list[str]:
+    """Unstarted requests to abort now (in the given order): new ones, and ones whose abort
+    did not end them.
+
+    An abort sent before AsyncLLM registered the request (it was admitted just before the gate
+    closed) finds nothing to abort, and the request would then start on the old weights with
+    the old salt; so a request still in flight ``retry_s`` after its abort is aborted again.
+    The order is kept because it becomes the order of resubmission, hence of vLLM's
+    first-come-first-served queue: aborting in admission order keeps each request's place.
+    """
+    return [r for r in unstarted if now - aborted_at.get(r, -math.inf) >= retry_s]
 
 
 @dataclass
@@ -100,8 +175,12 @@ class RequestTracker:
         return state
 
     def pending_prefills(self) -> int:
+        return len(self.pending_ids())
+
+    def pending_ids(self) -> list[str]:
+        """Requests in flight that have no first token yet, in admission order."""
         self._refresh()
-        return sum(1 for seen in self.in_flight.values() if not seen)
+        return [rid for rid, seen in self.in_flight.items() if not seen]
 
     def activity(self) -> float:
         """Changes whenever the engine produces output (for the barrier's settle step)."""
@@ -135,14 +214,17 @@ class RequestTracker:
         _, changed = self._events()
         changed.set()
 
-    async def wait_until(self, pred: Callable[[], bool]) -> None:
+    async def wait_changed(self, timeout: float) -> None:
+        """Return once a request has progressed or finished since the last call, or after
+        ``timeout`` seconds (probe mode polls: FINAL_ONLY requests signal nothing until they
+        finish). Clearing after the wait, not before, keeps a change that happened while the
+        caller was busy from being missed."""
         _, changed = self._events()
-        while not pred():
-            changed.clear()
-            if self.probe is not None:  # engine progress is polled, not signalled
-                await asyncio.sleep(0.005)
-            else:
-                await changed.wait()
+        if self.probe is not None:
+            timeout = min(timeout, 0.005)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout)
+        changed.clear()
 
     def close_gate(self) -> None:
         self._events()[0].clear()
@@ -170,6 +252,7 @@ class SwapBarrier:
     pause_timeout_s: float = 60.0
     load_timeout_s: float = 120.0
     settle_s: float = 0.05
+    abort_retry_s: float = 0.05
     swaps: int = 0
     failures: int = 0
 
@@ -209,8 +292,7 @@ class SwapBarrier:
         try:
             lap("gate_s")
             if self.mode == "drain_prefill":
-                await self._step("drain", self.drain_timeout_s,
-                                 tk.wait_until(lambda: tk.pending_prefills() == 0))
+                t.update(await self._step("drain", self.drain_timeout_s, self._drain()))
             lap("drain_s")
             pause_started = time.perf_counter()
             if self.mode == "abort":
@@ -248,6 +330,39 @@ class SwapBarrier:
             tk.swap_aborting = False
             tk.open_gate()
             t["total_s"] = time.perf_counter() - start
+
+    async def _drain(self) -> dict[str, float]:
+        """Wait for the prefills under way; abort the requests not started, to be resubmitted.
+
+        Runs with the gate closed, so no request joins. The engine's list of started requests
+        is read once: a request it lacks is aborted (again every ``abort_retry_s`` while it is
+        still in flight), so none can start on the old weights from then on, and the drain ends
+        when every request left in flight has its first token.
+        """
+        tk = self.tracker
+        if not tk.pending_ids():  # nothing to split: spare the engine a round trip
+            return {"drain_waited": 0.0, "drain_resubmitted": 0.0}
+        started = ours_from_engine_ids(await self._started_requests(), tk.in_flight)
+        waited, _ = split_pending(tk.pending_ids(), started)
+        aborted_at: dict[str, float] = {}
+        while pending := tk.pending_ids():
+            _, unstarted = split_pending(pending, started)
+            now = time.monotonic()
+            due = aborts_due(unstarted, aborted_at, now, self.abort_retry_s)
+            if due:
+                await self.engine.abort(due)
+                aborted_at.update(dict.fromkeys(due, now))
+            await tk.wait_changed(self.abort_retry_s)
+        return {"drain_waited": float(len(waited)), "drain_resubmitted": float(len(aborted_at))}
+
+    async def _started_requests(self) -> set[str]:
+        """Ids (vLLM's internal form) of the requests any worker has begun computing."""
+        try:
+            per_worker = await self.engine.collective_rpc("sync_scheduled_requests")
+        except Exception as e:
+            raise SwapError(f"cannot list the engine's started requests (the engine needs the "
+                            f"worker extension {WORKER_EXTENSION}): {e!r}") from None
+        return {rid for ids in per_worker for rid in ids}
 
     async def _settle(self) -> None:
         """After a pause, wait until outputs stop arriving (they were sampled by old weights)."""

@@ -194,6 +194,25 @@ class WeightSyncExtension:
         self._sync_staged = (ref, unpack(flat, layout))
         return {"receive_s": time.perf_counter() - t0, "bytes": float(size)}
 
+    def sync_scheduled_requests(self) -> list[str]:
+        """Ids (vLLM's internal form) of the requests this worker's model runner holds state for.
+
+        A request enters the model runner the first time the scheduler gives it tokens to
+        compute, so an id missing here has no KV computed yet (its prompt blocks may still be
+        in the prefix cache under its salt; see the barrier). The RPC queues behind any step
+        already sent to this worker, so the answer covers every step scheduled before it.
+        Both vLLM 0.25 and 0.32 ship two runners: V1 keeps ``requests`` (id -> cached state,
+        preempted requests included), V2 ``req_states.req_id_to_index``.
+        """
+        runner = self.model_runner  # type: ignore[attr-defined]
+        held = getattr(runner, "requests", None)
+        if not isinstance(held, dict):
+            held = getattr(getattr(runner, "req_states", None), "req_id_to_index", None)
+        if not isinstance(held, dict):
+            raise RuntimeError(f"cannot list the requests of {type(runner).__name__}: neither "
+                               f"'requests' (V1 runner) nor 'req_states.req_id_to_index' (V2)")
+        return list(held)
+
     def sync_stage_snapshot(self, version: int, uri: str, checksum: str) -> dict[str, Any]:
         """Read and verify snapshot ``version`` while the engine keeps serving.
 

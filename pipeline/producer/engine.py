@@ -12,13 +12,13 @@ import os
 from typing import Any
 
 from pipeline.config import EngineConfig, ModelConfig
+from sync.barrier import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
 
 # vLLM versions whose AsyncLLM has everything the producer and barrier use (generate with DELTA
 # outputs, abort, pause_generation(mode=keep|wait|abort), resume_generation, collective_rpc).
 SUPPORTED_VLLM = ("0.25.", "0.32.")
-WORKER_EXTENSION = "sync.worker_ext.WeightSyncExtension"
 
 
 class EngineSetupError(RuntimeError):

@@ -244,7 +244,8 @@ class Producer:
             finally:
                 self.tracker.finish(request_id)
             if finish == "abort" and attempt < 100:
-                # Aborted by an abort-mode swap: regenerate from scratch under the new weights.
+                # Aborted by a swap (abort mode, or not yet started at a drain_prefill swap):
+                # regenerate from scratch under the new weights and their cache salt.
                 tokens, logprobs, segments, text = [], [], [], []
                 attempt += 1
                 self.stats.completions_resubmitted += 1

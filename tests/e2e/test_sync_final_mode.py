@@ -25,18 +25,25 @@ pytestmark = pytest.mark.slow
 
 
 async def _final(engine, tracker, rid: str, prompt: list[int], max_tokens: int):
+    """One FINAL_ONLY request, resubmitted like the producer's when a drain aborts it (it had
+    not started at the swap)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0,
                         output_kind=RequestOutputKind.FINAL_ONLY)
-    v0 = await tracker.admit(rid)
-    try:
-        async for out in engine.generate({"prompt_token_ids": prompt}, sp, rid):
-            tokens = list(out.outputs[0].token_ids)
-        return tokens, tracker.segments(rid, v0, len(tokens))
-    finally:
-        tracker.finish(rid)
+    for attempt in range(10):
+        req = f"{rid}-a{attempt}"
+        v0 = await tracker.admit(req)
+        try:
+            async for out in engine.generate({"prompt_token_ids": prompt,
+                                              "cache_salt": f"v{v0}"}, sp, req):
+                tokens, finish = list(out.outputs[0].token_ids), out.outputs[0].finish_reason
+            if finish != "abort":
+                return tokens, tracker.segments(req, v0, len(tokens))
+        finally:
+            tracker.finish(req)
+    raise AssertionError(f"{rid}: aborted 10 times")
 
 
 @pytest.mark.parametrize("mode", ["drain_prefill", "keep"])

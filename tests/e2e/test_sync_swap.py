@@ -133,7 +133,8 @@ async def _load_and_swap(engine, tracker, mode, n, prompt_len, max_tokens, ref, 
 
 
 def test_swap_under_load_drain_prefill(eng, snaps):
-    """64 long-prompt requests, many mid-prefill; a drain_prefill swap loses and corrupts none."""
+    """64 long-prompt requests, many without a first token (mid-prefill or queued); a
+    drain_prefill swap loses and corrupts none (tests/e2e/test_sync_drain.py checks its KV)."""
     v0 = eng.tracker.version
     v1 = eng.next_version()
     report, gens, pending = eng.run(_load_and_swap(
@@ -149,7 +150,7 @@ def test_swap_under_load_drain_prefill(eng, snaps):
         assert g.versions == sorted(g.versions), "versions are not monotone"
         spanning += g.versions[0] == v0 and g.versions[-1] == v1
     assert spanning > 0, "no request spans the swap"
-    print(f"\ndrain_prefill under load: {pending} requests mid-prefill at the swap, "
+    print(f"\ndrain_prefill under load: {pending} requests without a first token at the swap, "
           f"{spanning}/64 span v{v0}->v{v1}, timings "
           f"{ {k: round(v, 3) for k, v in report.timings.items()} }")
 
@@ -189,11 +190,13 @@ def test_every_mode_swaps_under_load_without_losing_a_request(eng, snaps, mode):
     for g in gens:
         assert g.finish_reason == "length" and len(g.tokens) == 32, (mode, g.finish_reason)
         assert g.versions == sorted(g.versions) and set(g.versions) <= {v_old, v_new}
-        if g.resubmits:
-            assert set(g.versions) == {v_new}  # regenerated from scratch on the new weights
+        if g.resubmits:  # regenerated from scratch on the new weights, under their salt
+            assert set(g.versions) == {v_new} and g.salt_version == v_new
     resubmitted = sum(g.resubmits > 0 for g in gens)
     if mode == "abort":
         assert resubmitted > 0, "abort mode aborted nothing"
+    elif mode == "drain_prefill":  # only requests the scheduler had not started
+        assert resubmitted == report.timings["drain_resubmitted"]
     else:
         assert resubmitted == 0
     if mode == "wait":

@@ -1,7 +1,8 @@
 """RequestTracker + SwapBarrier protocol logic against a fake engine (pure, no vLLM).
 
-The fake engine records pause/resume calls and can hang or fail on purpose; the real-engine
-behaviour is covered by tests/e2e/test_sync_swap.py.
+The fake engine records pause/resume/abort calls, answers the drain's "which requests has the
+scheduler started" RPC from a set the test controls, and can hang or fail on purpose; the
+real-engine behaviour is covered by tests/e2e/test_sync_swap.py and test_sync_drain.py.
 """
 
 from __future__ import annotations
@@ -10,14 +11,43 @@ import asyncio
 
 import pytest
 
-from sync.barrier import RequestTracker, SwapBarrier
+from sync.barrier import (
+    RequestTracker,
+    SwapBarrier,
+    aborts_due,
+    ours_from_engine_ids,
+    split_pending,
+)
 
 
 class FakeEngine:
-    def __init__(self, *, pause_hangs: bool = False, resume_fails: bool = False):
+    """``started``: our ids the fake scheduler has begun (answered in vLLM's internal form);
+    ``unregistered``: ids an abort does not find yet (admitted, not yet in AsyncLLM). An abort
+    that finds its request ends it the way AsyncLLM does: the caller's stream ends soon after
+    and it calls ``tracker.finish``."""
+
+    def __init__(self, *, pause_hangs: bool = False, resume_fails: bool = False,
+                 started: tuple[str, ...] = (), rpc_fails: bool = False):
         self.paused = False
         self.calls: list[str] = []
         self.pause_hangs, self.resume_fails = pause_hangs, resume_fails
+        self.started, self.rpc_fails = set(started), rpc_fails
+        self.unregistered: set[str] = set()
+        self.tracker: RequestTracker | None = None
+
+    async def collective_rpc(self, method: str) -> list[list[str]]:
+        assert method == "sync_scheduled_requests"
+        if self.rpc_fails:
+            raise AttributeError(f"'Worker' object has no attribute '{method}'")
+        return [[f"{r}-0a1b2c3d" for r in self.started]]  # one worker
+
+    async def abort(self, request_id) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.calls.append("abort:" + ",".join(ids))
+        assert self.tracker is not None
+        for rid in ids:
+            if rid not in self.unregistered:
+                asyncio.get_running_loop().call_later(0.01, self.tracker.finish, rid)
 
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
         self.calls.append(f"pause:{mode}:{clear_cache}")
@@ -34,7 +64,8 @@ class FakeEngine:
 
 def _barrier(engine: FakeEngine, mode: str = "drain_prefill", **kw) -> SwapBarrier:
     kw.setdefault("settle_s", 0.01)
-    return SwapBarrier(engine, RequestTracker(), mode=mode, **kw)  # type: ignore[arg-type]
+    engine.tracker = RequestTracker()
+    return SwapBarrier(engine, engine.tracker, mode=mode, **kw)  # type: ignore[arg-type]
 
 
 def _run(coro):
@@ -91,7 +122,7 @@ def test_gate_closes_and_admit_waits_until_swap_done_fake_engine():
 
 def test_drain_waits_for_first_tokens_fake_engine():
     async def main():
-        eng = FakeEngine()
+        eng = FakeEngine(started=("decoding", "prefilling"))
         b = _barrier(eng)
         tk = b.tracker
         await tk.admit("decoding")
@@ -115,7 +146,7 @@ def test_drain_waits_for_first_tokens_fake_engine():
 
 def test_finished_request_counts_as_drained_fake_engine():
     async def main():
-        b = _barrier(FakeEngine())
+        b = _barrier(FakeEngine(started=("r",)))
         await b.tracker.admit("r")
         swap = asyncio.create_task(b.swap(1, lambda: asyncio.sleep(0)))
         await asyncio.sleep(0.05)
@@ -174,7 +205,7 @@ def test_load_failure_reports_and_keeps_version_fake_engine():
 @pytest.mark.parametrize("step", ["drain", "pause", "load"])
 def test_timeouts_are_reported_per_step_and_never_leave_paused_fake_engine(step):
     async def main():
-        eng = FakeEngine(pause_hangs=step == "pause")
+        eng = FakeEngine(pause_hangs=step == "pause", started=("stuck-in-prefill",))
         b = _barrier(eng, drain_timeout_s=0.1, pause_timeout_s=0.1, load_timeout_s=0.1)
         if step == "drain":
             await b.tracker.admit("stuck-in-prefill")
@@ -210,7 +241,7 @@ def test_resume_failure_is_reported_fake_engine():
                                              ("abort", "abort"), ("drain_prefill", "keep")])
 def test_modes_map_to_pause_modes_fake_engine(mode, pause_mode):
     async def main():
-        eng = FakeEngine()
+        eng = FakeEngine(started=("prefilling",))
         b = _barrier(eng, mode=mode, drain_timeout_s=0.1)
         await b.tracker.admit("prefilling")  # only drain_prefill waits for it (and times out)
         seen = {}
@@ -242,3 +273,115 @@ def test_many_swaps_in_a_row_fake_engine():
     eng, b = _run(main())
     assert b.tracker.version == 20 and b.swaps == 20
     assert eng.calls.count("resume") == 20 and not eng.paused
+
+
+# ------------------------------------------------------------------ drain: only what is mid-prefill
+def test_ours_from_engine_ids_strips_vllm_suffixes():
+    ours = {"g1-0-a0", "g1-1-a0", "g2-0-a1", "plain"}
+    engine = ["g1-0-a0-1f2e3d4c",    # vLLM's internal id: ours + "-" + 8 random characters
+              "plain",               # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION
+              "3_g2-0-a1-99aa88bb",  # a parallel-sampling child of g2-0-a1
+              "other-1f2e3d4c",      # not ours (another caller's request)
+              "g1-1-a0-short"]       # not vLLM's suffix
+    assert ours_from_engine_ids(engine, ours) == {"g1-0-a0", "plain", "g2-0-a1"}
+    assert ours_from_engine_ids([], ours) == set()
+
+
+def test_split_pending_waits_for_started_resubmits_the_rest_in_order():
+    mid, unstarted = split_pending(["c", "b", "a", "d"], {"b", "decoding", "gone"})
+    assert mid == ["b"] and unstarted == ["c", "a", "d"]
+
+
+def test_aborts_due_keeps_admission_order_and_retries_only_after_the_interval():
+    assert aborts_due(["b", "a"], {}, now=10.0, retry_s=0.05) == ["b", "a"]
+    sent = {"a": 10.0}
+    assert aborts_due(["a", "b"], sent, now=10.01, retry_s=0.05) == ["b"]
+    assert aborts_due(["a"], sent, now=10.06, retry_s=0.05) == ["a"]
+
+
+def test_drain_waits_for_mid_prefill_and_resubmits_unstarted_fake_engine():
+    """Queued requests are aborted at once (to restart under the new version); the pause waits
+    only for the one whose prefill is under way."""
+    async def main():
+        eng = FakeEngine(started=("decoding", "mid"))
+        b = _barrier(eng)
+        tk = b.tracker
+        for rid in ("decoding", "mid", "queued-1", "queued-2"):
+            await tk.admit(rid)
+        tk.on_output("decoding", 1)
+        swap = asyncio.create_task(b.swap(1, lambda: asyncio.sleep(0)))
+        await asyncio.sleep(0.1)
+        queued_gone = not ({"queued-1", "queued-2"} & set(tk.in_flight))
+        paused_early = any(c.startswith("pause") for c in eng.calls)
+        tag = tk.on_output("mid", 1)  # mid's first token, from the old weights
+        rep = await swap
+        return eng, rep, queued_gone, paused_early, tag
+
+    eng, rep, queued_gone, paused_early, tag = _run(main())
+    assert queued_gone and not paused_early and tag == 0
+    assert rep.ok and eng.calls == ["abort:queued-1,queued-2", "pause:keep:False", "resume"]
+    assert rep.timings["drain_waited"] == 1 and rep.timings["drain_resubmitted"] == 2
+
+
+def test_drain_with_nothing_started_aborts_all_and_never_waits_fake_engine():
+    async def main():
+        b = _barrier(FakeEngine())
+        for i in range(50):
+            await b.tracker.admit(f"q{i}")
+        return await b.swap(1, lambda: asyncio.sleep(0))
+
+    rep = _run(main())
+    assert rep.ok and rep.timings["drain_resubmitted"] == 50 and rep.timings["drain_waited"] == 0
+    assert rep.timings["drain_s"] < 1.0
+
+
+def test_abort_before_the_engine_knows_the_request_is_repeated_fake_engine():
+    """A request admitted just before the gate closed may not have reached AsyncLLM when the
+    drain aborts it; it is aborted again until it is gone, never left to start on old weights."""
+    async def main():
+        eng = FakeEngine()
+        b = _barrier(eng, abort_retry_s=0.02)
+        await b.tracker.admit("late")
+        eng.unregistered.add("late")
+        swap = asyncio.create_task(b.swap(1, lambda: asyncio.sleep(0)))
+        await asyncio.sleep(0.1)
+        eng.unregistered.clear()  # AsyncLLM has registered it now
+        return eng, await swap
+
+    eng, rep = _run(main())
+    assert rep.ok and eng.calls.count("abort:late") >= 2
+    assert eng.calls[-2:] == ["pause:keep:False", "resume"]
+    assert rep.timings["drain_resubmitted"] == 1
+
+
+def test_drain_without_the_worker_extension_fails_clearly_fake_engine():
+    async def main():
+        eng = FakeEngine(rpc_fails=True)
+        b = _barrier(eng)
+        await b.tracker.admit("r")
+        return eng, b, await b.swap(1, lambda: asyncio.sleep(0))
+
+    eng, b, rep = _run(main())
+    assert not rep.ok and "sync.worker_ext.WeightSyncExtension" in rep.error
+    assert "started requests" in rep.error
+    assert eng.calls == [] and b.tracker.gate_open and b.tracker.version == 0
+
+
+def test_drain_probe_mode_reads_first_tokens_from_engine_state_fake_engine():
+    """FINAL_ONLY streaming: first tokens come from the probe, not from output deltas."""
+    async def main():
+        state = {"mid": (True, 0)}
+        eng = FakeEngine(started=("mid",))
+        b = _barrier(eng)
+        b.tracker.probe = lambda: dict(state)
+        await b.tracker.admit("mid")
+        await b.tracker.admit("queued")
+        swap = asyncio.create_task(b.swap(1, lambda: asyncio.sleep(0)))
+        await asyncio.sleep(0.1)
+        waiting = not swap.done()
+        state["mid"] = (False, 1)
+        return eng, waiting, await swap
+
+    eng, waiting, rep = _run(main())
+    assert waiting and rep.ok and eng.calls[0] == "abort:queued"
+    assert rep.timings["drain_waited"] == 1 and rep.timings["drain_resubmitted"] == 1
