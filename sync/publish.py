@@ -175,25 +175,38 @@ class WeightPublisher:
     # ------------------------------------------------------------------ versions
     def publish(self, version: int, tensors: dict[str, torch.Tensor],
                 ipc: Iterable[str] = ()) -> float:
-        """Pack ``tensors`` (a copy) as ``version``; export one IPC handle per producer in
-        ``ipc``. Blocking (run it in a thread); returns the seconds it took.
+        """Pack ``tensors`` (a copy) as ``version`` and hold it (see ``publish_packed``).
+        Blocking (run it in a thread); returns the seconds it took."""
+        t0 = time.perf_counter()
+        layout = plan_layout(tensors)
+        with torch.cuda.device(self.device):
+            flat = pack(tensors, layout, self.device)
+        self.publish_packed(version, flat, layout, ipc)
+        return time.perf_counter() - t0
+
+    def publish_packed(self, version: int, flat: torch.Tensor, layout: Layout,
+                       ipc: Iterable[str] = ()) -> None:
+        """Hold an already packed ``version`` (on our device, never modified after) and export
+        one IPC handle per producer in ``ipc``.
 
         One handle each, not one shared: torch counts the users of an exported buffer per
         export, and frees (or reuses) it once that count is 0 and we dropped it. With one
         export and two producers, the first release would let a slower producer read reused
         memory."""
-        t0 = time.perf_counter()
-        layout = plan_layout(tensors)
         with torch.cuda.device(self.device):
-            flat = pack(tensors, layout, self.device)
-            torch.cuda.current_stream(self.device).synchronize()
+            torch.cuda.current_stream(self.device).synchronize()  # the pack is complete
             handles = {pid: ipc_export(flat, self.gpu_uuid) for pid in ipc}
         with self._lock:
             self._held[version] = (flat, layout, handles)
             while len(self._held) > self.keep:
                 self._held.popitem(last=False)
         torch.cuda.ipc_collect()  # free old buffers no producer maps any more
-        return time.perf_counter() - t0
+
+    def newest(self, at_most: int) -> int | None:
+        """The newest version held that is not newer than ``at_most``."""
+        with self._lock:
+            held = [v for v in self._held if v <= at_most]
+        return max(held) if held else None
 
     def held(self) -> list[int]:
         with self._lock:
@@ -206,7 +219,7 @@ class WeightPublisher:
         if entry is None or not routes:
             return {}
         _flat, layout, handles = entry
-        out: dict[str, Any] = {"layout": layout_to_wire(layout)}
+        out: dict[str, Any] = {"version": version, "layout": layout_to_wire(layout)}
         ipc = {pid: handles[pid] for pid, route in routes.items()
                if route == "ipc" and pid in handles}
         if ipc:

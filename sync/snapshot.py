@@ -12,11 +12,14 @@ A snapshot is written once by the learner and read by every producer's vLLM work
 from __future__ import annotations
 
 import hashlib
+import json
 import mmap
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import blake3
 import torch
@@ -53,7 +56,7 @@ def write_snapshot(tensors: dict[str, torch.Tensor], version: int, directory: st
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    final = d / f"policy_v{version}.safetensors"
+    final = snapshot_path(d, version)
     tmp = d / f".{final.name}.{os.getpid()}.tmp"
     # Straight to the file (no bytes copy of the whole model), then hashed through a mapping.
     st_save_file(cpu, str(tmp), metadata={"policy_version": str(version)})
@@ -61,6 +64,57 @@ def write_snapshot(tensors: dict[str, torch.Tensor], version: int, directory: st
         checksum = checksum_bytes(m)
     os.replace(tmp, final)
     return SnapshotRef(version=version, uri=str(final), checksum=checksum)
+
+
+# safetensors' names for the dtypes sync.packing can pack.
+_ST_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
+              "int64": "I64", "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def snapshot_path(directory: str | Path, version: int) -> Path:
+    return Path(directory) / f"policy_v{version}.safetensors"
+
+
+def write_packed(flat: torch.Tensor, layout: Any, version: int, directory: str | Path
+                 ) -> SnapshotRef:
+    """Write a packed host buffer (``sync.packing``) as snapshot ``version``, atomically.
+
+    The learner's capture packs the weights once, on its own device; this writes the file
+    straight from that buffer (safetensors header from the layout, each tensor's bytes sliced
+    out of it) and hashes the bytes as they are written, so the file costs one pass over the
+    weights and no per-tensor CPU copies. Readable by ``read_snapshot`` like ``write_snapshot``'s.
+    """
+    if flat.device.type != "cpu" or flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise SnapshotError(f"snapshot v{version}: write_packed needs a 1-D uint8 CPU buffer, "
+                            f"got {flat.dtype} on {flat.device}")
+    header: dict[str, Any] = {"__metadata__": {"policy_version": str(version)}}
+    start = 0
+    for e in layout:
+        header[e.name] = {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [start, start + e.nbytes]}
+        start += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    final = snapshot_path(d, version)
+    tmp = d / f".{final.name}.{os.getpid()}.tmp"
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    data = memoryview(flat.numpy())
+    try:
+        with open(tmp, "wb") as fh:
+            for chunk in (struct.pack("<Q", len(raw)), raw):
+                fh.write(chunk)
+                h.update(chunk)
+            for e in layout:
+                part = data[e.offset:e.offset + e.nbytes]
+                fh.write(part)
+                h.update(part)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return SnapshotRef(version=version, uri=str(final), checksum="blake3:" + h.hexdigest(16))
 
 
 def read_snapshot(ref: SnapshotRef) -> dict[str, torch.Tensor]:

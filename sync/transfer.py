@@ -218,14 +218,17 @@ async def swap_with_fallback(barrier: SwapBarrier, route: Route, ref: SnapshotRe
                              load: Callable[[], Awaitable[Any]] | None = None,
                              prepare: Callable[[], Awaitable[Any]] | None = None) -> SwapReport:
     """Swap to ``ref.version`` through ``route`` (its ``load``/``prepare``); if that fails, swap
-    again through the snapshot file. The report is the last swap's; ``timings['fallback']`` is 1
-    and ``error`` names the GPU transport's failure when the file had to step in."""
+    again through the snapshot file, if it is written yet (``ref.uri``). The report is the last
+    swap's; ``timings['fallback']`` is 1 and ``error`` names the GPU transport's failure when the
+    file had to step in."""
     file_swap = (partial(file.apply, ref.version), partial(file.stage, ref))
     if route == "file" or load is None:
         return await barrier.swap(ref.version, file_swap[0], prepare=file_swap[1])
     first = await barrier.swap(ref.version, load, prepare=prepare)
     if first.ok:
         first.timings[f"{route}_s"] = first.timings.get("load_s", 0.0)
+        return first
+    if not ref.uri:  # announced before its file was written: the next announce brings the file
         return first
     log.warning("v%d over %s failed (%s); loading it from the snapshot file", ref.version,
                 route, first.error)

@@ -247,7 +247,8 @@ class WeightSyncExtension:
             self._sync_restore_previous()
             raise SnapshotError(f"snapshot v{version}: load_weights failed ({e!r}); previous "
                                 f"weights restored") from None
-        self._sync_last_good = ref
+        if ref.uri:  # a GPU copy announced before its file: the last file stays the rollback
+            self._sync_last_good = ref
         del tensors, staged  # IPC views: the learner may reuse that memory from here on
         if getattr(self, "_sync_gpu_staging", False):
             # The NCCL staging buffer (a whole model, outside vLLM's memory budget) goes back to

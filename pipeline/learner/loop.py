@@ -27,6 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from buffer.ledger import GroupLedger
 from buffer.schema import Ack, Announce, Heartbeat, Hello, Message, RolloutGroup, SyncReady
@@ -42,8 +43,10 @@ from pipeline.learner.checkpoint import (
 )
 from pipeline.learner.metrics import MetricsLogger, plot_run
 from pipeline.learner.trainer import PolicyTrainer
-from sync.snapshot import SnapshotRef, prune_snapshots, write_snapshot
+from sync.packing import Layout, pack, plan_layout
+from sync.snapshot import SnapshotRef
 from sync.transfer import TransportChoiceError, choose_transport
+from sync.writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
 ALIVE_S = 10.0  # a producer silent for longer is reported as not alive
@@ -105,8 +108,10 @@ class Learner:
             self.trainer.snapshot_dtype.itemsize
         self.snapshot_dir = snapshot_dir(cfg.sync.snapshot_dir, self.run_dir, run_key,
                                          (cfg.sync.keep_snapshots + 1) * snapshot_bytes)
-        self.snapshot: SnapshotRef | None = None  # the newest snapshot written (on offer)
-        self._publishing: asyncio.Future | None = None  # the write + announce in flight
+        self.snapshot: SnapshotRef | None = None  # the newest snapshot file written
+        self.writer = SnapshotWriter(self.snapshot_dir, cfg.sync.keep_snapshots,
+                                     on_written=self._on_written)
+        self._acks_tracked = 0  # newest version whose acks are being collected
         self.producers: dict[str, ProducerInfo] = {}
         self.acks: dict[int, dict[str, Ack]] = {}
         self.last_sync: dict[str, float] = {}
@@ -218,12 +223,15 @@ class Learner:
         received = dict(self.state.received)
         consumed = {p: n - held.get(p, 0) for p, n in received.items()}
         ref = self.snapshot
-        # The version on offer is the newest *written* snapshot's: while the next one is still
-        # being written (in the background, see _train) the learner is already one ahead.
-        version = ref.version if ref else self.state.version
-        routes = self._gpu_routes() if ref else {}
-        transfer = self.publisher.payload(version, routes) \
-            if self.publisher is not None and routes else {}
+        # ``version`` is the newest *file*'s (producers on the file route, catching up or
+        # rolling back take it); ``transfer`` offers the newest GPU copy, which may be one
+        # ahead while its file is still being written (its "version" key says which).
+        version = ref.version if ref else 0
+        routes = self._gpu_routes()
+        gpu_version = self.publisher.newest(self.state.version) \
+            if self.publisher is not None and routes else None
+        transfer = self.publisher.payload(gpu_version, routes) \
+            if self.publisher is not None and gpu_version is not None else {}
         return Announce(version=version, snapshot_uri=ref.uri if ref else "",
                         snapshot_checksum=ref.checksum if ref else "",
                         learner_session=self.session, received=received, consumed=consumed,
@@ -244,56 +252,65 @@ class Learner:
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ snapshots
-    def _publish_snapshot(self, version: int) -> SnapshotRef:
-        return self._write_snapshot(version, self._capture_snapshot(version))
+    def _capture(self, version: int) -> tuple[Any, Layout]:
+        """Pack the weights into one buffer on the model's device (blocking: run in a thread).
 
-    def _capture_snapshot(self, version: int) -> dict:
-        """Copy the weights out of the model (the next step may change them at once)."""
+        The only weight copy on the training path, and a device-local one (milliseconds on a
+        GPU): the next step may change the parameters at once. Producers on a GPU route are
+        offered this buffer right away (``sync.publish``); the snapshot file is written from
+        it by ``self.writer``, in the background."""
         tensors = self.trainer.snapshot_tensors()
+        layout = plan_layout(tensors)
+        device = next(iter(tensors.values())).device if tensors else "cpu"
+        flat = pack(tensors, layout, device)
         routes = self._gpu_routes()
         if self.publisher is not None and routes:
-            # The GPU copy first: producers on ipc/nccl can load it as soon as they hear of it.
             try:
-                self.publisher.publish(version, tensors,
-                                       ipc=[p for p, r in routes.items() if r == "ipc"])
-            except Exception as e:  # e.g. no GPU memory for the packed copy: the file still works
+                self.publisher.publish_packed(version, flat, layout,
+                                              ipc=[p for p, r in routes.items() if r == "ipc"])
+            except Exception as e:  # e.g. an IPC export failed: the file still works
                 self.counters["gpu_publish_failures"] = \
                     self.counters.get("gpu_publish_failures", 0) + 1
                 log.error("v%d: GPU copy for ipc/nccl producers failed (%r); they load it from "
                           "the snapshot file", version, e)
-        return {k: v.to("cpu", copy=True) for k, v in tensors.items()}
+        elif flat.is_cuda:
+            import torch
 
-    def _write_snapshot(self, version: int, cpu: dict) -> SnapshotRef:
-        # Written whatever the transport: the fallback, and how any producer catches up.
-        ref = write_snapshot(cpu, version, self.snapshot_dir)
-        prune_snapshots(self.snapshot_dir, self.cfg.sync.keep_snapshots)
-        return ref
+            torch.cuda.current_stream(flat.device).synchronize()  # the writer's stream reads it
+        return flat, layout
 
-    async def _publish_in_background(self, version: int, cpu: dict) -> None:
-        """Write, announce, collect acks: off the training path (the file write of a 0.5B
-        model took ~1 s of every 3.5 s step on an H100 when the learner waited for it)."""
-        t0 = time.monotonic()
-        self.snapshot = await asyncio.to_thread(self._write_snapshot, version, cpu)
-        self.last_sync["publish_s"] = time.monotonic() - t0
+    async def _on_written(self, ref: SnapshotRef, seconds: float) -> None:
+        """A snapshot file is on disk: announce it (producers on the file route take it now)."""
+        self.snapshot = ref
+        self.last_sync["publish_s"] = seconds
         assert self.endpoint is not None
         await self.endpoint.publish(self.announcement())
-        asyncio.get_running_loop().create_task(self._collect_acks(version, time.monotonic()))
+        self._track_acks(ref.version)
+
+    def _track_acks(self, version: int) -> None:
+        """Start waiting for every producer to reach ``version`` (once per version)."""
+        if version > self._acks_tracked:
+            self._acks_tracked = version
+            task = asyncio.get_running_loop().create_task(
+                self._collect_acks(version, time.monotonic()))
+            self._transfer_tasks.add(task)
+            task.add_done_callback(self._transfer_tasks.discard)
 
     async def _collect_acks(self, version: int, published_at: float) -> None:
-        """Wait for every live producer's ack; report the ones that did not (never block)."""
+        """Wait until every live producer runs ``version`` or newer (a producer may skip a
+        version it heard of late); report the ones that did not (never block training)."""
         deadline = published_at + self.cfg.sync.ack_timeout_s
         while time.monotonic() < deadline:
-            alive = {p for p, i in self.producers.items()
-                     if time.monotonic() - i.last_seen < ALIVE_S}
-            got = self.acks.get(version, {})
-            if alive and alive <= set(got):
+            now = time.monotonic()
+            alive = [i for i in self.producers.values() if now - i.last_seen < ALIVE_S]
+            if alive and all(i.version >= version for i in alive):
                 break
             await asyncio.sleep(0.02)
         got = self.acks.pop(version, {})
-        missing = sorted(set(self.producers) - set(got))
-        if missing:
+        behind = sorted(p for p, i in self.producers.items() if i.version < version)
+        if behind:
             log.warning("version %d: no ack from %s within %.0fs; training goes on without "
-                        "them", version, missing, self.cfg.sync.ack_timeout_s)
+                        "them", version, behind, self.cfg.sync.ack_timeout_s)
         if got:
             timings = [a.timings for a in got.values()]
             self.last_sync |= {
@@ -328,13 +345,16 @@ class Learner:
                 log.error("step %d: non-finite loss or gradient; update skipped, no snapshot",
                           st.step)
             elif st.step % self.cfg.sync.sync_every == 0 and st.step < t.steps:
-                await self._publish_done()  # versions go out in order, one write at a time
                 t1 = time.monotonic()
-                cpu = await asyncio.to_thread(self._capture_snapshot, st.version + 1)
+                flat, layout = await asyncio.to_thread(self._capture, st.version + 1)
                 m["snapshot_copy_s"] = time.monotonic() - t1
                 st.version += 1
-                self._publishing = asyncio.ensure_future(
-                    self._publish_in_background(st.version, cpu))
+                self.writer.submit(st.version, flat, layout)
+                del flat
+                if self.publisher is not None and self.publisher.newest(st.version) == st.version:
+                    # GPU-route producers take it now, before (and whatever) the file.
+                    await self.endpoint.publish(self.announcement())
+                    self._track_acks(st.version)
             now = time.monotonic()
             bs = self.buffer.stats
             m.update({
@@ -349,6 +369,7 @@ class Learner:
                 "gen_tokens_per_s": sum(i.stats.get("tokens_per_s", 0.0)
                                         for i in self.producers.values()),
                 **{k: float(v) for k, v in self.counters.items()},
+                "snapshot_files_skipped": float(self.writer.skipped),
                 "duplicates_ignored": float(self.ledger.duplicates),
                 **self._take_sync(),
             })
@@ -359,18 +380,13 @@ class Learner:
             ce = t.checkpoint_every
             if ce and st.step % ce == 0 and st.step < t.steps:
                 await self.checkpoint()
-        await self._publish_done()
+        await self.writer.flush()  # a failed write raises here, not silently
 
     def _take_sync(self) -> dict[str, float]:
         """Sync timings that arrived since the last step's row, each reported once: repeating a
         stale one in later rows would skew the per-step means (the GPU benchmark averages them)."""
         out, self.last_sync = self.last_sync, {}
         return out
-
-    async def _publish_done(self) -> None:
-        task, self._publishing = self._publishing, None
-        if task is not None:
-            await task  # a failed write raises here, on the training path, not silently
 
     async def checkpoint(self) -> Path:
         self.state.counters = dict(self.counters)
@@ -398,13 +414,16 @@ class Learner:
             if self.cfg.sync.transport != "file":
                 self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s)
         if self.state.version > 0:  # resumed: producers must load this version first
-            self.snapshot = await asyncio.to_thread(self._publish_snapshot, self.state.version)
+            flat, layout = await asyncio.to_thread(self._capture, self.state.version)
+            self.snapshot = await self.writer.write_now(self.state.version, flat, layout)
+            del flat
         self.endpoint = LearnerEndpoint(self.cfg.bind_addr, insecure=self.cfg.insecure,
                                         curve=curve_keys(self.cfg, "learner"))
         finished = False
         try:
             async with asyncio.TaskGroup() as tg:
-                background = [tg.create_task(self._receive()), tg.create_task(self._announce())]
+                background = [tg.create_task(self._receive()), tg.create_task(self._announce()),
+                              tg.create_task(self.writer.run())]
                 await self._train()
                 finished = True
                 for task in background:

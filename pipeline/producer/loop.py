@@ -106,6 +106,7 @@ class Producer:
         self.held = 0            # our groups in the learner's buffer (from announces)
         self.accepted = 0        # groups of this process the learner has (from announces)
         self.learner_session = ""
+        self._loaded_session = ""  # the learner session whose snapshot the engine runs
         # Exactly-once delivery across learner restarts: this process numbers its groups and
         # keeps each until the learner announces it durable (in a checkpoint); a restored learner
         # gets the rest again and drops what it already has (buffer.ledger).
@@ -294,31 +295,61 @@ class Producer:
         route = ann.routes.get(self.producer_id, "file")
         if route == "nccl":
             await self._ensure_link(ann)
-        if ann.version != self.tracker.version and ann.snapshot_uri:
+        ref = self._target(ann, route)
+        if ref is not None and ref.version != self.tracker.version:
             self._synced.clear()  # generate nothing more on weights the learner has left
-            ref = SnapshotRef(ann.version, ann.snapshot_uri, ann.snapshot_checksum)
             report = await self._swap(ref, route, ann.transfer)
-            self.stats.swaps = self.barrier.swaps
-            self.stats.swap_failures = self.barrier.failures
-            if report.timings.get("fallback"):
-                self.stats.transport_fallbacks += 1
-            if not report.ok:
-                log.error("%s: %s", self.producer_id, report.error)
-            await self.endpoint.send(Ack(producer_id=self.producer_id, version=report.version,
-                                         ok=report.ok, error=report.error,
-                                         timings=report.timings))
+            if report is not None:
+                await self._report(report, ann.learner_session)
         pid = self.producer_id
         self.held = max(ann.received.get(pid, 0) - ann.consumed.get(pid, 0), 0)
         self.accepted = ann.accepted.get(self.incarnation, 0)
-        if self.tracker.version == ann.version or not ann.snapshot_uri:
-            if not ann.snapshot_uri:
-                self.tracker.version = ann.version
+        if ref is None and self._loaded_session != ann.learner_session:
+            self.tracker.version = ann.version  # the learner's base weights: nothing to load
+        if ref is None or self.tracker.version == ref.version:
             self._synced.set()
         self._budget_changed.set()
 
+    def _target(self, ann: Announce, route: str) -> SnapshotRef | None:
+        """The version to run next, or None when there is nothing to load.
+
+        The GPU copy on offer (``transfer["version"]``, our route ipc or nccl) when it is newer
+        than the newest file: the learner announces it before its file is written; such a ref
+        has no file (``uri`` ""). Else the file. Never an older version than the one we run
+        from the same learner: the file of a version we took by GPU arrives later, and the
+        file of the one before it meanwhile."""
+        gpu = ann.transfer.get("version") if route in ("ipc", "nccl") else None
+        if type(gpu) is int and gpu > ann.version:
+            ref = SnapshotRef(gpu, "", "")
+        elif ann.snapshot_uri:
+            ref = SnapshotRef(ann.version, ann.snapshot_uri, ann.snapshot_checksum)
+        else:
+            return None
+        if self._loaded_session == ann.learner_session and ref.version < self.tracker.version:
+            return None
+        return ref
+
+    async def _report(self, report: Any, learner_session: str) -> None:
+        self.stats.swaps = self.barrier.swaps
+        self.stats.swap_failures = self.barrier.failures
+        if report.timings.get("fallback"):
+            self.stats.transport_fallbacks += 1
+        if report.ok:
+            self._loaded_session = learner_session
+        else:
+            log.error("%s: %s", self.producer_id, report.error)
+        await self.endpoint.send(Ack(producer_id=self.producer_id, version=report.version,
+                                     ok=report.ok, error=report.error, timings=report.timings))
+
     async def _swap(self, ref: SnapshotRef, route: str, transfer: dict[str, Any]) -> Any:
-        """The barrier around the route's load; a failed GPU route falls back to the file."""
+        """The barrier around the route's load; a failed GPU route falls back to the file.
+        None when the version can only come from its file and that is not written yet."""
         used, why = plan_route(route, transfer, self.producer_id, self.devices, self.nccl.joined)
+        if used != "file" and transfer.get("version") != ref.version:
+            used, why = "file", f"the GPU copy on offer is v{transfer.get('version')}"
+        if used == "file" and not ref.uri:
+            log.debug("%s: v%d waits for its file (%s)", self.producer_id, ref.version, why)
+            return None
         if why:
             log.warning("%s: v%d by file instead of %s: %s", self.producer_id, ref.version,
                         route, why)

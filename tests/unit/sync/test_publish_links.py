@@ -186,17 +186,3 @@ def test_a_late_join_of_an_expired_offer_is_completed_and_aborted_fake_nccl(monk
         assert len(fake.comms) == 1
 
     asyncio.run(main())
-
-
-def test_a_failed_gpu_copy_leaves_the_file_route_with_a_fake_publisher():
-    from pipeline.learner.loop import Learner
-
-    class Broken:
-        def publish(self, *a, **k):
-            raise torch.OutOfMemoryError("CUDA out of memory")
-
-    me = SimpleNamespace(trainer=SimpleNamespace(snapshot_tensors=lambda: {"w": torch.ones(2)}),
-                         _gpu_routes=lambda: {"p0": "ipc"}, publisher=Broken(), counters={})
-    cpu = Learner._capture_snapshot(me, 3)
-    assert torch.equal(cpu["w"], torch.ones(2)) and me.counters["gpu_publish_failures"] == 1
-
