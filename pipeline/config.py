@@ -174,6 +174,10 @@ class EngineConfig:
     max_num_seqs: int | None = opt(None, "vLLM max_num_seqs (None = default)")
     enforce_eager: bool = opt(True, "disable CUDA graphs / compilation (faster start)")
     cpu_kvcache_space_gib: int = opt(2, "CPU build only: KV cache size in GiB")
+    sleep_when_idle: bool = opt(False, "sync mode, GPU: put the engine to sleep (vLLM sleep "
+                                       "mode level 1: KV cache freed, weights to host memory) "
+                                       "while it waits for the next version, so a colocated "
+                                       "learner trains with that GPU memory")
     extra: dict = opt({}, "any other AsyncEngineArgs, passed through verbatim")
 
     def __post_init__(self) -> None:
@@ -417,6 +421,8 @@ class RunConfig:
             _check(isinstance(value, str) and _GPU_LIST.fullmatch(value) is not None, name,
                    f"must be a comma-separated list of GPU indices like '0' or '0,1', "
                    f"got {value!r}")
+        _check(not self.engine.sleep_when_idle or self.train.mode == "sync",
+               "engine.sleep_when_idle", "needs train.mode sync (an async producer is never idle)")
         if self.train.mode == "sync":
             _check(self.train.batch_groups % self.num_producers == 0, "train.batch_groups",
                    f"sync mode needs batch_groups ({self.train.batch_groups}) divisible by "

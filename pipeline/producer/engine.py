@@ -51,6 +51,11 @@ def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: 
         value = getattr(eng, name)
         if value is not None:
             kw[name] = value
+    if eng.sleep_when_idle:
+        if platform.is_cpu():
+            raise EngineSetupError("engine.sleep_when_idle needs a GPU: vLLM's sleep mode frees "
+                                   "GPU memory and is not available on the CPU backend")
+        kw["enable_sleep_mode"] = True
     if not platform.is_cpu():
         cap = platform.get_device_capability()
         if cap is not None and cap.to_int() < 80 and kw.get("enable_prefix_caching") is not False:

@@ -68,6 +68,9 @@ class ProducerStats:
     swaps: int = 0
     swap_failures: int = 0
     transport_fallbacks: int = 0
+    sleeps: int = 0
+    sleep_s: float = 0.0     # seconds spent putting the engine to sleep (engine.sleep_when_idle)
+    wake_s: float = 0.0      # and waking it up again
     started_at: float = field(default_factory=time.monotonic)
 
     def to_dict(self) -> dict[str, float]:
@@ -119,6 +122,8 @@ class Producer:
         self._synced = asyncio.Event()   # set once we hold the learner's current version
         self._failed_links: set[bytes] = set()  # NCCL offers we could not join (not retried)
         self._group_tasks: set[asyncio.Task] = set()
+        self._engine_lock = asyncio.Lock()  # sleep, wake and swap never interleave
+        self._asleep = False
 
     # ------------------------------------------------------------------ admission
     def outstanding(self) -> int:
@@ -133,7 +138,9 @@ class Producer:
         for record in self.prompts:
             while self.outstanding() >= self.budget or not self._synced.is_set():
                 self._budget_changed.clear()
+                await self._sleep_if_idle()
                 await self._budget_changed.wait()
+            await self._wake()
             async with throttle:  # asyncio-throttle: at most `rate` admissions per second
                 pass
             ids = render_prompt(self.tokenizer, self.cfg.data, record.prompt)
@@ -146,6 +153,36 @@ class Producer:
             task = asyncio.create_task(self._run_group(record, ids))
             self._group_tasks.add(task)
             task.add_done_callback(self._group_done)
+
+    async def _sleep_if_idle(self) -> None:
+        """engine.sleep_when_idle: with nothing generating and the budget spent (sync mode:
+        the batch is sent, the learner trains), free the engine's GPU memory until the next
+        version. Level 1: the weights wait in host memory, so a failed swap still has them."""
+        if not self.cfg.engine.sleep_when_idle or self._asleep or self.in_flight_groups:
+            return
+        async with self._engine_lock:
+            if self._asleep or self.in_flight_groups:
+                return
+            t0 = time.monotonic()
+            await self.engine.sleep(level=1)
+            self._asleep = True
+            if not self.stats.sleeps:
+                log.info("%s: engine sleeps while it waits for a version (engine.sleep_when_idle)",
+                         self.producer_id)
+            self.stats.sleeps += 1
+            self.stats.sleep_s += time.monotonic() - t0
+
+    async def _wake(self) -> None:
+        """Before a swap or an admission: the engine needs its weights and KV cache back."""
+        if not self._asleep:
+            return
+        async with self._engine_lock:
+            if not self._asleep:
+                return
+            t0 = time.monotonic()
+            await self.engine.wake_up()
+            self._asleep = False
+            self.stats.wake_s += time.monotonic() - t0
 
     def _group_done(self, task: asyncio.Task) -> None:
         self._group_tasks.discard(task)
@@ -298,7 +335,9 @@ class Producer:
         ref = self._target(ann, route)
         if ref is not None and ref.version != self.tracker.version:
             self._synced.clear()  # generate nothing more on weights the learner has left
-            report = await self._swap(ref, route, ann.transfer)
+            await self._wake()
+            async with self._engine_lock:
+                report = await self._swap(ref, route, ann.transfer)
             if report is not None:
                 await self._report(report, ann.learner_session)
         pid = self.producer_id

@@ -221,3 +221,10 @@ def test_sync_check_placement_refuses_impossible_gpu_placements(monkeypatch):
         ipc.check_placement("0", ["1"])
     ipc.check_placement("", ["1"])  # unknown placement: checked at run time instead
     load_config().sync.check_placement("0", ["0"])  # auto always fits
+
+
+def test_sleep_when_idle_needs_sync_mode():
+    with pytest.raises(ConfigError, match=r"engine\.sleep_when_idle: needs train\.mode sync"):
+        load_config(overrides={"engine.sleep_when_idle": True})
+    cfg = load_config(overrides={"engine.sleep_when_idle": True, "train.mode": "sync"})
+    assert cfg.engine.sleep_when_idle

@@ -109,3 +109,13 @@ def test_unsupported_vllm_version_one_sentence(version):
     msg = str(e.value)
     assert version in msg and "not supported" in msg
     assert "\n" not in msg
+
+
+def test_sleep_when_idle_turns_on_vllm_sleep_mode_on_gpus_fake_platform():
+    assert _kw(_FakePlatform(cap=(9, 0)), sleep_when_idle=True)["enable_sleep_mode"] is True
+    assert "enable_sleep_mode" not in _kw(_FakePlatform(cap=(9, 0)))
+
+
+def test_sleep_when_idle_on_cpu_is_one_clear_error():
+    with pytest.raises(EngineSetupError, match=r"engine\.sleep_when_idle needs a GPU"):
+        _kw(CPU, sleep_when_idle=True)
