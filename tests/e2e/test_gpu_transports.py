@@ -240,3 +240,34 @@ def test_pipeline_train_split_layout_routes_weights_by_nccl(tiny_model, tmp_path
     assert all(r.get("transport_fallbacks", 0) == 0 and r.get("sync_failures", 0) == 0
                for r in rows), "a swap fell back to the file"
     assert_no_process_left(tag)
+
+
+def test_pipeline_train_colocated_sync_by_ipc_with_the_engine_asleep_between_steps(
+        tiny_model, tmp_path):
+    """One GPU, sync mode, weights by CUDA IPC announced before their files, and
+    engine.sleep_when_idle: every step trains on its own version, no swap falls back to the
+    file, and the engine slept while the learner trained."""
+    run_dir, tag = tmp_path / "run", f"gpusleep{os.getpid()}"
+    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
+           "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
+           "--num-producers", "1", "--batch-groups", "4", "--group-size", "4",
+           "--max-tokens", "32", "--run-dir", str(run_dir), "--mode", "sync", "--steps", "5",
+           "--engine.gpu_memory_utilization", "0.3", "--producer_gpus", '["0"]',
+           "--learner_gpus", "0", "--sync.transport", "ipc", "--engine.sleep_when_idle", "true",
+           "--tensorboard", "false"]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, PIPELINE_TEST_RUN=tag))
+    (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    logs = proc.stderr + "".join(p.read_text(errors="replace")
+                                 for p in (run_dir / "logs").glob("*") if p.is_file()) \
+        if (run_dir / "logs").is_dir() else proc.stderr
+    assert "weights by ipc" in logs
+    assert "engine sleeps while it waits for a version" in logs
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["version"] for r in rows] == [1, 2, 3, 4, 4]  # sync: one version per step
+    assert all(r.get("transport_fallbacks", 0) == 0 and r.get("sync_failures", 0) == 0
+               for r in rows), "a swap fell back to the file"
+    assert_no_process_left(tag)
