@@ -45,10 +45,12 @@ from typing import Any
 
 from pipeline.procs import wait_group_gone
 
-RUNS = {  # name -> (train.mode, max_staleness)
-    "sync": ("sync", 0),
-    "async1": ("async", 1),
-    "async2": ("async", 2),
+RUNS = {  # name -> (train.mode, max_staleness, extra options)
+    "sync": ("sync", 0, ()),
+    # sync with the engine asleep while the learner trains (colocated memory, at its cost)
+    "sync-sleep": ("sync", 0, ("engine.sleep_when_idle=true",)),
+    "async1": ("async", 1, ()),
+    "async2": ("async", 2, ()),
 }
 LAYOUTS = {  # name -> (producer_gpus, one producer per entry; learner_gpus; GPUs per role)
     "split": (["0"], "1", {"generation": [0], "learner": [1]}),
@@ -223,7 +225,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunResult:
-    mode, staleness = RUNS[name]
+    mode, staleness, extra = RUNS[name]
     producer_gpus, learner_gpus, roles = LAYOUTS[args.layout]
     run_dir = out / name
     cmd = [sys.executable, "-m", "pipeline.launch.cli", "--config", str(args.config),
@@ -236,7 +238,7 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
            "--train.lr", _yaml_float(args.lr), "--engine.gpu_memory_utilization", str(args.gpu_mem),
            "--producer_gpus", json.dumps(producer_gpus), "--learner_gpus", learner_gpus,
            "--num_producers", str(max(len(producer_gpus), 1)), "--tensorboard", "false"]
-    for kv in args.set:
+    for kv in (*extra, *args.set):
         cmd += ["--set", kv]
     return _timed(args, name, cmd, run_dir / "metrics.jsonl", roles, out / f"{name}.log")
 
@@ -391,7 +393,7 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
     lines += ["", "Ratios (trained samples/s): " + ", ".join(
         f"{a}/{b} = {ratio(a, b)}" for a, b in
         [("async1", "sync"), ("async2", "sync"), ("async1", "trl-colocate"),
-         ("async1", "trl-server"), ("sync", "trl-colocate")]
+         ("async1", "trl-server"), ("sync", "trl-colocate"), ("sync-sleep", "sync")]
         if a in by and b in by)]
     shared = _shared_gpu_note(results)
     if shared:

@@ -24,6 +24,8 @@
 # Environment:
 #   MODEL=0.5b|1.5b   random-init model of colocated/split (default 0.5b; bench/gpu_model.py)
 #   STEPS             learner steps per run (default 8; 60 for reward)
+#   RUNS              our runs of colocated (default sync,async1; sync-sleep adds sync with
+#                     engine.sleep_when_idle)
 #   TRANSPORT         sync.transport of our runs (default auto: ipc colocated, nccl split)
 #   RUN_TIMEOUT       seconds per run; CALL_BUDGET seconds for the whole call (default 570)
 #   CALL_T0           when the call began (epoch seconds); timed parts share CALL_BUDGET from
@@ -124,7 +126,7 @@ case "${1:?part}" in
       --modes drain_prefill,wait --max-num-batched-tokens 0 2>&1 | tee "$out/sync.log" | quiet
     ;;
   colocated)
-    run_bench colocated --layout colocated "${common[@]}" --runs sync,async1 --trl colocate \
+    run_bench colocated --layout colocated "${common[@]}" --runs "${RUNS:-sync,async1}" --trl colocate \
       --gpu-mem 0.35 --run-timeout "${RUN_TIMEOUT:-190}"
     ;;
   split)
