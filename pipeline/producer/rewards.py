@@ -35,6 +35,7 @@ import inspect
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
 import sys
 import threading
 import time
@@ -505,17 +506,40 @@ async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await fut
 
 
-def _terminate_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    """Stop a pool without waiting for hung calls: cancel queued work, then terminate the
-    workers this RewardSet started (by their process objects)."""
+def _terminate_pool(pool: concurrent.futures.ProcessPoolExecutor, grace_s: float = 2.0) -> None:
+    """Stop a pool without waiting for hung calls, and return only once its workers are gone:
+    cancel queued work, SIGTERM the workers this RewardSet started (by their process objects),
+    SIGKILL those still running after ``grace_s``, then wait for every one of them to exit."""
     procs = list(getattr(pool, "_processes", {}).values())  # no public API before 3.14
     pool.shutdown(wait=False, cancel_futures=True)
-    deadline = time.monotonic() + 2.0
     for p in procs:
         if p.is_alive():
             p.terminate()
+    running = _wait_exited(procs, grace_s)
+    for p in running:
+        p.kill()
+    _wait_exited(running, None)  # SIGKILL cannot be caught: this wait ends
     for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=1.0)
+        # The pool's manager thread joins the same workers; whichever thread reaps one sets its
+        # exit code, so wait for that here rather than return with a worker not yet reaped.
+        deadline = time.monotonic() + 10.0
+        while p.exitcode is None and time.monotonic() < deadline:
+            p.join(0.05)
+
+
+def _wait_exited(procs: list[Any], timeout: float | None) -> list[Any]:
+    """Wait up to ``timeout`` (None: forever) for ``procs`` to exit; returns those still running.
+    A process's sentinel becomes ready when it exits, whichever thread reaps it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    running = [p for p in procs if not _exited(p)]
+    while running:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        multiprocessing.connection.wait([p.sentinel for p in running], left)
+        running = [p for p in running if not _exited(p)]
+    return running
+
+
+def _exited(p: Any) -> bool:
+    return p.exitcode is not None or bool(multiprocessing.connection.wait([p.sentinel], 0))
