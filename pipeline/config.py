@@ -47,6 +47,7 @@ def _check(cond: bool, option: str, msg: str) -> None:
 
 
 Executor = Literal["inline", "thread", "process"]
+RewardStyle = Literal["auto", "native", "trl"]
 
 
 @dataclass
@@ -73,6 +74,12 @@ class RewardSpec:
     """Upper bound on this reward's concurrent calls (None: unbounded)."""
     rate_per_s: float | None = None
     """Upper bound on this reward's call starts per second, for remote (HTTP) rewards."""
+    style: RewardStyle = "auto"
+    """Calling convention. native: ``r(prompt, completion, **meta)`` (or the batched form);
+    trl: TRL GRPOTrainer's ``f(completions, **kwargs) -> list[float | None]``, one call per
+    group with ``prompts``, ``completion_ids`` and the dataset's columns as lists; auto: trl
+    when the signature names ``completions``/``completion_ids`` and not ``completion``/``metas``
+    (and ``batched`` is not set), else native."""
 
     def __post_init__(self) -> None:
         if isinstance(self.fn, str) and ":" not in self.fn:
@@ -93,6 +100,11 @@ class RewardSpec:
             raise ValueError(f"reward rate_per_s must be > 0, got {self.rate_per_s}")
         if not isinstance(self.kwargs, dict):
             raise ValueError(f"reward kwargs must be a mapping, got {self.kwargs!r}")
+        if self.style not in ("auto", "native", "trl"):
+            raise ValueError(f"reward style must be auto, native or trl, got {self.style!r}")
+        if self.style == "trl" and self.batched:
+            raise ValueError("reward style trl is already one call per group; leave batched "
+                             "unset")
 
 
 
@@ -228,7 +240,7 @@ class DataConfig:
 class RewardsConfig:
     specs: list = opt([{"fn": "pipeline.tasks.rewards:exact_match"}],
                       "list of reward specs {fn, weight, name, kwargs, batched, timeout_s, "
-                      "executor, max_concurrency, rate_per_s}")
+                      "executor, max_concurrency, rate_per_s, style}")
     on_failure: Literal["zero", "drop"] = opt("zero", "a reward that raises/hangs/NaNs scores 0 "
                                                       "('zero') or drops its group ('drop')")
     pool_workers: int = opt(2, "process-pool size for rewards with executor: process")

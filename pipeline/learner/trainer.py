@@ -47,6 +47,17 @@ DEEPSPEED_DIR = "deepspeed"  # inside a checkpoint dir: DeepSpeed's files, every
 DEEPSPEED_TAG = "zero"
 
 
+def reward_means(groups: list[RolloutGroup]) -> dict[str, float]:
+    """``reward/<name>``: each reward's mean over the completions it scored (a reward that
+    returned None for a completion, TRL's "not scored", leaves it out of its breakdown)."""
+    sums: dict[str, list[float]] = {}
+    for g in groups:
+        for c in g.completions:
+            for k, v in c.reward_breakdown.items():
+                sums.setdefault(k, []).append(v)
+    return {f"reward/{k}": float(np.mean(sums[k])) for k in sorted(sums)}
+
+
 @dataclass
 class PackedBatch:
     """Completions of a batch, flattened (one row per completion), before padding."""
@@ -447,10 +458,7 @@ class PolicyTrainer:
         })
         for s in stale:
             metrics[f"staleness_hist/{s}"] = metrics.get(f"staleness_hist/{s}", 0.0) + 1
-        keys = {k for g in groups for c in g.completions for k in c.reward_breakdown}
-        for k in sorted(keys):
-            vals = [c.reward_breakdown.get(k, 0.0) for g in groups for c in g.completions]
-            metrics[f"reward/{k}"] = float(np.mean(vals))
+        metrics.update(reward_means(groups))
         return metrics
 
     # -------------------------------------------------------------- weights
