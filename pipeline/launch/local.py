@@ -43,15 +43,14 @@ log = logging.getLogger("pipeline")
 def prepare(cfg: RunConfig, role: str = "all") -> str:
     """Fail fast, before any process starts: model, data and rewards must all resolve."""
     from pipeline.models import resolve_model
-    from pipeline.producer.data import load_records
+    from pipeline.producer.data import check_data
     from pipeline.producer.rewards import validate_specs
 
     try:
         model_path = str(resolve_model(cfg.model.path, Path(cfg.model.cache_dir)))
     except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
-    if not load_records(cfg.data.path):
-        raise ConfigError(f"data.path: {cfg.data.path} holds no records")
+    check_data(cfg.data, model_path)
     try:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
