@@ -191,6 +191,9 @@ class EngineConfig:
                                        "while it waits for the next version, so a colocated "
                                        "learner trains with that GPU memory")
     extra: dict = opt({}, "any other AsyncEngineArgs, passed through verbatim")
+    allow_untested_vllm: bool = opt(False, "run a vLLM version this project is not tested on "
+                                           "(tested: 0.25.1 GPU, 0.32.0 CPU) with one warning; "
+                                           "versions known to break are refused regardless")
 
     def __post_init__(self) -> None:
         _check(self.max_model_len >= 16, "engine.max_model_len", "must be >= 16")

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Written exactly in TRL's documented reward shape; each call is logged so the test can check
 # what the producer passed.
-REWARDS = '''
+REWARDS = """
 import json
 
 LOG = {log!r}
@@ -45,16 +45,22 @@ def reward_len(completion_ids, **kwargs):
         fh.write(json.dumps({{"n": len(completion_ids), "ids": completion_ids,
                              "columns": sorted(kwargs)}}) + "\\n")
     return [-abs(8 - len(ids)) / 8 for ids in completion_ids]
-'''
+"""
 
 
 def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"messages": [{"role": "user", "content": f"What is {a} + {b}?"}],
-             "solution": str(a + b), "task": "math" if a % 3 else "chat"}
-            for a in range(1, 13) for b in (2, 5)]
+    rows = [
+        {
+            "messages": [{"role": "user", "content": f"What is {a} + {b}?"}],
+            "solution": str(a + b),
+            "task": "math" if a % 3 else "chat",
+        }
+        for a in range(1, 13)
+        for b in (2, 5)
+    ]
     data = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     log = tmp_path / "calls.jsonl"
@@ -62,25 +68,56 @@ def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path):
     rfile = tmp_path / "trl_rewards.py"
     config = {
         "data": {"path": str(data), "prompt_field": "messages", "answer_field": "solution"},
-        "rewards": {"specs": [{"fn": f"{rfile}:accuracy_reward"},
-                              {"fn": f"{rfile}:math_only_reward", "weight": 0.5},
-                              {"fn": f"{rfile}:reward_len", "style": "trl"}]},
+        "rewards": {
+            "specs": [
+                {"fn": f"{rfile}:accuracy_reward"},
+                {"fn": f"{rfile}:math_only_reward", "weight": 0.5},
+                {"fn": f"{rfile}:reward_len", "style": "trl"},
+            ]
+        },
     }
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--config", str(cfg_file),
-           "--model", str(tiny_model), "--mode", "sync", "--steps", "2",
-           "--num-producers", "1", "--batch-groups", "4", "--group-size", "4",
-           "--max-tokens", "8", "--run-dir", str(run_dir), "--engine.max_model_len", "256",
-           "--engine.cpu_kvcache_space_gib", "1", "--tensorboard", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.launch.cli",
+        "--config",
+        str(cfg_file),
+        "--model",
+        str(tiny_model),
+        "--mode",
+        "sync",
+        "--steps",
+        "2",
+        "--num-producers",
+        "1",
+        "--batch-groups",
+        "4",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "8",
+        "--run-dir",
+        str(run_dir),
+        "--engine.max_model_len",
+        "256",
+        "--engine.cpu_kvcache_space_gib",
+        "1",
+        "--tensorboard",
+        "false",
+    ]
     env = dict(os.environ, PIPELINE_TEST_RUN="trl" + str(os.getpid()))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_no_process_left(env["PIPELINE_TEST_RUN"])
 
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-               if line.strip()]
+    metrics = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert {"reward/accuracy_reward", "reward/reward_len"} <= set(m), sorted(m)
@@ -94,8 +131,9 @@ def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path):
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(calls) >= 8  # one call per group: 2 steps x 4 groups
     assert all(c["n"] == 4 for c in calls)  # the group's G completions at once
-    assert all(len(ids) >= 1 and all(isinstance(t, int) for t in ids)
-               for c in calls for ids in c["ids"])
+    assert all(
+        len(ids) >= 1 and all(isinstance(t, int) for t in ids) for c in calls for ids in c["ids"]
+    )
     # TRL's kwargs: prompts, completions, and the dataset's columns (the prompt field excluded).
     assert {"prompts", "completions", "solution", "task", "answer"} <= set(calls[0]["columns"])
     assert "messages" not in calls[0]["columns"]
