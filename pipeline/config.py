@@ -191,6 +191,9 @@ class EngineConfig:
                                        "while it waits for the next version, so a colocated "
                                        "learner trains with that GPU memory")
     extra: dict = opt({}, "any other AsyncEngineArgs, passed through verbatim")
+    allow_untested_vllm: bool = opt(False, "run a vLLM version this project is not tested on "
+                                           "(tested: 0.25.1 GPU, 0.32.0 CPU) with one warning; "
+                                           "versions known to break are refused regardless")
 
     def __post_init__(self) -> None:
         _check(self.max_model_len >= 16, "engine.max_model_len", "must be >= 16")
@@ -226,14 +229,35 @@ class GenerationConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt("arithmetic:2000", "prompts: a JSONL file, a `datasets` dir saved to disk, "
-                                       "or 'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
-    prompt_key: str = opt("prompt", "record field holding the prompt text")
-    id_key: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
-    chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
-    system_prompt: str | None = opt(None, "system message when chat_template is on")
+    path: str = opt("arithmetic:2000", "prompts: a .jsonl/.json, .parquet or .csv file, a "
+                                       "`datasets` dir saved with save_to_disk, or "
+                                       "'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
+    prompt_field: str = opt("prompt", "record field holding the prompt: a string, or a list of "
+                                      "{role, content} messages (conversational)")
+    answer_field: str | None = opt(None, "record field holding the reference answer, given to "
+                                         "rewards as `answer` (None: the field `answer`, if any)")
+    id_field: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
+    chat_template: Literal["auto", "none"] = opt(
+        "auto", "auto: render prompts with the tokenizer's chat template when it has one (plain "
+                "prompts as one user message); none: plain prompts tokenized as they are "
+                "(conversational prompts need a chat template)")
+    system_prompt: str | None = opt(None, "system message put first when prompts go through "
+                                          "the chat template (unless a prompt has its own)")
     max_prompt_tokens: int = opt(512, "prompts longer than this are skipped (counted)")
     seed: int = opt(0, "shuffle seed; -1 keeps file order")
+
+    def __post_init__(self) -> None:
+        # YAML and the CLI may spell the switch as a boolean.
+        if isinstance(self.chat_template, bool) or self.chat_template in ("true", "false"):
+            self.chat_template = "auto" if self.chat_template in (True, "true") else "none"
+        _check(self.chat_template in ("auto", "none"), "data.chat_template",
+               f"must be auto or none, got {self.chat_template!r}")
+        for name in ("prompt_field", "id_field"):
+            _check(isinstance(getattr(self, name), str) and bool(getattr(self, name)),
+                   f"data.{name}", "must be a non-empty field name")
+        _check(self.answer_field is None or (isinstance(self.answer_field, str)
+                                             and bool(self.answer_field)),
+               "data.answer_field", "must be a field name (or None)")
 
 
 @dataclass
