@@ -130,6 +130,7 @@ class Learner:
         self.publisher = None  # sync.publish.WeightPublisher, for ipc/nccl routes
         self._transfer_tasks: set[asyncio.Task] = set()
         self._rejects_logged: dict[tuple[str, str], int] = {}
+        self._vocab_size = self.trainer.vocab_size
         self._failed_steps = 0  # consecutive training steps that raised
         if resume:  # a checkpoint may hold groups that this run would reject now
             limits = self.limits()
@@ -144,7 +145,7 @@ class Learner:
         v = self.state.version
         window = self.cfg.train.max_staleness + self.cfg.sync.keep_snapshots
         return RunLimits(group_size=self.cfg.generation.group_size,
-                         vocab_size=self.trainer.vocab_size,
+                         vocab_size=self._vocab_size,
                          max_tokens=self.cfg.generation.max_tokens,
                          max_model_len=self.cfg.engine.max_model_len,
                          learner_version=v, oldest_version=max(0, v - window))
@@ -153,6 +154,8 @@ class Learner:
         """One line per rejected group, at WARNING for the first few of each (producer, reason)
         so that a flood of them cannot drown the log; every one is counted either way."""
         key = (g.producer_id, reason)
+        if key not in self._rejects_logged and len(self._rejects_logged) >= 1000:
+            key = ("*", reason)  # producer ids come off the wire: bound the table
         n = self._rejects_logged[key] = self._rejects_logged.get(key, 0) + 1
         level = logging.WARNING if n <= REJECT_LOG_LIMIT else logging.DEBUG
         more = "; further ones of this kind are only counted" if n == REJECT_LOG_LIMIT else ""

@@ -23,10 +23,12 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import zmq
+import zmq.asyncio
 
 from buffer.checks import REASONS
-from buffer.schema import Completion, RolloutGroup
-from buffer.transport import ProducerEndpoint
+from buffer.schema import Announce, Completion, RolloutGroup, decode, encode
+from buffer.transport import derive_pub_addr
 
 SEQ_BASE = 10**9  # far above the seqs of the real p0
 
@@ -83,26 +85,33 @@ def wrong_group(rng: random.Random, reason: str, i: int, a: argparse.Namespace, 
 
 async def main(a: argparse.Namespace) -> dict:
     rng = random.Random(a.seed)
-    ep = ProducerEndpoint(a.addr, sndhwm=1000)
+    ctx = zmq.asyncio.Context()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
     try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(derive_pub_addr(a.addr))
+        push.connect(a.addr)
         deadline = time.monotonic() + a.wait_s
         version, incarnation = -1, None
         while version < a.min_version or incarnation is None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"rogue: no announce of version >= {a.min_version} with p0's "
                                  f"incarnation within {a.wait_s}s")
-            ann = await ep.recv_announce(timeout=1.0)
-            if ann is not None:
-                version = ann.version
-                incarnation = next((k for k in ann.accepted if k.startswith("p0-")), None)
+            if await sub.poll(1000):
+                ann = decode(await sub.recv())
+                if isinstance(ann, Announce):
+                    version = ann.version
+                    incarnation = next((k for k in ann.accepted if k.startswith("p0-")), None)
         reasons = [r for r in REASONS if r != "version_behind" or version > a.window]
         sent: Counter[str] = Counter()
         for i in range(a.count):
             reason = rng.choice(reasons)
-            await ep.send(wrong_group(rng, reason, i, a, version, incarnation), timeout=120)
+            await push.send(encode(wrong_group(rng, reason, i, a, version, incarnation)))
             sent[reason] += 1
     finally:
-        ep.close()  # LINGER: what is queued still goes out
+        sub.close(linger=0)
+        push.close(linger=120_000)  # every group queued reaches the learner's socket
+        ctx.term()
     return {"sent": dict(sent), "version": version, "incarnation": incarnation}
 
 

@@ -242,7 +242,7 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
     is dropped in training, every rogue group is rejected and counted under its reason, and the
     real producers' groups are all placed: produced = trained + dropped + held."""
     run_dir = tmp_path / "rogue"
-    steps, count = 12, 3000
+    steps, count = 20, 3000
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     la = Launcher(tiny_model, run_dir, "--mode", "sync", "--steps", str(steps))
     out = tmp_path / "rogue.json"
@@ -255,6 +255,10 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
     try:
         _, err = rogue.communicate(timeout=400)
         assert rogue.returncode == 0, err
+        # Every rogue group has reached the learner's socket; it counts them long before the
+        # last step (the rogue starts at version 3 of 20), which the checkpoint checks below.
+        la.wait_for(lambda: _metrics(run_dir)[-1].get("rejected_groups", 0) >= count, 400,
+                    "every rogue group to be counted")
         code = la.wait(400)
     finally:
         if rogue.poll() is None:
