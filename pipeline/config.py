@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 import logging
 import math
 import re
@@ -154,13 +155,14 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         _enforce(self)
-        _check(0.0 < self.clip_eps_low < 1.0, "clip_eps_low",
+        _check(0.0 < self.clip_eps_low < 1.0, "train.loss.clip_eps_low",
                f"must be in (0, 1), got {self.clip_eps_low}")
-        _check(self.clip_eps_high > 0.0, "clip_eps_high", f"must be > 0, got {self.clip_eps_high}")
+        _check(self.clip_eps_high > 0.0, "train.loss.clip_eps_high",
+               f"must be > 0, got {self.clip_eps_high}")
         # A cap below 1 would down-weight even perfectly on-policy tokens.
-        _check(self.is_cap >= 1.0, "is_cap", f"must be >= 1, got {self.is_cap}")
-        _check(self.kl_coef >= 0.0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
-        _check(self.std_eps > 0.0, "std_eps", f"must be > 0, got {self.std_eps}")
+        _check(self.is_cap >= 1.0, "train.loss.is_cap", f"must be >= 1, got {self.is_cap}")
+        _check(self.kl_coef >= 0.0, "train.loss.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        _check(self.std_eps > 0.0, "train.loss.std_eps", f"must be > 0, got {self.std_eps}")
 
 
 @dataclass
@@ -195,6 +197,9 @@ class EngineConfig:
                                        "while it waits for the next version, so a colocated "
                                        "learner trains with that GPU memory")
     extra: dict[str, Any] = opt({}, "any other AsyncEngineArgs, passed through verbatim")
+    allow_untested_vllm: bool = opt(False, "run a vLLM version this project is not tested on "
+                                           "(tested: 0.25.1 GPU, 0.32.0 CPU) with one warning; "
+                                           "versions known to break are refused regardless")
 
     def __post_init__(self) -> None:
         _enforce(self)
@@ -232,18 +237,37 @@ class GenerationConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt("arithmetic:2000", "prompts: a JSONL file, a `datasets` dir saved to disk, "
-                                       "or 'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
-    prompt_key: str = opt("prompt", "record field holding the prompt text")
-    id_key: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
-    chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
-    system_prompt: str | None = opt(None, "system message when chat_template is on")
+    path: str = opt("arithmetic:2000", "prompts: a .jsonl/.json, .parquet or .csv file, a "
+                                       "`datasets` dir saved with save_to_disk, or "
+                                       "'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
+    prompt_field: str = opt("prompt", "record field holding the prompt: a string, or a list of "
+                                      "{role, content} messages (conversational)")
+    answer_field: str | None = opt(None, "record field holding the reference answer, given to "
+                                         "rewards as `answer` (None: the field `answer`, if any)")
+    id_field: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
+    chat_template: Literal["auto", "none"] = opt(
+        "auto", "auto: render prompts with the tokenizer's chat template when it has one (plain "
+                "prompts as one user message); none: plain prompts tokenized as they are "
+                "(conversational prompts need a chat template)")
+    system_prompt: str | None = opt(None, "system message put first when prompts go through "
+                                          "the chat template (unless a prompt has its own)")
     max_prompt_tokens: int = opt(512, "prompts longer than this are skipped (counted)", ge=1)
     seed: int = opt(0, "shuffle seed; -1 keeps file order", ge=-1)
 
     def __post_init__(self) -> None:
+        # YAML and the CLI may spell the switch as a boolean.
+        if isinstance(self.chat_template, bool) or self.chat_template in ("true", "false"):
+            self.chat_template = "auto" if self.chat_template in (True, "true") else "none"
         _enforce(self)
         _check(bool(self.path), "data.path", "must not be empty")
+        _check(self.chat_template in ("auto", "none"), "data.chat_template",
+               f"must be auto or none, got {self.chat_template!r}")
+        for name in ("prompt_field", "id_field"):
+            _check(isinstance(getattr(self, name), str) and bool(getattr(self, name)),
+                   f"data.{name}", "must be a non-empty field name")
+        _check(self.answer_field is None or (isinstance(self.answer_field, str)
+                                             and bool(self.answer_field)),
+               "data.answer_field", "must be a field name (or None)")
 
 
 @dataclass
@@ -639,14 +663,32 @@ def _check_bounds(value: Any, meta: Any, option: str) -> None:
         raise ConfigError(f"{option}: must be {want}, got {value}")
 
 
+@functools.cache
+def _sections() -> dict[type, str]:
+    """Each config section's dotted name in RunConfig (LossConfig -> "train.loss")."""
+    out: dict[type, str] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in _hints(cls).items():
+            if _is_dataclass_type(tp):
+                out.setdefault(tp, prefix + name)
+                walk(tp, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    return out
+
+
 def _enforce(obj: Any) -> None:
     """Check every field of config dataclass ``obj`` against its annotation and declared bounds,
     storing converted values; the first thing each config ``__post_init__`` does. Messages
-    name the field relative to ``obj``; _build puts the section in front."""
+    name the option by its dotted name in RunConfig (a RewardSpec's relative to its list entry,
+    which _build puts in front)."""
     hints = _hints(type(obj))
+    section = _sections().get(type(obj))
     for f in dataclasses.fields(obj):
-        value = _coerce(getattr(obj, f.name), hints[f.name], f.name)
-        _check_bounds(value, f.metadata, f.name)
+        name = f"{section}.{f.name}" if section else f.name
+        value = _coerce(getattr(obj, f.name), hints[f.name], name)
+        _check_bounds(value, f.metadata, name)
         object.__setattr__(obj, f.name, value)  # also for frozen dataclasses (LossConfig)
 
 
@@ -757,7 +799,7 @@ def _field_docs(cls: type) -> dict[str, str]:
         return {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
+    for node, nxt in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):

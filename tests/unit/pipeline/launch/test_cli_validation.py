@@ -57,35 +57,38 @@ def _error_line(err: str) -> str:
 
 
 # The mistaken invocations that printed tracebacks or were accepted (each one a finding).
-@pytest.mark.parametrize(("argv", "names"), [
-    (["--set", "train.loss.clip_eps_low=2"], "train.loss.clip_eps_low: must be in (0, 1)"),
-    (["--set", "train.loss.is_cap=0.5"], "train.loss.is_cap: must be >= 1"),
-    (["--train.loss.off_policy", "vtrace"], "train.loss.off_policy: must be decoupled or ppo"),
-    (["--reward", "pipeline.tasks.rewards.exact_match"], "--reward"),
-    (["--reward", "pipeline.tasks.rewards:exact_match@heavy"], "weight after @"),
-    (["--reward", "pipeline.tasks.rewards:exact_match@nan"], "weight after @"),
-    (["--batch-groups", "2.5"], "train.batch_groups: expected an integer, got 2.5"),
-    (["--steps", "ten"], "train.steps: expected an integer, got 'ten'"),
-    (["--engine.extra", "[1, 2]"], "engine.extra: expected a mapping"),
-    (["--set", "engine.extra=5"], "engine.extra: expected a mapping"),
-    (["--tensorboard", "maybe"], "tensorboard: expected true or false, got 'maybe'"),
-    (["--progress", "2"], "progress: expected true or false"),
-    (["--lr", "fast"], "train.lr: expected a number, got 'fast'"),
-    (["--lr", "inf"], "train.lr: expected a finite number"),
-    (["--set", "train.weight_decay=-1"], "train.weight_decay: must be >= 0"),
-    (["--set", "sync.ack_timeout_s=0"], "sync.ack_timeout_s: must be > 0"),
-    (["--set", "engine.seed=-3"], "engine.seed: must be >= 0"),
-    (["--set", "train.steps=99999999999999999999999"], "train.steps"),
-    (["--generation.stop", "{a: 1}"], "generation.stop: expected a list"),
-    (["--set", "rewards.specs=[7]"], "rewards.specs[0]: expected a mapping"),
-    (["--set", "rewards.specs=[{fn: 'a:b', weight: heavy}]"], "rewards.specs[0].weight"),
-    (["--set", "rewards.specs=[{fn: 'a:b', wieght: 1}]"], "rewards.specs[0]: unknown option"),
-    (["--set", "rewards.specs=[{weight: 1}]"], "rewards.specs[0]: missing fn"),
-    (["--set", "producer_gpus=0"], "producer_gpus: expected a list"),
-    (["--max-tokens", "4096"], "generation.max_tokens: must be below engine.max_model_len"),
-    (["--connect", "nohost"], "--connect"),
-    (["--set", "train.loss=1"], "--set: unknown option 'train.loss'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--set", "train.loss.clip_eps_low=2"], "train.loss.clip_eps_low: must be in (0, 1)"),
+        (["--set", "train.loss.is_cap=0.5"], "train.loss.is_cap: must be >= 1"),
+        (["--train.loss.off_policy", "vtrace"], "train.loss.off_policy: must be decoupled or ppo"),
+        (["--reward", "pipeline.tasks.rewards.exact_match"], "--reward"),
+        (["--reward", "pipeline.tasks.rewards:exact_match@heavy"], "weight after @"),
+        (["--reward", "pipeline.tasks.rewards:exact_match@nan"], "weight after @"),
+        (["--batch-groups", "2.5"], "train.batch_groups: expected an integer, got 2.5"),
+        (["--steps", "ten"], "train.steps: expected an integer, got 'ten'"),
+        (["--engine.extra", "[1, 2]"], "engine.extra: expected a mapping"),
+        (["--set", "engine.extra=5"], "engine.extra: expected a mapping"),
+        (["--tensorboard", "maybe"], "tensorboard: expected true or false, got 'maybe'"),
+        (["--progress", "2"], "progress: expected true or false"),
+        (["--lr", "fast"], "train.lr: expected a number, got 'fast'"),
+        (["--lr", "inf"], "train.lr: expected a finite number"),
+        (["--set", "train.weight_decay=-1"], "train.weight_decay: must be >= 0"),
+        (["--set", "sync.ack_timeout_s=0"], "sync.ack_timeout_s: must be > 0"),
+        (["--set", "engine.seed=-3"], "engine.seed: must be >= 0"),
+        (["--set", "train.steps=99999999999999999999999"], "train.steps"),
+        (["--generation.stop", "{a: 1}"], "generation.stop: expected a list"),
+        (["--set", "rewards.specs=[7]"], "rewards.specs[0]: expected a mapping"),
+        (["--set", "rewards.specs=[{fn: 'a:b', weight: heavy}]"], "rewards.specs[0].weight"),
+        (["--set", "rewards.specs=[{fn: 'a:b', wieght: 1}]"], "rewards.specs[0]: unknown option"),
+        (["--set", "rewards.specs=[{weight: 1}]"], "rewards.specs[0]: missing fn"),
+        (["--set", "producer_gpus=0"], "producer_gpus: expected a list"),
+        (["--max-tokens", "4096"], "generation.max_tokens: must be below engine.max_model_len"),
+        (["--connect", "nohost"], "--connect"),
+        (["--set", "train.loss=1"], "--set: unknown option 'train.loss'"),
+    ],
+)
 def test_each_mistake_exits_2_with_one_line_naming_the_option(fake_run, capsys, argv, names):
     code, err = _main(argv, capsys)
     assert code == 2, err
@@ -99,15 +102,17 @@ def test_cli_only_counts_are_checked_by_argparse(fake_run, capsys):
     assert fake_run == []
 
 
-@pytest.mark.parametrize(("text", "line", "what"), [
-    ("train:\n  lr: [1, 2\n", 3, "invalid YAML"),
-    ("train:\n\tlr: 1\n", 2, "invalid YAML"),
-    ("name: a\nname: b: c\n", 2, "invalid YAML"),
-    ("- 1\n- 2\n", None, "top level must be a mapping"),
-    ("train: 5\n", None, "train: expected a mapping"),
-])
-def test_a_malformed_yaml_file_is_named_with_its_line(fake_run, capsys, tmp_path, text, line,
-                                                      what):
+@pytest.mark.parametrize(
+    ("text", "line", "what"),
+    [
+        ("train:\n  lr: [1, 2\n", 3, "invalid YAML"),
+        ("train:\n\tlr: 1\n", 2, "invalid YAML"),
+        ("name: a\nname: b: c\n", 2, "invalid YAML"),
+        ("- 1\n- 2\n", None, "top level must be a mapping"),
+        ("train: 5\n", None, "train: expected a mapping"),
+    ],
+)
+def test_a_malformed_yaml_file_is_named_with_its_line(fake_run, capsys, tmp_path, text, line, what):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     code, err = _main(["--config", str(path)], capsys)
@@ -122,19 +127,39 @@ def test_a_malformed_yaml_file_is_named_with_its_line(fake_run, capsys, tmp_path
 def test_unreadable_and_missing_config_files(fake_run, capsys, tmp_path):
     binary = tmp_path / "bin.yaml"
     binary.write_bytes(b"\xff\xfe\x00garbage")
-    for path, what in [(binary, "cannot read"), (tmp_path, "is not a file"),
-                       (tmp_path / "none.yaml", "does not exist")]:
+    for path, what in [
+        (binary, "cannot read"),
+        (tmp_path, "is not a file"),
+        (tmp_path / "none.yaml", "does not exist"),
+    ]:
         code, err = _main(["--config", str(path)], capsys)
         assert code == 2 and what in _error_line(err), err
     assert fake_run == []
 
 
 def test_valid_values_of_every_type_are_accepted_and_converted(fake_run, capsys):
-    code, err = _main(["--tensorboard", "false", "--lr", "5e-5", "--set", "train.lr=5e-5",
-                       "--generation.stop", '["\\n", 7]', "--producer_gpus", "[1, '2,3']",
-                       "--engine.extra", "{swap_space: 1}", "--engine.max_num_seqs", "null",
-                       "--insecure", "--reward", "pipeline.tasks.rewards:exact_match@0.5"],
-                      capsys)
+    code, err = _main(
+        [
+            "--tensorboard",
+            "false",
+            "--lr",
+            "5e-5",
+            "--set",
+            "train.lr=5e-5",
+            "--generation.stop",
+            '["\\n", 7]',
+            "--producer_gpus",
+            "[1, '2,3']",
+            "--engine.extra",
+            "{swap_space: 1}",
+            "--engine.max_num_seqs",
+            "null",
+            "--insecure",
+            "--reward",
+            "pipeline.tasks.rewards:exact_match@0.5",
+        ],
+        capsys,
+    )
     assert code == 0, err
     (cfg,) = fake_run
     assert cfg.tensorboard is False and cfg.insecure is True
@@ -147,9 +172,9 @@ def test_valid_values_of_every_type_are_accepted_and_converted(fake_run, capsys)
 def test_types_are_enforced_from_python_too():
     from pipeline.config import ConfigError, LossConfig, TrainConfig
 
-    with pytest.raises(ConfigError, match=r"^batch_groups: expected an integer, got 2\.5$"):
+    with pytest.raises(ConfigError, match=r"^train\.batch_groups: expected an integer, got 2\.5"):
         TrainConfig(batch_groups=2.5)
-    with pytest.raises(ConfigError, match=r"^clip_eps_low: must be in \(0, 1\)"):
+    with pytest.raises(ConfigError, match=r"^train\.loss\.clip_eps_low: must be in \(0, 1\)"):
         LossConfig(clip_eps_low=2.0)
     assert LossConfig(kl_coef=1).kl_coef == 1.0  # an int for a float is converted
 
@@ -174,14 +199,38 @@ def test_help_lists_nested_options_with_their_docstrings(capsys):
 
 # ------------------------------------------------------------------------- property test
 
-_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-            | st.floats(allow_nan=True, allow_infinity=True)
-            | st.text(string.printable, max_size=12)
-            | st.sampled_from(["true", "no", "null", "5e-5", "1.5", "[1", "{a:", "0,1", "",
-                               "pipeline.tasks.rewards:exact_match", "~", "---", "a: b"]))
-_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3)
-                       | st.dictionaries(st.text(string.ascii_lowercase, max_size=6), inner,
-                                         max_size=3), max_leaves=6)
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(string.printable, max_size=12)
+    | st.sampled_from(
+        [
+            "true",
+            "no",
+            "null",
+            "5e-5",
+            "1.5",
+            "[1",
+            "{a:",
+            "0,1",
+            "",
+            "pipeline.tasks.rewards:exact_match",
+            "~",
+            "---",
+            "a: b",
+        ]
+    )
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(string.ascii_lowercase, max_size=6), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
 
 
 def _render(draw_value, how: str) -> str:
@@ -199,13 +248,19 @@ def _option_value(cfg: RunConfig, name: str):
     return node
 
 
-@settings(max_examples=400, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(option=st.sampled_from(OPTIONS), value=_values,
-       how=st.sampled_from(["set", "flag", "yaml", "file"]))
-def test_random_values_for_every_option_exit_2_or_build_a_sound_config(fake_run, capsys,
-                                                                       tmp_path_factory,
-                                                                       option, value, how):
+@settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    option=st.sampled_from(OPTIONS),
+    value=_values,
+    how=st.sampled_from(["set", "flag", "yaml", "file"]),
+)
+def test_random_values_for_every_option_exit_2_or_build_a_sound_config(
+    fake_run, capsys, tmp_path_factory, option, value, how
+):
     """Any value for any option either exits 2 with one line naming that option, or builds a
     config whose value has the option's type and which a child process rebuilds identically."""
     name, tp = option
@@ -250,8 +305,9 @@ def test_every_option_type_is_one_the_checker_knows():
         if origin is typing.Literal:
             return True
         if origin is not None:
-            return origin in (list, dict) or all(ok(a) for a in typing.get_args(tp)
-                                                  if a is not typing.Any)
+            return origin in (list, dict) or all(
+                ok(a) for a in typing.get_args(tp) if a is not typing.Any
+            )
         return tp in known or dataclasses.is_dataclass(tp)
 
     for name, tp in OPTIONS:
