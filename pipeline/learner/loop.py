@@ -44,6 +44,7 @@ from pipeline.learner.checkpoint import (
 )
 from pipeline.learner.metrics import MetricsLogger, plot_run
 from pipeline.learner.trainer import PolicyTrainer
+from pipeline.owner import owned_name
 from sync.packing import Layout, pack, plan_layout
 from sync.snapshot import SnapshotRef
 from sync.transfer import TransportChoiceError, choose_transport
@@ -73,7 +74,9 @@ def snapshot_dir(configured: str, run_dir: Path, run_key: str, need_bytes: int,
     if configured:
         return Path(configured)
     if shm.is_dir():
-        mine = shm / f"pipeline-grpo-{run_key}"  # a restarted learner reuses (and prunes) it
+        # Named with the launcher's owner tag: a learner it restarts reuses (and prunes) it,
+        # and a later run reclaims it should that launcher be killed (pipeline.launch.shm).
+        mine = shm / owned_name(run_key)
         free = shutil.disk_usage(shm).free + sum(
             f.stat().st_size for f in mine.rglob("*") if f.is_file())
         if free >= need_bytes:
