@@ -353,7 +353,7 @@ class Learner:
         while time.monotonic() < deadline:
             now = time.monotonic()
             alive = [i for i in self.producers.values() if now - i.last_seen < ALIVE_S]
-            if alive and all(i.version >= version for i in alive):
+            if all(i.version >= version for i in alive):  # none alive: nobody to wait for
                 break
             await asyncio.sleep(0.02)
         got = self.acks.pop(version, {})

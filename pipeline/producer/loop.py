@@ -440,7 +440,7 @@ class Producer:
         the learner is not up yet)."""
         hello = Hello(producer_id=self.producer_id, incarnation=self.incarnation,
                       policy_version=self.tracker.version, pid=os.getpid(),
-                      devices=self.devices, recovered=self.outbox.recovered)
+                      devices=self.devices, recovered=self.outbox.incarnations_recovered)
         waited = 0.0
         while True:
             answer = await self.endpoint.call(hello, CONTROL_TIMEOUT_S)

@@ -101,7 +101,7 @@ class Outbox:
         self._fh = self._path.open("ab")
 
     @property
-    def recovered(self) -> list[str]:
+    def incarnations_recovered(self) -> list[str]:
         """Incarnations of dead processes whose unconfirmed groups we resend."""
         return sorted(self._foreign)
 
