@@ -100,8 +100,13 @@ class ProducerRegistry:
         key = (producer_id, reason)
         if key not in self._logged:
             self._logged.add(key)
-            log.warning("rejected %s from producer %r: %s (further ones are only counted, "
-                        "as rejected/%s)", what, producer_id, reason, reason)
+            log.warning(
+                "rejected %s from producer %r: %s (further ones are only counted, as rejected/%s)",
+                what,
+                producer_id,
+                reason,
+                reason,
+            )
 
     def metrics(self) -> dict[str, float]:
         return {f"rejected/{k}": float(v) for k, v in sorted(self.rejected.items())}

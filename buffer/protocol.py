@@ -51,8 +51,9 @@ Stats = Annotated[dict[Name, Finite], Meta(max_length=1024)]
 Counts = Annotated[dict[Name, Count], Meta(max_length=65536)]
 
 
-class _Message(Struct, tag_field="kind", forbid_unknown_fields=True, omit_defaults=True,
-               kw_only=True):
+class _Message(
+    Struct, tag_field="kind", forbid_unknown_fields=True, omit_defaults=True, kw_only=True
+):
     """Base of every message: ``kind`` on the wire is the class's tag."""
 
 
@@ -224,8 +225,10 @@ def decode(frame: bytes, max_bytes: int = MAX_CONTROL_BYTES) -> tuple[int, Messa
             raise ProtocolError(f"frame of {len(frame)} bytes exceeds {max_bytes}")
         outer = _frame_decoder.decode(frame)
         if outer.protocol != PROTOCOL_VERSION:
-            raise ProtocolError(f"protocol version {outer.protocol} is not supported (this build "
-                                f"speaks {PROTOCOL_VERSION})")
+            raise ProtocolError(
+                f"protocol version {outer.protocol} is not supported (this build "
+                f"speaks {PROTOCOL_VERSION})"
+            )
         return outer.rid, _msg_decoder.decode(outer.msg)
     except ProtocolError:
         raise

@@ -18,8 +18,9 @@ from buffer.protocol import Hello
 
 
 def hello(pid: str = "p0", inc: str = "p0-a", recovered=()) -> Hello:
-    return Hello(producer_id=pid, incarnation=inc, policy_version=0, pid=1,
-                 recovered=list(recovered))
+    return Hello(
+        producer_id=pid, incarnation=inc, policy_version=0, pid=1, recovered=list(recovered)
+    )
 
 
 def group(pid: str = "p0", inc: str | None = "p0-a", seq: object = 0):
@@ -73,6 +74,5 @@ def test_rejections_are_counted_and_logged_once_per_producer_and_reason(caplog):
             reg.reject(UNKNOWN_PRODUCER, "evil", "Ack")
         reg.reject(NO_METADATA, "evil", "group")
         reg.reject(UNKNOWN_PRODUCER, "evil2", "Ack")
-    assert reg.metrics() == {f"rejected/{NO_METADATA}": 1.0,
-                             f"rejected/{UNKNOWN_PRODUCER}": 51.0}
+    assert reg.metrics() == {f"rejected/{NO_METADATA}": 1.0, f"rejected/{UNKNOWN_PRODUCER}": 51.0}
     assert len(caplog.records) == 3

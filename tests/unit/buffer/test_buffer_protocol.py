@@ -24,13 +24,23 @@ from buffer.protocol import (
 
 
 def hello(**kw) -> Hello:
-    return Hello(**{"producer_id": "p0", "incarnation": "p0-1-2", "policy_version": 0, "pid": 1,
-                    **kw})
+    return Hello(
+        **{"producer_id": "p0", "incarnation": "p0-1-2", "policy_version": 0, "pid": 1, **kw}
+    )
 
 
 def announce(**kw) -> Announce:
-    return Announce(**{"version": 1, "snapshot_uri": "u", "snapshot_checksum": "c",
-                       "learner_session": "s", "received": {}, "consumed": {}, **kw})
+    return Announce(
+        **{
+            "version": 1,
+            "snapshot_uri": "u",
+            "snapshot_checksum": "c",
+            "learner_session": "s",
+            "received": {},
+            "consumed": {},
+            **kw,
+        }
+    )
 
 
 def _raw(msg) -> dict:
@@ -45,21 +55,37 @@ def _frame(body: dict, protocol_version: int = PROTOCOL_VERSION, rid: int = 0) -
 MESSAGES = [
     hello(producer_id="p-ü"),
     hello(devices=["GPU-1", "GPU-2"], recovered=["p0-0-1"]),
-    Heartbeat(producer_id="p0", incarnation="i", policy_version=0,
-              stats={"tok_s": 12.5, "queued": 3.0}),
-    Ack(producer_id="p0", incarnation="i", version=4, ok=False, error="load failed",
-        timings={"load_s": 0.5}),
+    Heartbeat(
+        producer_id="p0", incarnation="i", policy_version=0, stats={"tok_s": 12.5, "queued": 3.0}
+    ),
+    Ack(
+        producer_id="p0",
+        incarnation="i",
+        version=4,
+        ok=False,
+        error="load failed",
+        timings={"load_s": 0.5},
+    ),
     Ack(producer_id="p0", incarnation="i", version=4, ok=True),
     SyncReady(producer_id="p0", incarnation="i", purpose="link", epoch=1),
     SyncReady(producer_id="p0", incarnation="i", purpose="weights", epoch=1, version=6),
     Welcome(producer_id="p0", incarnation="i", learner_session="s"),
     Reply(ok=False, reason="unknown_producer"),
     announce(received={"p0": 10}, consumed={"p0": 8}),
-    announce(routes={"p0": "nccl", "p1": "ipc"},
-             transfer={"layout": [["w", "bfloat16", [2, 3], 0]],
-                       "ipc": {"handle": b"\x00\xff", "event_handle": None, "nbytes": 12,
-                               "event_sync_required": True, "gpu_uuid": "GPU-1"},
-                       "nccl": {"p0": {"epoch": 2, "unique_id": bytes(128)}}}),
+    announce(
+        routes={"p0": "nccl", "p1": "ipc"},
+        transfer={
+            "layout": [["w", "bfloat16", [2, 3], 0]],
+            "ipc": {
+                "handle": b"\x00\xff",
+                "event_handle": None,
+                "nbytes": 12,
+                "event_sync_required": True,
+                "gpu_uuid": "GPU-1",
+            },
+            "nccl": {"p0": {"epoch": 2, "unique_id": bytes(128)}},
+        },
+    ),
     announce(finished=True),
 ]
 
@@ -88,10 +114,18 @@ def test_defaults_are_not_written():
         (hello(), "devices", ["GPU-1", 3], "at `$.devices[1]`"),
         (hello(), "gpus", [], "unknown field `gpus`"),
         (hello(), "kind", "pickle", "Invalid value 'pickle'"),
-        (Heartbeat(producer_id="p", incarnation="i", policy_version=0, stats={}), "stats",
-         {"x": math.inf}, "Expected `float` <="),
-        (Heartbeat(producer_id="p", incarnation="i", policy_version=0, stats={}), "stats",
-         {"x": math.nan}, "Expected `float`"),
+        (
+            Heartbeat(producer_id="p", incarnation="i", policy_version=0, stats={}),
+            "stats",
+            {"x": math.inf},
+            "Expected `float` <=",
+        ),
+        (
+            Heartbeat(producer_id="p", incarnation="i", policy_version=0, stats={}),
+            "stats",
+            {"x": math.nan},
+            "Expected `float`",
+        ),
         (announce(), "received", {"p": 1.5}, "Expected `int`, got `float`"),
         (announce(), "consumed", None, "Expected `object`, got `None`"),
         (announce(), "routes", {"p0": "carrier-pigeon"}, "Invalid enum value"),
@@ -99,10 +133,18 @@ def test_defaults_are_not_written():
         (announce(), "transfer", [1], "Expected `object`, got `array`"),
         (announce(), "transfer", {"d": [[[[[[[[[1]]]]]]]]]}, "nested deeper"),
         (announce(), "transfer", {"x": msgpack.ExtType(1, b"obj")}, "not plain msgpack data"),
-        (Ack(producer_id="p", incarnation="i", version=1, ok=True), "ok", 1,
-         "Expected `bool`, got `int`"),
-        (SyncReady(producer_id="p", incarnation="i", purpose="link", epoch=1), "purpose", "x",
-         "Invalid enum value 'x'"),
+        (
+            Ack(producer_id="p", incarnation="i", version=1, ok=True),
+            "ok",
+            1,
+            "Expected `bool`, got `int`",
+        ),
+        (
+            SyncReady(producer_id="p", incarnation="i", purpose="link", epoch=1),
+            "purpose",
+            "x",
+            "Invalid enum value 'x'",
+        ),
     ],
 )
 def test_invalid_messages_refused(msg, field, value, expected):
@@ -150,8 +192,7 @@ def test_encode_checks_the_declaration_at_the_sender():
     with pytest.raises(ValueError, match="invalid Hello"):
         encode(hello(policy_version=-1))
     with pytest.raises(ValueError, match="invalid Heartbeat"):
-        encode(Heartbeat(producer_id="p", incarnation="i", policy_version=0,
-                         stats={"x": math.nan}))
+        encode(Heartbeat(producer_id="p", incarnation="i", policy_version=0, stats={"x": math.nan}))
     with pytest.raises(ValueError, match="nested deeper"):
         announce(transfer={"d": [[[[[[[[[1]]]]]]]]]})  # checked when built
     with pytest.raises(TypeError):

@@ -23,18 +23,26 @@ from pipeline.learner.loop import Learner
 CAPACITY = 2
 
 
-def make_group(seq: int, incarnation: str | None = "p0-1", producer_id: str = "p0"
-               ) -> RolloutGroup:
+def make_group(seq: int, incarnation: str | None = "p0-1", producer_id: str = "p0") -> RolloutGroup:
     import numpy as np
 
     meta = {} if incarnation is None else {"incarnation": incarnation, "seq": seq}
     return RolloutGroup(
-        group_id=f"g{seq}", producer_id=producer_id, prompt_id=f"q{seq}",
+        group_id=f"g{seq}",
+        producer_id=producer_id,
+        prompt_id=f"q{seq}",
         prompt_token_ids=np.arange(4, dtype=np.int32),
-        completions=[Completion(token_ids=np.arange(3, dtype=np.int32),
-                                logprobs=np.full(3, -1.0, dtype=np.float32),
-                                version_segments=[(0, 0)], reward=1.0) for _ in range(2)],
-        metadata=meta)
+        completions=[
+            Completion(
+                token_ids=np.arange(3, dtype=np.int32),
+                logprobs=np.full(3, -1.0, dtype=np.float32),
+                version_segments=[(0, 0)],
+                reward=1.0,
+            )
+            for _ in range(2)
+        ],
+        metadata=meta,
+    )
 
 
 def hello(producer_id: str = "p0", incarnation: str = "p0-1") -> Hello:
@@ -64,11 +72,19 @@ class Running:
 @pytest.fixture(scope="module")
 def learner_factory(tiny_model):
     def make(tmp_path, **overrides) -> Learner:
-        cfg = load_config(overrides={
-            "run_dir": str(tmp_path), "model.path": str(tiny_model), "num_producers": 1,
-            "train.batch_groups": CAPACITY, "buffer_capacity": CAPACITY,
-            "generation.group_size": 2, **overrides})
+        cfg = load_config(
+            overrides={
+                "run_dir": str(tmp_path),
+                "model.path": str(tiny_model),
+                "num_producers": 1,
+                "train.batch_groups": CAPACITY,
+                "buffer_capacity": CAPACITY,
+                "generation.group_size": 2,
+                **overrides,
+            }
+        )
         return Learner(cfg, str(tiny_model))
+
     return make
 
 
@@ -98,9 +114,12 @@ def test_control_round_trip_within_100ms_while_the_buffer_is_full(learner_factor
                         blocked = True
                 assert len(learner.buffer) == CAPACITY and seq > CAPACITY
                 times = []
-                for msg in [SyncReady(producer_id="p0", incarnation="p0-1", purpose="weights",
-                                      epoch=1, version=1),
-                            Ack(producer_id="p0", incarnation="p0-1", version=1, ok=True)] * 5:
+                for msg in [
+                    SyncReady(
+                        producer_id="p0", incarnation="p0-1", purpose="weights", epoch=1, version=1
+                    ),
+                    Ack(producer_id="p0", incarnation="p0-1", version=1, ok=True),
+                ] * 5:
                     t0 = time.perf_counter()
                     assert await ep.call(msg, 5) == Reply(ok=True)
                     times.append(time.perf_counter() - t0)
@@ -163,8 +182,9 @@ def test_the_learner_never_waits_for_a_producer_it_has_not_seen_alive(learner_fa
     asyncio.run(main())
 
 
-def test_forged_negative_ack_is_refused_and_not_counted_as_a_sync_failure(learner_factory,
-                                                                            tmp_path, caplog):
+def test_forged_negative_ack_is_refused_and_not_counted_as_a_sync_failure(
+    learner_factory, tmp_path, caplog
+):
     learner = learner_factory(tmp_path)
 
     async def main():
@@ -173,10 +193,16 @@ def test_forged_negative_ack_is_refused_and_not_counted_as_a_sync_failure(learne
             forger = ProducerEndpoint(learner.cfg.bind_addr)
             try:
                 assert isinstance(await real.call(hello(), 5), Welcome)
-                bad = [Ack(producer_id="p0", incarnation="p0-forged", version=1, ok=False,
-                           error="forged"),  # the real id, a made-up incarnation
-                       Ack(producer_id="p1", incarnation="p1-1", version=1, ok=False,
-                           error="forged")]  # an id that never said Hello
+                bad = [
+                    Ack(
+                        producer_id="p0",
+                        incarnation="p0-forged",
+                        version=1,
+                        ok=False,
+                        error="forged",
+                    ),  # the real id, a made-up incarnation
+                    Ack(producer_id="p1", incarnation="p1-1", version=1, ok=False, error="forged"),
+                ]  # an id that never said Hello
                 with caplog.at_level(logging.ERROR, logger="pipeline.learner.loop"):
                     for msg in bad:
                         answer = await forger.call(msg, 5)
@@ -186,14 +212,17 @@ def test_forged_negative_ack_is_refused_and_not_counted_as_a_sync_failure(learne
                 forger.close()
         assert "sync_failures" not in learner.counters and not learner.acks
         assert not [r for r in caplog.records if "failed to sync" in r.getMessage()]
-        assert learner.registry.metrics() == {"rejected/stale_incarnation": 1.0,
-                                              "rejected/unknown_producer": 1.0}
+        assert learner.registry.metrics() == {
+            "rejected/stale_incarnation": 1.0,
+            "rejected/unknown_producer": 1.0,
+        }
 
     asyncio.run(main())
 
 
 def test_groups_without_metadata_or_identity_and_control_frames_on_data_are_rejected(
-        learner_factory, tmp_path):
+    learner_factory, tmp_path
+):
     learner = learner_factory(tmp_path, buffer_capacity=8)
 
     async def main():
@@ -208,22 +237,33 @@ def test_groups_without_metadata_or_identity_and_control_frames_on_data_are_reje
                 await ep.send(make_group(1, incarnation=None))  # no incarnation/seq
                 await ep.send(make_group(2, incarnation="p0-other"))
                 await ep.send(make_group(3, producer_id="p1", incarnation="p1-1"))
-                announce = protocol.Announce(version=9, snapshot_uri="file:///evil",
-                                             snapshot_checksum="x", learner_session="s",
-                                             received={}, consumed={})
+                announce = protocol.Announce(
+                    version=9,
+                    snapshot_uri="file:///evil",
+                    snapshot_checksum="x",
+                    learner_session="s",
+                    received={},
+                    consumed={},
+                )
                 await raw.send(protocol.encode(announce))
                 await raw.send(msgpack.packb({"schema": 1, "kind": "announce", "body": {}}))
                 await ep.send(make_group(4))  # the one good group
-                await _wait(lambda: learner.buffer.stats.received == 1
-                            and learner.buffer.stats.rejected == 6)
+                await _wait(
+                    lambda: (
+                        learner.buffer.stats.received == 1 and learner.buffer.stats.rejected == 6
+                    )
+                )
             finally:
                 raw.close(linger=0)
                 ctx.term()
                 ep.close()
         assert [g.group_id for g in await learner.buffer.get_batch(1, 0, timeout=1)] == ["g4"]
         assert learner.registry.metrics() == {
-            "rejected/no_metadata": 1.0, "rejected/not_a_group": 2.0,
-            "rejected/unknown_incarnation": 1.0, "rejected/unknown_producer": 2.0}
+            "rejected/no_metadata": 1.0,
+            "rejected/not_a_group": 2.0,
+            "rejected/unknown_incarnation": 1.0,
+            "rejected/unknown_producer": 2.0,
+        }
         assert learner.state.received == {"p0": 1}
 
     asyncio.run(main())

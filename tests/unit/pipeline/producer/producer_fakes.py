@@ -14,8 +14,9 @@ class RecordingEndpoint:
     async def call(self, msg, timeout: float):
         self.sent.append(msg)
         if isinstance(msg, Hello):
-            return Welcome(producer_id=msg.producer_id, incarnation=msg.incarnation,
-                           learner_session="s")
+            return Welcome(
+                producer_id=msg.producer_id, incarnation=msg.incarnation, learner_session="s"
+            )
         return Reply(ok=True)
 
     async def send(self, group, timeout: float | None = None) -> None:
