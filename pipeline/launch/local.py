@@ -34,7 +34,15 @@ from pipeline.config import (
     producer_gpu_env,
     to_dict,
 )
-from pipeline.launch.shm import forget_tracked, list_segments, reclaim_orphans
+from pipeline.launch.shm import (
+    forget_record,
+    forget_tracked,
+    list_segments,
+    reclaim_dead_owners,
+    reclaim_orphans,
+    record_segments,
+)
+from pipeline.owner import OWNER_ENV, owner_tag
 from pipeline.procs import run_with_sigterm, setup_logging, wait_group_gone
 
 log = logging.getLogger("pipeline")
@@ -43,15 +51,16 @@ log = logging.getLogger("pipeline")
 def prepare(cfg: RunConfig, role: str = "all") -> str:
     """Fail fast, before any process starts: model, data and rewards must all resolve."""
     from pipeline.models import resolve_model
-    from pipeline.producer.data import load_records
+    from pipeline.producer.data import check_data
     from pipeline.producer.rewards import validate_specs
 
     try:
         model_path = str(resolve_model(cfg.model.path, Path(cfg.model.cache_dir)))
     except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
-    if not load_records(cfg.data.path):
-        raise ConfigError(f"data.path: {cfg.data.path} holds no records")
+    check_data(cfg.data, model_path)
+    if role in ("all", "producer"):
+        check_installed_vllm(cfg.engine.allow_untested_vllm)
     try:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
@@ -66,6 +75,26 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
         except ValueError as e:
             raise ConfigError(f"addr: {e}") from None
     return model_path
+
+
+def check_installed_vllm(allow_untested: bool) -> None:
+    """Refuse a vLLM known to break, or an untested one without the flag, before any engine
+    starts (one line, exit 2); warn once for an allowed untested one."""
+    from pipeline.producer.vllm_version import (
+        VllmVersionError,
+        check_vllm_version,
+        installed_vllm_version,
+    )
+
+    version = installed_vllm_version()
+    if version is None:
+        return  # the producer reports a missing vLLM itself
+    try:
+        warning = check_vllm_version(version, allow_untested)
+    except VllmVersionError as e:
+        raise ConfigError(f"engine.allow_untested_vllm: {e}") from None
+    if warning:
+        log.warning("%s", warning)
 
 
 def set_aside_previous_run(run_dir: Path) -> Path | None:
@@ -229,7 +258,13 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         max_producer_restarts: int = 0, max_learner_restarts: int = 0) -> int:
     """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
     model_path = prepare(cfg, role)
+    # Children inherit this launcher's owner tag: what they leave in /dev/shm names it, so a
+    # later run reclaims it should this launcher be killed (pipeline.launch.shm).
+    os.environ[OWNER_ENV] = owner_tag()
+    reclaim_dead_owners()
     shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
+    recorded: set[str] | None = None
+    next_record = 0.0
     run_dir = Path(cfg.run_dir)
     if not resume and role in ("all", "learner"):
         set_aside_previous_run(run_dir)
@@ -305,6 +340,9 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
                     code = 1
                     raise SystemExit(code)
+            if time.monotonic() >= next_record:
+                recorded = record_segments(shm_before, known=recorded)
+                next_record = time.monotonic() + 5.0
             time.sleep(0.5)
     except (KeyboardInterrupt, SystemExit):
         code = code or 130
@@ -317,4 +355,5 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
             _stop(p, signal.SIGTERM)
         _reap(procs, grace_s=20.0)
         forget_tracked(reclaim_orphans(shm_before))
+        forget_record()
     return code
