@@ -471,13 +471,6 @@ class RunConfig:
                                                          self.train.max_staleness)
         _check(self.buffer_capacity >= self.train.batch_groups, "buffer_capacity",
                "must hold at least one batch")
-        budget = admission_budget(self.train.batch_groups, self.train.max_staleness)
-        if self.buffer_capacity < budget:
-            # The learner stops reading its socket while the buffer is full, and producers'
-            # acks and NCCL handshakes share that socket with their groups.
-            log.warning("buffer_capacity %d is below the admission budget (%d groups): the "
-                        "buffer can fill, and producers' sync messages then wait behind their "
-                        "groups; %d or more avoids that", self.buffer_capacity, budget, budget)
 
     @property
     def bind_addr(self) -> str:
