@@ -61,6 +61,12 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     check_data(cfg.data, model_path)
     if role in ("all", "producer"):
         check_installed_vllm(cfg.engine.allow_untested_vllm)
+        from pipeline.producer.engine import EngineSetupError, check_extra
+
+        try:
+            check_extra(cfg.engine.extra)
+        except EngineSetupError as e:
+            raise ConfigError(str(e)) from None
     try:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
