@@ -37,6 +37,7 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
 
 
 _OFF_POLICY_MODES = ("decoupled", "ppo")
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 _GPU_LIST = re.compile(r"\d+(,\d+)*")
 _AGG_MODES = ("token_mean", "seq_mean")
 
@@ -428,7 +429,11 @@ class RunConfig:
     learner_gpus: str = opt("", "CUDA_VISIBLE_DEVICES of the learner (all ranks), e.g. '0'; "
                                 "the same GPU as a producer = colocated ('' inherits)")
     progress: bool = opt(True, "print a progress line per step")
-    tensorboard: bool = opt(True, "write TensorBoard scalars to run_dir/tb")
+    report_to: list = opt(["tensorboard"], "experiment trackers, TRL's convention: any of "
+                                           "tensorboard (run_dir/tensorboard), wandb, trackio, "
+                                           "mlflow (each an optional package, imported only "
+                                           "when named; [] for none)")
+    tensorboard: bool = opt(True, "false takes tensorboard out of report_to")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "model"})
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "engine"})
     generation: GenerationConfig = field(default_factory=GenerationConfig,
@@ -444,6 +449,14 @@ class RunConfig:
             if isinstance(v, dict) and _is_dataclass_type(f.type):
                 setattr(self, f.name, _build(_resolve(f.type), v, f.name))
         _check(self.num_producers >= 1, "num_producers", "must be >= 1")
+        if isinstance(self.report_to, str):  # `--report_to wandb`, or TRL's "none"/"all"
+            self.report_to = {"none": [], "all": list(TRACKERS)}.get(
+                self.report_to, [t.strip() for t in self.report_to.split(",") if t.strip()])
+        _check(isinstance(self.report_to, list) and all(t in TRACKERS for t in self.report_to),
+               "report_to", f"must be a list of {', '.join(TRACKERS)} (got {self.report_to!r})")
+        self.report_to = list(dict.fromkeys(self.report_to))  # each tracker once
+        if not self.tensorboard and "tensorboard" in self.report_to:
+            self.report_to.remove("tensorboard")
         if not self.run_dir:
             self.run_dir = str(Path("runs") / self.name)
         _check(self.buffer_order in ("fifo", "freshest"), "buffer_order", "must be fifo|freshest")
