@@ -49,7 +49,7 @@ def reward_len(completion_ids, **kwargs):
 """
 
 
-def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path):
+def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -156,6 +156,7 @@ def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path):
     if "mlflow" in trackers:
         import mlflow
 
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reading a file store
         client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
         (run,) = client.search_runs([client.get_experiment_by_name("pipeline-grpo").experiment_id])
         assert run.info.run_name == "trl-e2e" and run.data.params["train.steps"] == "2"
