@@ -34,7 +34,15 @@ from pipeline.config import (
     producer_gpu_env,
     to_dict,
 )
-from pipeline.launch.shm import forget_tracked, list_segments, reclaim_orphans
+from pipeline.launch.shm import (
+    forget_record,
+    forget_tracked,
+    list_segments,
+    reclaim_dead_owners,
+    reclaim_orphans,
+    record_segments,
+)
+from pipeline.owner import OWNER_ENV, owner_tag
 from pipeline.procs import run_with_sigterm, setup_logging, wait_group_gone
 
 log = logging.getLogger("pipeline")
@@ -53,6 +61,14 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     check_data(cfg.data, model_path)
     if role in ("all", "producer"):
         check_installed_vllm(cfg.engine.allow_untested_vllm)
+        from pipeline.producer.engine import EngineSetupError, check_extra
+
+        try:
+            check_extra(cfg.engine.extra)
+        except EngineSetupError as e:
+            raise ConfigError(str(e)) from None
+    if role in ("all", "learner"):
+        check_trackers(cfg.report_to)
     try:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
@@ -87,6 +103,16 @@ def check_installed_vllm(allow_untested: bool) -> None:
         raise ConfigError(f"engine.allow_untested_vllm: {e}") from None
     if warning:
         log.warning("%s", warning)
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Every tracker named in report_to is installed (checked without importing it)."""
+    from pipeline.learner import trackers
+
+    missing = trackers.missing_packages(report_to)
+    if missing:
+        raise ConfigError(f"report_to: {', '.join(missing)} named but not installed "
+                          f"(pip install {' '.join(missing)}, or pip install -e .[trackers])")
 
 
 def set_aside_previous_run(run_dir: Path) -> Path | None:
@@ -250,7 +276,13 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         max_producer_restarts: int = 0, max_learner_restarts: int = 0) -> int:
     """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
     model_path = prepare(cfg, role)
+    # Children inherit this launcher's owner tag: what they leave in /dev/shm names it, so a
+    # later run reclaims it should this launcher be killed (pipeline.launch.shm).
+    os.environ[OWNER_ENV] = owner_tag()
+    reclaim_dead_owners()
     shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
+    recorded: set[str] | None = None
+    next_record = 0.0
     run_dir = Path(cfg.run_dir)
     if not resume and role in ("all", "learner"):
         set_aside_previous_run(run_dir)
@@ -326,6 +358,9 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
                     code = 1
                     raise SystemExit(code)
+            if time.monotonic() >= next_record:
+                recorded = record_segments(shm_before, known=recorded)
+                next_record = time.monotonic() + 5.0
             time.sleep(0.5)
     except (KeyboardInterrupt, SystemExit):
         code = code or 130
@@ -338,4 +373,5 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
             _stop(p, signal.SIGTERM)
         _reap(procs, grace_s=20.0)
         forget_tracked(reclaim_orphans(shm_before))
+        forget_record()
     return code
