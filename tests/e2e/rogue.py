@@ -26,8 +26,9 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from buffer import protocol
 from buffer.checks import REASONS
-from buffer.schema import Announce, Completion, RolloutGroup, decode, encode
+from buffer.schema import Completion, RolloutGroup, encode
 from buffer.transport import derive_pub_addr
 
 SEQ_BASE = 10**9  # far above the seqs of the real p0
@@ -98,8 +99,8 @@ async def main(a: argparse.Namespace) -> dict:
                 raise SystemExit(f"rogue: no announce of version >= {a.min_version} with p0's "
                                  f"incarnation within {a.wait_s}s")
             if await sub.poll(1000):
-                ann = decode(await sub.recv())
-                if isinstance(ann, Announce):
+                _rid, ann = protocol.decode(await sub.recv(), 64 << 20)
+                if isinstance(ann, protocol.Announce):
                     version = ann.version
                     incarnation = next((k for k in ann.accepted if k.startswith("p0-")), None)
         reasons = [r for r in REASONS if r != "version_behind" or version > a.window]

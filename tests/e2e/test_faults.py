@@ -244,7 +244,10 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
     run_dir = tmp_path / "rogue"
     steps, count = 20, 3000
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    la = Launcher(tiny_model, run_dir, "--mode", "sync", "--steps", str(steps))
+    # Admissions throttled to one group per producer every 2 s: a step takes about 2 s, so the
+    # run outlasts the flood even when a busy machine starves the learner's event loop.
+    la = Launcher(tiny_model, run_dir, "--mode", "sync", "--steps", str(steps),
+                  "--generation.admit_rate_per_s", "0.5")
     out = tmp_path / "rogue.json"
     rogue = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "e2e" / "rogue.py"),
