@@ -254,14 +254,16 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
          "--addr", f"ipc://{run_dir.resolve()}/learner.sock", "--count", str(count),
          "--out", str(out), "--group-size", "4", "--vocab", str(vocab), "--max-tokens", "8",
          "--max-model-len", "256", "--window", "2", "--min-version", "3"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
     try:
-        _, err = rogue.communicate(timeout=400)
-        assert rogue.returncode == 0, err
-        # Every rogue group has reached the learner's socket; it counts them long before the
-        # last step (the rogue starts at version 3 of 20), which the checkpoint checks below.
+        la.wait_for(lambda: out.exists() or rogue.poll() is not None, 400, "the rogue's flood")
+        # The rogue stays connected until the learner has counted its groups (libzmq drops
+        # what a disconnected sender left in the receive queue), long before the last step.
         la.wait_for(lambda: _metrics(run_dir)[-1].get("rejected_groups", 0) >= count, 400,
                     "every rogue group to be counted")
+        _, err = rogue.communicate(timeout=60)  # closes its stdin: it disconnects and exits
+        assert rogue.returncode == 0, err
         code = la.wait(400)
     finally:
         if rogue.poll() is None:
