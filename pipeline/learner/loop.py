@@ -41,7 +41,7 @@ from pipeline.learner.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from pipeline.learner.metrics import MetricsLogger, plot_run
+from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
 from pipeline.learner.trainer import PolicyTrainer
 from sync.packing import Layout, pack, plan_layout
 from sync.snapshot import SnapshotRef
@@ -57,7 +57,8 @@ class ProducerInfo:
     pid: int = 0
     version: int = 0
     last_seen: float = field(default_factory=time.monotonic)
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
+    carried: dict[str, float] = field(default_factory=dict)  # its earlier processes' counters
     devices: list[str] = field(default_factory=list)  # GPU UUID per vLLM worker ([] = CPU)
     route: str = "file"  # weight transport for this producer (sync.transfer)
 
@@ -139,8 +140,10 @@ class Learner:
             info.last_seen = time.monotonic()
             info.version = msg.policy_version
             if isinstance(msg, Hello):
-                if info.pid and info.pid != msg.pid and self.publisher is not None:
-                    self.publisher.forget(msg.producer_id)  # restarted: its link died with it
+                if info.pid and info.pid != msg.pid:  # restarted: its counters start at 0
+                    info.carried, info.stats = carry_counters(info.carried, info.stats), {}
+                    if self.publisher is not None:
+                        self.publisher.forget(msg.producer_id)  # its link died with it
                 info.pid = msg.pid
                 info.devices = list(msg.devices)
                 info.route = self._route(msg.producer_id, info.devices)
@@ -366,8 +369,7 @@ class Learner:
                 "rejected_frames": float(bs.rejected), "received": float(bs.received),
                 "producers_alive": float(sum(1 for i in self.producers.values()
                                              if now - i.last_seen < ALIVE_S)),
-                "gen_tokens_per_s": sum(i.stats.get("tokens_per_s", 0.0)
-                                        for i in self.producers.values()),
+                **self._producer_metrics(),
                 **{k: float(v) for k, v in self.counters.items()},
                 "snapshot_files_skipped": float(self.writer.skipped),
                 **{f"engine_{k}": sum(i.stats.get(k, 0.0) for i in self.producers.values())
@@ -383,6 +385,14 @@ class Learner:
             if ce and st.step % ce == 0 and st.step < t.steps:
                 await self.checkpoint()
         await self.writer.flush()  # a failed write raises here, not silently
+
+    def _producer_metrics(self) -> dict[str, float]:
+        """Every producer counter (from heartbeats, restarts carried over), per producer and
+        summed; ``gen_tokens_per_s``: the producers' tokens per second of generation."""
+        m = producer_metrics({p: {**i.stats, **carry_counters(i.carried, i.stats)}
+                              for p, i in self.producers.items()})
+        m["gen_tokens_per_s"] = m.pop("producer/gen_tokens_per_s", 0.0)
+        return m
 
     def _take_sync(self) -> dict[str, float]:
         """Sync timings that arrived since the last step's row, each reported once: repeating a

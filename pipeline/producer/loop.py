@@ -23,7 +23,6 @@ import math
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
+from pipeline.producer.stats import ProducerStats
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.snapshot import SnapshotRef
 from sync.transfer import (
@@ -53,30 +53,6 @@ log = logging.getLogger(__name__)
 
 class LearnerFinished(Exception):
     """The learner announced its end (all steps trained): the producer's run is over."""
-
-
-@dataclass
-class ProducerStats:
-    groups_started: int = 0
-    groups_sent: int = 0
-    groups_dropped_reward: int = 0
-    prompts_skipped_too_long: int = 0
-    completions_resubmitted: int = 0
-    groups_resent: int = 0
-    retention_overflow: int = 0
-    tokens: int = 0
-    swaps: int = 0
-    swap_failures: int = 0
-    transport_fallbacks: int = 0
-    sleeps: int = 0
-    sleep_s: float = 0.0     # seconds spent putting the engine to sleep (engine.sleep_when_idle)
-    wake_s: float = 0.0      # and waking it up again
-    started_at: float = field(default_factory=time.monotonic)
-
-    def to_dict(self) -> dict[str, float]:
-        d = {k: float(v) for k, v in self.__dict__.items() if k != "started_at"}
-        d["tokens_per_s"] = self.tokens / max(time.monotonic() - self.started_at, 1e-9)
-        return d
 
 
 class Producer:
@@ -264,6 +240,7 @@ class Producer:
             # weights is never reused for a request admitted after a swap.
             prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
             finish = ""
+            self.stats.busy.enter()
             try:
                 async for out in self.engine.generate(prompt, sp, request_id):
                     c = out.outputs[0]
@@ -281,6 +258,7 @@ class Producer:
                         finish = c.finish_reason or ""
             finally:
                 self.tracker.finish(request_id)
+                self.stats.busy.exit()
             if finish == "abort" and attempt < 100:
                 # Aborted by a swap (abort mode, or not yet started at a drain_prefill swap):
                 # regenerate from scratch under the new weights and their cache salt.
@@ -425,11 +403,16 @@ class Producer:
         await self.endpoint.send(SyncReady(producer_id=self.producer_id, purpose=purpose,
                                            epoch=epoch, version=version))
 
+    def heartbeat_stats(self) -> dict[str, float]:
+        """Every counter of this process (``pipeline.producer.stats`` and the rewards'
+        ``reward/<name>/<kind>``): the learner logs them to metrics.jsonl and TensorBoard."""
+        return {**self.stats.to_dict(), **{k: float(v) for k, v in self.rewards.stats.items()}}
+
     async def _heartbeat(self) -> None:
         while True:
             await self.endpoint.send(Heartbeat(producer_id=self.producer_id,
                                                policy_version=self.tracker.version,
-                                               stats=self.stats.to_dict()))
+                                               stats=self.heartbeat_stats()))
             await asyncio.sleep(2.0)
 
     async def _watch(self) -> None:
