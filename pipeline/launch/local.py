@@ -34,8 +34,16 @@ from pipeline.config import (
     producer_gpu_env,
     to_dict,
 )
+from pipeline.launch.console import LogFollower, log_to_run_dir
 from pipeline.launch.shm import forget_tracked, list_segments, reclaim_orphans
-from pipeline.procs import run_with_sigterm, setup_logging, wait_group_gone
+from pipeline.procs import (
+    LOGS_DIR,
+    log_file,
+    run_with_sigterm,
+    setup_logging,
+    to_log_file,
+    wait_group_gone,
+)
 
 log = logging.getLogger("pipeline")
 
@@ -96,16 +104,17 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child_setup() -> None:
+def _child_setup(cfg_dict: dict, process: str) -> None:
     os.setpgrp()  # own process group: killpg stops vLLM's children with us
     _die_with_parent()
+    to_log_file(log_file(cfg_dict["run_dir"], process))  # the launcher shows what is for us
     setup_logging()
     # Children ignore the terminal's Ctrl-C; the launcher decides who stops and in which order.
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
-    _child_setup()
+    _child_setup(cfg_dict, "learner")
     # Pinned before the config is built: nothing may initialise CUDA before this.
     os.environ.update(learner_gpu_env(cfg_dict.get("learner_gpus", "")))
     cfg = load_config(overrides=flatten(cfg_dict))
@@ -161,8 +170,12 @@ class LaunchedLearner:
         cmd = self.cmd + (["--main_process_port", str(free_port())] if self.own_port else [])
         cmd += self.args
         log.info("learner: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, preexec_fn=_popen_setup,
-                                     env=os.environ | learner_gpu_env(self.cfg.learner_gpus))
+        path = log_file(self.cfg.run_dir, "learner")  # every rank's output, as learner_entry's
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as out:
+            self.proc = subprocess.Popen(cmd, preexec_fn=_popen_setup, stdout=out,
+                                         stderr=subprocess.STDOUT,
+                                         env=os.environ | learner_gpu_env(self.cfg.learner_gpus))
 
     @property
     def pid(self) -> int | None:
@@ -195,7 +208,7 @@ def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, res
 
 def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False
                    ) -> None:
-    _child_setup()
+    _child_setup(cfg_dict, f"producer-{index}")
     # Pinned before the config is built: nothing may initialise CUDA before this.
     os.environ.update(producer_gpu_env(cfg_dict.get("producer_gpus", []), index))
     cfg = load_config(overrides=flatten(cfg_dict))
@@ -226,14 +239,21 @@ def _reap(procs: list[mp.Process], grace_s: float) -> None:
 
 
 def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_index: int = 0,
-        max_producer_restarts: int = 0, max_learner_restarts: int = 0) -> int:
-    """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
+        max_producer_restarts: int = 0, max_learner_restarts: int = 0,
+        verbose: bool = False) -> int:
+    """Run ``role`` (all | learner | producer) to completion; returns an exit code.
+
+    Each process writes its output to ``run_dir/logs/<process>.log``; the console shows the
+    progress lines, the summary, warnings and errors (``verbose``: every line of every process).
+    """
     model_path = prepare(cfg, role)
     shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
     run_dir = Path(cfg.run_dir)
     if not resume and role in ("all", "learner"):
         set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    file_log = log_to_run_dir(run_dir)
+    follower = LogFollower(run_dir / LOGS_DIR, verbose=verbose)  # before any child writes
     if not resume:
         # A fresh run must not resend the outbox of an earlier run in the same run_dir.
         for stale in (run_dir / "producers").glob("*.wal"):
@@ -257,6 +277,9 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for p in procs:
         p.start()
+    names = (["learner"] if learner else []) + [f"producer-{i}" for i in producers]
+    print(f"pipeline-train: started {', '.join(names)}; their logs: {run_dir / LOGS_DIR}/"
+          f" (--verbose shows them here)", flush=True)
     restarts = 0
     learner_restarts = 0
     code = 0
@@ -305,6 +328,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
                     code = 1
                     raise SystemExit(code)
+            follower.pump()
             time.sleep(0.5)
     except (KeyboardInterrupt, SystemExit):
         code = code or 130
@@ -317,4 +341,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
             _stop(p, signal.SIGTERM)
         _reap(procs, grace_s=20.0)
         forget_tracked(reclaim_orphans(shm_before))
+        follower.pump(final=True)
+        logging.getLogger().removeHandler(file_log)
+        file_log.close()
     return code

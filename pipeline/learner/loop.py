@@ -43,6 +43,7 @@ from pipeline.learner.checkpoint import (
 )
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
 from pipeline.learner.trainer import PolicyTrainer
+from pipeline.procs import LOGS_DIR, ConsoleStream
 from sync.packing import Layout, pack, plan_layout
 from sync.snapshot import SnapshotRef
 from sync.transfer import TransportChoiceError, choose_transport
@@ -118,7 +119,8 @@ class Learner:
         self.last_sync: dict[str, float] = {}
         self.endpoint: LearnerEndpoint | None = None
         self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard,
-                                     progress=cfg.progress, total_steps=cfg.train.steps)
+                                     progress=cfg.progress, total_steps=cfg.train.steps,
+                                     stream=ConsoleStream())
         self.counters = dict(self.state.counters)
         self.ledger = GroupLedger.from_dict(self.state.ledger)
         self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
@@ -466,6 +468,6 @@ class Learner:
         k = max(1, min(5, len(rows) // 4))
         first = sum(r["reward_mean"] for r in rows[:k]) / k
         last = sum(r["reward_mean"] for r in rows[-k:]) / k
-        print(f"\nreward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
+        print(f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
               f"({len(rows)} steps, {rows[-1]['time'] / 60:.1f} min)\nplot: {png}\n"
-              f"metrics: {path}", flush=True)
+              f"metrics: {path}\nlogs: {self.run_dir / LOGS_DIR}", file=ConsoleStream())

@@ -100,6 +100,7 @@ class Producer:
         self._group_tasks: set[asyncio.Task] = set()
         self._engine_lock = asyncio.Lock()  # sleep, wake and swap never interleave
         self._asleep = False
+        self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
 
     # ------------------------------------------------------------------ admission
     def outstanding(self) -> int:
@@ -199,6 +200,7 @@ class Producer:
             self._log_sent({"dropped_by_reward": group_id, "prompt_id": record.prompt_id})
             log.warning("group for prompt %s dropped: a reward failed (on_failure=drop)",
                         record.prompt_id)
+            self._counted.set()
             return
         comps = []
         for (comp, _text), total, breakdown in zip(completions, result.total, result.breakdown,
@@ -219,6 +221,7 @@ class Producer:
         await self.endpoint.send(group)
         self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
         self.stats.groups_sent += 1
+        self._counted.set()
 
     def _log_sent(self, record: dict[str, Any]) -> None:
         """One line per group handed to the transport: the producer side of the soak's
@@ -410,10 +413,14 @@ class Producer:
 
     async def _heartbeat(self) -> None:
         while True:
+            # Also right after a group: the learner's metrics row for the step that trains it
+            # then carries the counters that include it (reward failures of that group).
+            self._counted.clear()
             await self.endpoint.send(Heartbeat(producer_id=self.producer_id,
                                                policy_version=self.tracker.version,
                                                stats=self.heartbeat_stats()))
-            await asyncio.sleep(2.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._counted.wait(), 2.0)
 
     async def _watch(self) -> None:
         while True:
