@@ -47,6 +47,7 @@ def _check(cond: bool, option: str, msg: str) -> None:
 
 
 Executor = Literal["inline", "thread", "process"]
+RewardStyle = Literal["auto", "native", "trl"]
 
 
 @dataclass
@@ -73,6 +74,12 @@ class RewardSpec:
     """Upper bound on this reward's concurrent calls (None: unbounded)."""
     rate_per_s: float | None = None
     """Upper bound on this reward's call starts per second, for remote (HTTP) rewards."""
+    style: RewardStyle = "auto"
+    """Calling convention. native: ``r(prompt, completion, **meta)`` (or the batched form);
+    trl: TRL GRPOTrainer's ``f(completions, **kwargs) -> list[float | None]``, one call per
+    group with ``prompts``, ``completion_ids`` and the dataset's columns as lists; auto: trl
+    when the signature names ``completions``/``completion_ids`` and not ``completion``/``metas``
+    (and ``batched`` is not set), else native."""
 
     def __post_init__(self) -> None:
         if isinstance(self.fn, str) and ":" not in self.fn:
@@ -93,6 +100,11 @@ class RewardSpec:
             raise ValueError(f"reward rate_per_s must be > 0, got {self.rate_per_s}")
         if not isinstance(self.kwargs, dict):
             raise ValueError(f"reward kwargs must be a mapping, got {self.kwargs!r}")
+        if self.style not in ("auto", "native", "trl"):
+            raise ValueError(f"reward style must be auto, native or trl, got {self.style!r}")
+        if self.style == "trl" and self.batched:
+            raise ValueError("reward style trl is already one call per group; leave batched "
+                             "unset")
 
 
 
@@ -179,6 +191,9 @@ class EngineConfig:
                                        "while it waits for the next version, so a colocated "
                                        "learner trains with that GPU memory")
     extra: dict = opt({}, "any other AsyncEngineArgs, passed through verbatim")
+    allow_untested_vllm: bool = opt(False, "run a vLLM version this project is not tested on "
+                                           "(tested: 0.25.1 GPU, 0.32.0 CPU) with one warning; "
+                                           "versions known to break are refused regardless")
 
     def __post_init__(self) -> None:
         _check(self.max_model_len >= 16, "engine.max_model_len", "must be >= 16")
@@ -214,21 +229,42 @@ class GenerationConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt("arithmetic:2000", "prompts: a JSONL file, a `datasets` dir saved to disk, "
-                                       "or 'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
-    prompt_key: str = opt("prompt", "record field holding the prompt text")
-    id_key: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
-    chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
-    system_prompt: str | None = opt(None, "system message when chat_template is on")
+    path: str = opt("arithmetic:2000", "prompts: a .jsonl/.json, .parquet or .csv file, a "
+                                       "`datasets` dir saved with save_to_disk, or "
+                                       "'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
+    prompt_field: str = opt("prompt", "record field holding the prompt: a string, or a list of "
+                                      "{role, content} messages (conversational)")
+    answer_field: str | None = opt(None, "record field holding the reference answer, given to "
+                                         "rewards as `answer` (None: the field `answer`, if any)")
+    id_field: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
+    chat_template: Literal["auto", "none"] = opt(
+        "auto", "auto: render prompts with the tokenizer's chat template when it has one (plain "
+                "prompts as one user message); none: plain prompts tokenized as they are "
+                "(conversational prompts need a chat template)")
+    system_prompt: str | None = opt(None, "system message put first when prompts go through "
+                                          "the chat template (unless a prompt has its own)")
     max_prompt_tokens: int = opt(512, "prompts longer than this are skipped (counted)")
     seed: int = opt(0, "shuffle seed; -1 keeps file order")
+
+    def __post_init__(self) -> None:
+        # YAML and the CLI may spell the switch as a boolean.
+        if isinstance(self.chat_template, bool) or self.chat_template in ("true", "false"):
+            self.chat_template = "auto" if self.chat_template in (True, "true") else "none"
+        _check(self.chat_template in ("auto", "none"), "data.chat_template",
+               f"must be auto or none, got {self.chat_template!r}")
+        for name in ("prompt_field", "id_field"):
+            _check(isinstance(getattr(self, name), str) and bool(getattr(self, name)),
+                   f"data.{name}", "must be a non-empty field name")
+        _check(self.answer_field is None or (isinstance(self.answer_field, str)
+                                             and bool(self.answer_field)),
+               "data.answer_field", "must be a field name (or None)")
 
 
 @dataclass
 class RewardsConfig:
     specs: list = opt([{"fn": "pipeline.tasks.rewards:exact_match"}],
                       "list of reward specs {fn, weight, name, kwargs, batched, timeout_s, "
-                      "executor, max_concurrency, rate_per_s}")
+                      "executor, max_concurrency, rate_per_s, style}")
     on_failure: Literal["zero", "drop"] = opt("zero", "a reward that raises/hangs/NaNs scores 0 "
                                                       "('zero') or drops its group ('drop')")
     pool_workers: int = opt(2, "process-pool size for rewards with executor: process")

@@ -19,7 +19,7 @@ ALIASES = {
     "max-tokens": "generation.max_tokens", "model": "model.path", "data": "data.path",
     "num-producers": "num_producers", "run-dir": "run_dir", "name": "name",
     "insecure": "insecure", "curve-keys": "curve_keys", "barrier": "sync.barrier",
-    "sync-every": "sync.sync_every",
+    "sync-every": "sync.sync_every", "allow-untested-vllm": "engine.allow_untested_vllm",
 }
 
 

@@ -51,15 +51,16 @@ log = logging.getLogger("pipeline")
 def prepare(cfg: RunConfig, role: str = "all") -> str:
     """Fail fast, before any process starts: model, data and rewards must all resolve."""
     from pipeline.models import resolve_model
-    from pipeline.producer.data import load_records
+    from pipeline.producer.data import check_data
     from pipeline.producer.rewards import validate_specs
 
     try:
         model_path = str(resolve_model(cfg.model.path, Path(cfg.model.cache_dir)))
     except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
-    if not load_records(cfg.data.path):
-        raise ConfigError(f"data.path: {cfg.data.path} holds no records")
+    check_data(cfg.data, model_path)
+    if role in ("all", "producer"):
+        check_installed_vllm(cfg.engine.allow_untested_vllm)
     try:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
@@ -74,6 +75,26 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
         except ValueError as e:
             raise ConfigError(f"addr: {e}") from None
     return model_path
+
+
+def check_installed_vllm(allow_untested: bool) -> None:
+    """Refuse a vLLM known to break, or an untested one without the flag, before any engine
+    starts (one line, exit 2); warn once for an allowed untested one."""
+    from pipeline.producer.vllm_version import (
+        VllmVersionError,
+        check_vllm_version,
+        installed_vllm_version,
+    )
+
+    version = installed_vllm_version()
+    if version is None:
+        return  # the producer reports a missing vLLM itself
+    try:
+        warning = check_vllm_version(version, allow_untested)
+    except VllmVersionError as e:
+        raise ConfigError(f"engine.allow_untested_vllm: {e}") from None
+    if warning:
+        log.warning("%s", warning)
 
 
 def set_aside_previous_run(run_dir: Path) -> Path | None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from buffer.checks import RunLimits, check_group
 from buffer.ledger import GroupLedger
 from buffer.schema import Ack, Announce, Heartbeat, Hello, Message, RolloutGroup, SyncReady
 from buffer.store import RolloutBuffer
@@ -51,6 +52,8 @@ from sync.writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
 ALIVE_S = 10.0  # a producer silent for longer is reported as not alive
+REJECT_LOG_LIMIT = 20  # warning lines per (producer, reason); later ones only count (DEBUG)
+MAX_FAILED_STEPS = 10  # training steps raising in a row: the trainer is broken, not the data
 
 
 @dataclass
@@ -122,11 +125,42 @@ class Learner:
                                      progress=cfg.progress, total_steps=cfg.train.steps,
                                      stream=ConsoleStream())
         self.counters = dict(self.state.counters)
+        for k in ("dropped_batches", "dropped_batch_groups"):
+            self.counters.setdefault(k, 0)
         self.ledger = GroupLedger.from_dict(self.state.ledger)
         self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
         self.learner_gpu: str | None = None  # set in run() when the trainer is on CUDA
         self.publisher = None  # sync.publish.WeightPublisher, for ipc/nccl routes
         self._transfer_tasks: set[asyncio.Task] = set()
+        self._rejects_logged: dict[tuple[str, str], int] = {}
+        self._failed_steps = 0  # consecutive training steps that raised
+        if resume:  # a checkpoint may hold groups that this run would reject now
+            limits = self.limits()
+            for g, bad in self.buffer.recheck(lambda g: check_group(g, limits)):
+                self._log_rejected(g, bad.reason, f"{bad.detail} (in the resumed checkpoint)")
+
+    # ------------------------------------------------------------------ checks
+    def limits(self) -> RunLimits:
+        """What a group must fit now (``buffer.checks``). The oldest version kept is the
+        staleness window plus the snapshot files kept: a producer cannot honestly be further
+        behind, as it loads only announced snapshots."""
+        v = self.state.version
+        window = self.cfg.train.max_staleness + self.cfg.sync.keep_snapshots
+        return RunLimits(group_size=self.cfg.generation.group_size,
+                         vocab_size=self.trainer.vocab_size,
+                         max_tokens=self.cfg.generation.max_tokens,
+                         max_model_len=self.cfg.engine.max_model_len,
+                         learner_version=v, oldest_version=max(0, v - window))
+
+    def _log_rejected(self, g: RolloutGroup, reason: str, detail: str) -> None:
+        """One line per rejected group, at WARNING for the first few of each (producer, reason)
+        so that a flood of them cannot drown the log; every one is counted either way."""
+        key = (g.producer_id, reason)
+        n = self._rejects_logged[key] = self._rejects_logged.get(key, 0) + 1
+        level = logging.WARNING if n <= REJECT_LOG_LIMIT else logging.DEBUG
+        more = "; further ones of this kind are only counted" if n == REJECT_LOG_LIMIT else ""
+        log.log(level, "rejected group %s from producer %s (%s): %s%s", g.group_id,
+                g.producer_id, reason, detail, more)
 
     # ------------------------------------------------------------------ messages
     def _on_group(self, g: RolloutGroup) -> None:
@@ -218,6 +252,12 @@ class Learner:
                 if isinstance(inc, str) and isinstance(seq, int) \
                         and not self.ledger.accept(inc, seq):
                     continue  # a resend of a group we already have (counted in the ledger)
+                # After the ledger, so a resent bad group is placed (and counted) once.
+                bad = check_group(msg, self.limits())
+                if bad is not None:
+                    self.buffer.reject(msg, bad.reason)
+                    self._log_rejected(msg, bad.reason, bad.detail)
+                    continue
                 self._on_group(msg)
                 self.buffer.put(msg)
             else:
@@ -343,7 +383,9 @@ class Learner:
                                    f"{t.batch_timeout_s:.0f}s (producers alive: {alive or 'none'}"
                                    f"): {e}") from None
             wait_s = time.monotonic() - t0
-            m = await asyncio.to_thread(self.trainer.step, batch, st.version)
+            m = await self._train_batch(batch, st.version)
+            if m is None:
+                continue
             st.step += 1
             if m["skipped_nonfinite"]:
                 self.counters["skipped_nonfinite"] = self.counters.get("skipped_nonfinite", 0) + 1
@@ -369,6 +411,8 @@ class Learner:
                 / max(now - last_end, 1e-9),
                 "buffer_size": float(len(self.buffer)), "dropped_stale": float(bs.dropped_stale),
                 "rejected_frames": float(bs.rejected), "received": float(bs.received),
+                "rejected_groups": float(sum(bs.rejected_groups.values())),
+                **{f"rejected_groups/{k}": float(v) for k, v in bs.rejected_groups.items()},
                 "producers_alive": float(sum(1 for i in self.producers.values()
                                              if now - i.last_seen < ALIVE_S)),
                 **self._producer_metrics(),
@@ -394,6 +438,28 @@ class Learner:
         m = producer_metrics({p: {**i.stats, **carry_counters(i.carried, i.stats)}
                               for p, i in self.producers.items()})
         m["gen_tokens_per_s"] = m.pop("producer/gen_tokens_per_s", 0.0)
+        return m
+
+    async def _train_batch(self, batch: list[RolloutGroup], version: int
+                           ) -> dict[str, float] | None:
+        """One optimiser step on ``batch``, or None if the step raised: the batch is dropped
+        (counted, logged with its group ids) and training goes on, as data must never stop
+        the learner. Only a trainer that fails MAX_FAILED_STEPS batches in a row stops it."""
+        try:
+            m = await asyncio.to_thread(self.trainer.step, batch, version)
+        except Exception as e:
+            self._failed_steps += 1
+            self.counters["dropped_batches"] = self.counters.get("dropped_batches", 0) + 1
+            self.counters["dropped_batch_groups"] = \
+                self.counters.get("dropped_batch_groups", 0) + len(batch)
+            log.error("training step raised %s: %s; dropped the batch of groups %s (producers "
+                      "%s), training goes on", type(e).__name__, e,
+                      [g.group_id for g in batch], sorted({g.producer_id for g in batch}))
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise RuntimeError(f"{self._failed_steps} training steps in a row raised; "
+                                   f"the last: {type(e).__name__}: {e}") from e
+            return None
+        self._failed_steps = 0
         return m
 
     def _take_sync(self) -> dict[str, float]:

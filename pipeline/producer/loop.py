@@ -194,7 +194,8 @@ class Producer:
         gen_s = time.perf_counter() - t0
         texts = [c[1] for c in completions]
         meta = dict(record.meta, prompt_id=record.prompt_id)
-        result = await self.rewards.score_group(record.prompt, texts, meta)
+        ids = [c[0].token_ids for c in completions]
+        result = await self.rewards.score_group(record.prompt, texts, meta, completion_ids=ids)
         if result.dropped:
             self.stats.groups_dropped_reward += 1
             self._log_sent({"dropped_by_reward": group_id, "prompt_id": record.prompt_id})

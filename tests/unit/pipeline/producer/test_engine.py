@@ -11,7 +11,6 @@ from pipeline.config import EngineConfig, ModelConfig
 from pipeline.producer.engine import (
     WORKER_EXTENSION,
     EngineSetupError,
-    check_vllm_version,
     engine_kwargs,
 )
 
@@ -97,18 +96,6 @@ def test_extra_repeating_an_option_is_rejected():
         _kw(max_num_seqs=4, extra={"max_num_seqs": 8})
 
 
-@pytest.mark.parametrize("version", ["0.25.1", "0.32.0"])
-def test_supported_vllm_versions(version):
-    check_vllm_version(version)
-
-
-@pytest.mark.parametrize("version", ["0.7.2", "0.24.0", "0.33.0", "1.0.0"])
-def test_unsupported_vllm_version_one_sentence(version):
-    with pytest.raises(EngineSetupError) as e:
-        check_vllm_version(version)
-    msg = str(e.value)
-    assert version in msg and "not supported" in msg
-    assert "\n" not in msg
 
 
 def test_sleep_when_idle_turns_on_vllm_sleep_mode_on_gpus_fake_platform():
