@@ -6,9 +6,10 @@ the only process that writes to the console, so lines of different processes nev
 
 - records of the ``pipeline.console`` logger (progress lines, the summary): their message
   alone, on stdout;
-- warnings and errors of any process and library (vLLM's engine core included), Python
-  warnings and raw tracebacks, each with its continuation lines: on stderr;
-- with ``verbose``, every other line too (vLLM's and the libraries' INFO logs): on stderr.
+- errors of any process and library (vLLM's engine core included), raw tracebacks, and the
+  warnings of this project's code, each with its continuation lines: on stderr;
+- warnings of vLLM and other libraries are counted, and named in one line at the end;
+- with ``verbose``, every line (the libraries' INFO and warnings too): on stderr.
 
 The launcher's own records go to ``logs/launcher.log`` and, from WARNING up (every level with
 ``verbose``), to stderr.
@@ -26,40 +27,59 @@ from pipeline.procs import CONSOLE, LOG_DATEFMT, LOG_FORMAT, LOGS_DIR, log_file
 
 _LEVELS = {"DEBUG": 10, "INFO": 20, "WARN": 30, "WARNING": 30, "ERROR": 40, "CRITICAL": 50,
            "FATAL": 50}
-# A log record's first line: its level among the first five words. Our format is
-# "12:00:00 producer0 pipeline.producer.loop WARNING ..."; vLLM's
+_LEVEL = "(DEBUG|INFO|WARN|WARNING|ERROR|CRITICAL|FATAL)"
+# Our records: "12:00:00 producer0 pipeline.producer.loop WARNING ..." (pipeline.procs.LOG_FORMAT).
+_OUR_RECORD = re.compile(r"^\d\d:\d\d:\d\d \S+ (\S+) " + _LEVEL + r" (.*)$")
+# Any other record: its level among the first five words, as vLLM's
 # "(EngineCore pid=7) WARNING 11-25 12:00:00 [file.py:12] ..." or "INFO 11-25 ...".
-_RECORD = re.compile(r"^(?:\S+\s+){0,4}?(DEBUG|INFO|WARN|WARNING|ERROR|CRITICAL|FATAL)\b")
-_CONSOLE_RECORD = re.compile(r"^\S+ \S+ " + re.escape(CONSOLE) + r" \w+ (.*)$")
+_RECORD = re.compile(r"^(?:\S+\s+){0,4}?" + _LEVEL + r"\b")
 _PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn printed without logging
 _ERROR_START = re.compile(r"^(Traceback \(most recent call last\):|Fatal Python error)")
+_OWN_LOGGERS = frozenset({"pipeline", "buffer", "sync", "bench", "examples", "__main__"})
 
 
 class LineFilter:
     """Decides, line by line, what of one log file reaches the console (pure; one per file,
-    since a record's continuation lines take the level of the record they follow)."""
+    since a record's continuation lines go where the record they follow goes).
+
+    Shown: console records (their message), errors from anyone, raw tracebacks, and warnings
+    of this project's code. Warnings of vLLM and other libraries (platform notes such as
+    "Triton is not installed", repeated by every engine process) stay in the file and are
+    counted in ``hidden_warnings``; ``verbose`` shows every line."""
 
     def __init__(self, verbose: bool = False) -> None:
         self.verbose = verbose
-        self._level = logging.INFO  # of the record the next continuation line belongs to
+        self.hidden_warnings = 0
+        self._show = False  # whether the record the next continuation line belongs to shows
         self._console = False  # whether that record is a console line
 
     def feed(self, line: str) -> tuple[str, str] | None:
         """``("out", text)``, ``("err", text)`` or None (the line stays in the file)."""
-        if m := _CONSOLE_RECORD.match(line):
-            self._level, self._console = logging.INFO, True
-            return "out", m.group(1)
-        if _ERROR_START.match(line):
-            self._level, self._console = logging.ERROR, False
+        if m := _OUR_RECORD.match(line):
+            logger, level, message = m.group(1), _LEVELS[m.group(2)], m.group(3)
+            if logger == CONSOLE:
+                self._show, self._console = True, True
+                return "out", message
+            ours = logger.split(".")[0] in _OWN_LOGGERS or \
+                (logger == "py.warnings" and "site-packages" not in message)
+            self._start(level, ours)
+        elif _ERROR_START.match(line):
+            self._start(logging.ERROR, True)
         elif _PY_WARNING.match(line):
-            self._level, self._console = logging.WARNING, False
+            self._start(logging.WARNING, "site-packages" not in line.split(":", 1)[0])
         elif m := _RECORD.match(line):
-            self._level, self._console = _LEVELS[m.group(1)], False
+            self._start(_LEVELS[m.group(1)], False)
         elif self._console:
             return "out", line  # a console message's further lines
-        if self.verbose or self._level >= logging.WARNING:
+        if self.verbose or self._show:
             return "err", line
         return None
+
+    def _start(self, level: int, ours: bool) -> None:
+        self._console = False
+        self._show = level >= logging.ERROR or (level >= logging.WARNING and ours)
+        if level == logging.WARNING and not ours:
+            self.hidden_warnings += 1
 
 
 class LogFollower:
@@ -100,8 +120,15 @@ class LogFollower:
                 if got is not None:
                     stream, text = got
                     print(text, file=out if stream == "out" else err)
+        if final and not self.verbose and self.hidden_warnings:
+            print(f"pipeline-train: {self.hidden_warnings} warnings of vLLM and other libraries "
+                  f"are in {self.dir}/ (--verbose shows them)", file=err)
         out.flush()
         err.flush()
+
+    @property
+    def hidden_warnings(self) -> int:
+        return sum(f.hidden_warnings for f in self._filters.values())
 
 
 def launcher_logging(verbose: bool) -> None:

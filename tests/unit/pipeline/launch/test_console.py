@@ -21,14 +21,28 @@ def feed(lines: list[str], verbose: bool = False) -> list[tuple[str, str] | None
     return [f.feed(line) for line in lines]
 
 
-def test_info_lines_stay_in_the_file_warnings_and_errors_reach_the_console():
+def test_info_lines_stay_in_the_file_our_warnings_and_all_errors_reach_the_console():
     lines = [OURS.format(level="INFO", msg="engine ready"),
              VLLM.format(level="INFO", msg="setting pause state to PAUSED_ALL"),
              "(producer0 pid=7) INFO 11-25 09:01:02 [loader.py:1] Loading weights took 0.1 s",
              "INFO 11-25 09:01:02 [api.py:3] vLLM 0.25.1 style line",
-             VLLM.format(level="WARNING", msg="CPU backend: no prefix caching"),
+             OURS.format(level="WARNING", msg="prompt 7: reward flaky raised"),
+             VLLM.format(level="ERROR", msg="engine core died"),
              OURS.format(level="ERROR", msg="p0: load failed")]
-    assert feed(lines) == [None, None, None, None, ("err", lines[4]), ("err", lines[5])]
+    assert feed(lines) == [None] * 4 + [("err", x) for x in lines[4:]]
+
+
+def test_library_warnings_stay_in_the_file_and_are_counted():
+    f = LineFilter()
+    lines = [VLLM.format(level="WARNING", msg="Triton is not installed."),
+             "09:16:04 producer0 vllm.triton_utils.importing WARNING Triton is installed, but",
+             "/site-packages/vllm/x.py:138: FutureWarning: `reduce_op` is deprecated",
+             "  if hasattr(value, '__dict__'):",
+             "09:16:04 producer0 py.warnings WARNING /site-packages/torch/x.py:1: UserWarning: x",
+             "09:16:04 learner py.warnings WARNING /repo/pipeline/x.py:1: UserWarning: ours",
+             "/repo/pipeline/learner/x.py:3: UserWarning: also ours"]
+    assert [f.feed(x) for x in lines] == [None] * 5 + [("err", lines[5]), ("err", lines[6])]
+    assert f.hidden_warnings == 4
 
 
 def test_verbose_shows_every_line():
@@ -57,8 +71,8 @@ def test_continuation_lines_follow_their_record():
 def test_raw_tracebacks_and_python_warnings_reach_the_console():
     lines = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
              "RuntimeError: engine core died",
-             "/site-packages/torch/x.py:12: UserWarning: TypedStorage is deprecated",
-             "  return fn(*args)",
+             "/repo/pipeline/x.py:12: UserWarning: no tokens in this batch",
+             "  warnings.warn(msg)",
              "Fatal Python error: Segmentation fault"]
     assert feed(lines) == [("err", x) for x in lines]
 
@@ -73,6 +87,7 @@ def test_follower_copies_new_lines_of_every_process_and_skips_the_launchers_own(
         f.write("09:05:00 learner pipeline.console INFO step 1/2 | reward 0.1\n")
         f.write(OURS.format(level="WARNING", msg="half a li"))  # no newline yet
     (logs / "producer-0.log").write_text(VLLM.format(level="INFO", msg="quiet") + "\n"
+                                         + VLLM.format(level="WARNING", msg="noted") + "\n"
                                          + VLLM.format(level="ERROR", msg="loud") + "\n")
     (logs / "launcher.log").write_text(OURS.format(level="ERROR", msg="shown already") + "\n")
     follower.pump()
@@ -85,7 +100,9 @@ def test_follower_copies_new_lines_of_every_process_and_skips_the_launchers_own(
     with (logs / "learner.log").open("a") as f:
         f.write(OURS.format(level="ERROR", msg="last words"))  # a process killed mid-line
     follower.pump(final=True)
-    assert err.getvalue().endswith("last words\n")
+    assert err.getvalue().endswith(
+        "last words\npipeline-train: 1 warnings of vLLM and other libraries are in "
+        f"{logs}/ (--verbose shows them)\n")
     assert "from before" not in err.getvalue() and "shown already" not in err.getvalue()
 
 
