@@ -125,17 +125,19 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child_setup(cfg_dict: dict, process: str) -> None:
+def _child_setup(cfg_dict: dict, process: str, log_to_file: bool) -> None:
     os.setpgrp()  # own process group: killpg stops vLLM's children with us
     _die_with_parent()
-    to_log_file(log_file(cfg_dict["run_dir"], process))  # the launcher shows what is for us
+    if log_to_file:  # run_dir/logs/<process>.log; the launcher shows what is for the console
+        to_log_file(log_file(cfg_dict["run_dir"], process))
     setup_logging()
     # Children ignore the terminal's Ctrl-C; the launcher decides who stops and in which order.
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
-    _child_setup(cfg_dict, "learner")
+def learner_entry(cfg_dict: dict, model_path: str, resume: bool, log_to_file: bool = False
+                  ) -> None:
+    _child_setup(cfg_dict, "learner", log_to_file)
     # Pinned before the config is built: nothing may initialise CUDA before this.
     os.environ.update(learner_gpu_env(cfg_dict.get("learner_gpus", "")))
     cfg = load_config(overrides=flatten(cfg_dict))
@@ -224,12 +226,13 @@ def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, res
                   ) -> Any:
     if cfg.train.learner_processes > 1 or cfg.train.accelerate_config:
         return LaunchedLearner(cfg, model_path, resume)
-    return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume), name="learner")
+    return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume, True),
+                       name="learner")
 
 
-def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False
-                   ) -> None:
-    _child_setup(cfg_dict, f"producer-{index}")
+def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False,
+                   log_to_file: bool = False) -> None:
+    _child_setup(cfg_dict, f"producer-{index}", log_to_file)
     # Pinned before the config is built: nothing may initialise CUDA before this.
     os.environ.update(producer_gpu_env(cfg_dict.get("producer_gpus", []), index))
     cfg = load_config(overrides=flatten(cfg_dict))
@@ -289,7 +292,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         [producer_index] if role == "producer" else [])
     # --role producer: its producer exits when the learner announces its last step.
     producers = {i: ctx.Process(target=producer_entry, name=f"producer{i}",
-                                args=(cfg_dict, model_path, i, role == "producer"))
+                                args=(cfg_dict, model_path, i, role == "producer", True))
                  for i in indices}
     procs = ([learner] if learner else []) + list(producers.values())
     # SIGTERM (e.g. from `timeout` or a job scheduler) stops the run like Ctrl-C does.
@@ -340,7 +343,8 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     p.join(5)
                     wait_group_gone(p.pid)  # its engine core may still hold the segments
                     forget_tracked(reclaim_orphans(shm_before))
-                    new = ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
+                    new = ctx.Process(target=producer_entry,
+                                      args=(cfg_dict, model_path, i, False, True),
                                       name=f"producer{i}")
                     new.start()
                     producers[i] = new
