@@ -25,8 +25,15 @@ from typing import TextIO
 
 from pipeline.procs import CONSOLE, LOG_DATEFMT, LOG_FORMAT, LOGS_DIR, log_file
 
-_LEVELS = {"DEBUG": 10, "INFO": 20, "WARN": 30, "WARNING": 30, "ERROR": 40, "CRITICAL": 50,
-           "FATAL": 50}
+_LEVELS = {
+    "DEBUG": 10,
+    "INFO": 20,
+    "WARN": 30,
+    "WARNING": 30,
+    "ERROR": 40,
+    "CRITICAL": 50,
+    "FATAL": 50,
+}
 _LEVEL = "(DEBUG|INFO|WARN|WARNING|ERROR|CRITICAL|FATAL)"
 # Our records: "12:00:00 producer0 pipeline.producer.loop WARNING ..." (pipeline.procs.LOG_FORMAT).
 _OUR_RECORD = re.compile(r"^\d\d:\d\d:\d\d \S+ (\S+) " + _LEVEL + r" (.*)$")
@@ -60,8 +67,9 @@ class LineFilter:
             if logger == CONSOLE:
                 self._show, self._console = True, True
                 return "out", message
-            ours = logger.split(".")[0] in _OWN_LOGGERS or \
-                (logger == "py.warnings" and "site-packages" not in message)
+            ours = logger.split(".")[0] in _OWN_LOGGERS or (
+                logger == "py.warnings" and "site-packages" not in message
+            )
             self._start(level, ours)
         elif _ERROR_START.match(line):
             self._start(logging.ERROR, True)
@@ -87,8 +95,14 @@ class LogFollower:
     the console what ``LineFilter`` lets through. Files that exist when it starts are followed
     from their end (a resumed run does not replay its earlier logs); new ones from the start."""
 
-    def __init__(self, logs_dir: Path, verbose: bool = False, out: TextIO | None = None,
-                 err: TextIO | None = None, skip: tuple[str, ...] = ("launcher.log",)) -> None:
+    def __init__(
+        self,
+        logs_dir: Path,
+        verbose: bool = False,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        skip: tuple[str, ...] = ("launcher.log",),
+    ) -> None:
         self.dir, self.verbose, self.skip = Path(logs_dir), verbose, skip
         self._out, self._err = out, err
         self._offsets = {p.name: p.stat().st_size for p in self._files()}
@@ -121,8 +135,11 @@ class LogFollower:
                     stream, text = got
                     print(text, file=out if stream == "out" else err)
         if final and not self.verbose and self.hidden_warnings:
-            print(f"pipeline-train: {self.hidden_warnings} warnings of vLLM and other libraries "
-                  f"are in {self.dir}/ (--verbose shows them)", file=err)
+            print(
+                f"pipeline-train: {self.hidden_warnings} warnings of vLLM and other libraries "
+                f"are in {self.dir}/ (--verbose shows them)",
+                file=err,
+            )
         out.flush()
         err.flush()
 

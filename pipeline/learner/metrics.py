@@ -28,8 +28,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "carry_counters", "format_progress", "main", "plot_run",
-           "producer_metrics", "read_metrics"]
+__all__ = [
+    "METRICS_FILE",
+    "MetricsLogger",
+    "carry_counters",
+    "format_progress",
+    "main",
+    "plot_run",
+    "producer_metrics",
+    "read_metrics",
+]
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the per-run metrics file inside the run directory."""

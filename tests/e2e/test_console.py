@@ -26,14 +26,43 @@ def vllm_lines(text: str) -> list[str]:
 
 
 def _train(tiny_model: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
-           "--data", "arithmetic:200", "--reward", "tests.e2e.flaky_rewards:flaky",
-           "--num-producers", "1", "--batch-groups", "2", "--group-size", "4",
-           "--max-tokens", "8", "--run-dir", str(run_dir), "--mode", "async",
-           "--max-staleness", "1", "--engine.max_model_len", "256",
-           "--engine.cpu_kvcache_space_gib", "1", "--tensorboard", "true", *extra]
-    env = dict(os.environ, PIPELINE_TEST_RUN=run_dir.name + str(os.getpid()),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.launch.cli",
+        "--model",
+        str(tiny_model),
+        "--data",
+        "arithmetic:200",
+        "--reward",
+        "tests.e2e.flaky_rewards:flaky",
+        "--num-producers",
+        "1",
+        "--batch-groups",
+        "2",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "8",
+        "--run-dir",
+        str(run_dir),
+        "--mode",
+        "async",
+        "--max-staleness",
+        "1",
+        "--engine.max_model_len",
+        "256",
+        "--engine.cpu_kvcache_space_gib",
+        "1",
+        "--tensorboard",
+        "true",
+        *extra,
+    ]
+    env = dict(
+        os.environ,
+        PIPELINE_TEST_RUN=run_dir.name + str(os.getpid()),
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_no_process_left(env["PIPELINE_TEST_RUN"])
@@ -41,19 +70,24 @@ def _train(tiny_model: Path, run_dir: Path, *extra: str) -> subprocess.Completed
 
 
 def test_quiet_console_logs_per_process_and_a_failing_rewards_counts_in_metrics(
-        tiny_model, tmp_path):
+    tiny_model, tmp_path
+):
     run_dir = tmp_path / "flaky"
     proc = _train(tiny_model, run_dir, "--steps", "4")
     console = proc.stdout + proc.stderr
     assert len(vllm_lines(console)) < 10, console
     assert [x for x in proc.stdout.splitlines() if x.startswith("step ")][-1].startswith(
-        "step 4/4 | reward"), proc.stdout
+        "step 4/4 | reward"
+    ), proc.stdout
     assert "reward: first" in proc.stdout and "logs: " in proc.stdout
     # The failures are warnings: they reach the console (with the prompt id).
     assert "reward flaky raised RuntimeError('reward service unavailable (503)')" in proc.stderr
     logs = run_dir / "logs"
-    assert sorted(p.name for p in logs.iterdir()) == ["launcher.log", "learner.log",
-                                                      "producer-0.log"]
+    assert sorted(p.name for p in logs.iterdir()) == [
+        "launcher.log",
+        "learner.log",
+        "producer-0.log",
+    ]
     producer_log = (logs / "producer-0.log").read_text()
     assert len(vllm_lines(producer_log)) >= 10  # the engine's INFO lines, its core's included
     assert re.search(r"\(EngineCore\S* pid=\d+\) INFO", producer_log), producer_log[-3000:]
@@ -73,7 +107,8 @@ def test_quiet_console_logs_per_process_and_a_failing_rewards_counts_in_metrics(
     # A rate over the time the engine generated: far above tokens / process lifetime.
     assert last["gen_tokens_per_s"] > 0 and last["producer/busy_s"] > 0
     assert last["gen_tokens_per_s"] == pytest.approx(
-        last["producer/tokens"] / last["producer/busy_s"], rel=0.05)
+        last["producer/tokens"] / last["producer/busy_s"], rel=0.05
+    )
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
