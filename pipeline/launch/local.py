@@ -35,7 +35,15 @@ from pipeline.config import (
     to_dict,
 )
 from pipeline.launch.console import LogFollower, log_to_run_dir
-from pipeline.launch.shm import forget_tracked, list_segments, reclaim_orphans
+from pipeline.launch.shm import (
+    forget_record,
+    forget_tracked,
+    list_segments,
+    reclaim_dead_owners,
+    reclaim_orphans,
+    record_segments,
+)
+from pipeline.owner import OWNER_ENV, owner_tag
 from pipeline.procs import (
     LOGS_DIR,
     log_file,
@@ -271,7 +279,13 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     progress lines, the summary, warnings and errors (``verbose``: every line of every process).
     """
     model_path = prepare(cfg, role)
+    # Children inherit this launcher's owner tag: what they leave in /dev/shm names it, so a
+    # later run reclaims it should this launcher be killed (pipeline.launch.shm).
+    os.environ[OWNER_ENV] = owner_tag()
+    reclaim_dead_owners()
     shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
+    recorded: set[str] | None = None
+    next_record = 0.0
     run_dir = Path(cfg.run_dir)
     if not resume and role in ("all", "learner"):
         set_aside_previous_run(run_dir)
@@ -353,6 +367,9 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
                     code = 1
                     raise SystemExit(code)
+            if time.monotonic() >= next_record:
+                recorded = record_segments(shm_before, known=recorded)
+                next_record = time.monotonic() + 5.0
             follower.pump()
             time.sleep(0.5)
     except (KeyboardInterrupt, SystemExit):
@@ -366,6 +383,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
             _stop(p, signal.SIGTERM)
         _reap(procs, grace_s=20.0)
         forget_tracked(reclaim_orphans(shm_before))
+        forget_record()
         follower.pump(final=True)
         logging.getLogger().removeHandler(file_log)
         file_log.close()

@@ -1,10 +1,16 @@
 """The learner process: receives groups into the rollout buffer, trains, publishes snapshots.
 
-Three coroutines under one TaskGroup: ``_receive`` (socket -> buffer, control messages ->
-producer table), ``_announce`` (re-broadcasts the current version every second, so producers
-that (re)connect catch up before they generate), and ``_train`` (batch -> optimiser step in a
-worker thread -> snapshot -> announce). Sync mode is the same loop with max_staleness 0 and
-admission budgets of exactly one batch: generate with v, train on that batch, publish v+1.
+Four coroutines under one TaskGroup: ``_receive`` (data socket -> buffer, waiting while the
+buffer is full), ``_control`` (control socket: Hello, Heartbeat, Ack, SyncReady, each answered
+at once, whatever the buffer does), ``_announce`` (re-broadcasts the current version every
+second, so producers that (re)connect catch up before they generate), and ``_train`` (batch ->
+optimiser step in a worker thread -> snapshot -> announce). Sync mode is the same loop with
+max_staleness 0 and admission budgets of exactly one batch: generate with v, train on that
+batch, publish v+1.
+
+Producers are known by their Hello (``buffer.identity``): groups and control messages from a
+producer that has not said Hello, or from an incarnation it did not declare, are refused and
+counted as ``rejected/<reason>``; only producers heard from lately count as alive.
 
 Counts kept per producer: ``received`` (groups that arrived) and, derived, ``consumed`` (received
 minus still held), which producers use for admission control.
@@ -30,8 +36,19 @@ from pathlib import Path
 from typing import Any
 
 from buffer.checks import RunLimits, check_group
+from buffer.identity import ProducerRegistry
 from buffer.ledger import GroupLedger
-from buffer.schema import Ack, Announce, Heartbeat, Hello, Message, RolloutGroup, SyncReady
+from buffer.protocol import (
+    Ack,
+    Announce,
+    ControlMessage,
+    Heartbeat,
+    Hello,
+    Reply,
+    SyncReady,
+    Welcome,
+)
+from buffer.schema import RolloutGroup
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
 from pipeline.config import RunConfig, curve_keys
@@ -44,6 +61,7 @@ from pipeline.learner.checkpoint import (
 )
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
 from pipeline.learner.trainer import PolicyTrainer
+from pipeline.owner import owned_name
 from pipeline.procs import LOGS_DIR, ConsoleStream
 from sync.packing import Layout, pack, plan_layout
 from sync.snapshot import SnapshotRef
@@ -60,7 +78,7 @@ MAX_FAILED_STEPS = 10  # training steps raising in a row: the trainer is broken,
 class ProducerInfo:
     pid: int = 0
     version: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = -ALIVE_S  # not alive until heard from after its Hello
     stats: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
     carried: dict[str, float] = field(default_factory=dict)  # its earlier processes' counters
     devices: list[str] = field(default_factory=list)  # GPU UUID per vLLM worker ([] = CPU)
@@ -75,7 +93,9 @@ def snapshot_dir(configured: str, run_dir: Path, run_key: str, need_bytes: int,
     if configured:
         return Path(configured)
     if shm.is_dir():
-        mine = shm / f"pipeline-grpo-{run_key}"  # a restarted learner reuses (and prunes) it
+        # Named with the launcher's owner tag: a learner it restarts reuses (and prunes) it,
+        # and a later run reclaims it should that launcher be killed (pipeline.launch.shm).
+        mine = shm / owned_name(run_key)
         free = shutil.disk_usage(shm).free + sum(
             f.stat().st_size for f in mine.rglob("*") if f.is_file())
         if free >= need_bytes:
@@ -118,6 +138,7 @@ class Learner:
                                      on_written=self._on_written)
         self._acks_tracked = 0  # newest version whose acks are being collected
         self.producers: dict[str, ProducerInfo] = {}
+        self.registry = ProducerRegistry({f"p{i}" for i in range(cfg.num_producers)})
         self.acks: dict[int, dict[str, Ack]] = {}
         self.last_sync: dict[str, float] = {}
         self.endpoint: LearnerEndpoint | None = None
@@ -170,29 +191,31 @@ class Learner:
         if isinstance(cursor, int):
             self.state.cursors[pid] = max(self.state.cursors.get(pid, 0), cursor)
 
-    def _on_control(self, msg: Message) -> None:
-        if isinstance(msg, (Hello, Heartbeat)):
-            info = self.producers.setdefault(msg.producer_id, ProducerInfo())
-            info.last_seen = time.monotonic()
+    def _on_hello(self, msg: Hello) -> None:
+        restarted = self.registry.hello(msg)
+        info = self.producers.setdefault(msg.producer_id, ProducerInfo())
+        if restarted:  # a new process: its counters start at 0, its predecessor's carry over
+            info.carried, info.stats = carry_counters(info.carried, info.stats), {}
+        if restarted and info.pid and self.publisher is not None:
+            self.publisher.forget(msg.producer_id)  # its link died with the old process
+        info.pid = msg.pid
+        info.version = msg.policy_version
+        info.devices = list(msg.devices)
+        info.route = self._route(msg.producer_id, info.devices)
+        log.info("producer %s (pid %d, incarnation %s) connected at version %d; weights by %s",
+                 msg.producer_id, msg.pid, msg.incarnation, msg.policy_version, info.route)
+
+    def _on_control(self, msg: ControlMessage) -> None:
+        """A checked control message from a producer that said Hello."""
+        info = self.producers[msg.producer_id]
+        info.last_seen = time.monotonic()
+        if isinstance(msg, Heartbeat):
             info.version = msg.policy_version
-            if isinstance(msg, Hello):
-                if info.pid and info.pid != msg.pid:  # restarted: its counters start at 0
-                    info.carried, info.stats = carry_counters(info.carried, info.stats), {}
-                    if self.publisher is not None:
-                        self.publisher.forget(msg.producer_id)  # its link died with it
-                info.pid = msg.pid
-                info.devices = list(msg.devices)
-                info.route = self._route(msg.producer_id, info.devices)
-                log.info("producer %s (pid %d) connected at version %d; weights by %s",
-                         msg.producer_id, msg.pid, msg.policy_version, info.route)
-            else:
-                info.stats = msg.stats
+            info.stats = msg.stats
         elif isinstance(msg, SyncReady):
             self._on_sync_ready(msg)
         elif isinstance(msg, Ack):
             self.acks.setdefault(msg.version if msg.ok else -1, {})[msg.producer_id] = msg
-            info = self.producers.setdefault(msg.producer_id, ProducerInfo())
-            info.last_seen = time.monotonic()
             if msg.ok:
                 info.version = msg.version
                 if msg.timings.get("fallback"):
@@ -203,6 +226,22 @@ class Learner:
             else:
                 self.counters["sync_failures"] = self.counters.get("sync_failures", 0) + 1
                 log.error("producer %s failed to sync: %s", msg.producer_id, msg.error)
+
+    def _answer(self, msg: ControlMessage) -> Welcome | Reply:
+        """Check and apply one control message; the answer goes back to its sender."""
+        if isinstance(msg, Hello):
+            reason = self.registry.check_hello(msg)
+            if reason is None:
+                self._on_hello(msg)
+                return Welcome(producer_id=msg.producer_id, incarnation=msg.incarnation,
+                               learner_session=self.session)
+        else:
+            reason = self.registry.check_control(msg.producer_id, msg.incarnation)
+            if reason is None:
+                self._on_control(msg)
+                return Reply(ok=True)
+        self.registry.reject(reason, msg.producer_id, type(msg).__name__)
+        return Reply(ok=False, reason=reason)
 
     def _route(self, producer_id: str, devices: list[str]) -> str:
         """This producer's weight transport; an impossible explicit choice is an error in the
@@ -240,28 +279,42 @@ class Learner:
                 if i.route in ("ipc", "nccl") and now - i.last_seen <= ALIVE_S}
 
     async def _receive(self) -> None:
+        """Data socket -> buffer. It stops reading while the buffer is full (back-pressure up to
+        the producers' send); control messages have their own socket and loop."""
         assert self.endpoint is not None
         while True:
-            msg = await self.endpoint.recv()
-            if msg is None:
+            await self.buffer.wait_for_space()
+            g = await self.endpoint.recv()
+            if g is None:
                 self.buffer.note_rejected()
+                self.registry.reject(self.endpoint.last_reason, "?", "frame on the data socket")
                 continue
-            if isinstance(msg, RolloutGroup):
-                await self.buffer.wait_for_space()
-                inc, seq = msg.metadata.get("incarnation"), msg.metadata.get("seq")
-                if isinstance(inc, str) and isinstance(seq, int) \
-                        and not self.ledger.accept(inc, seq):
-                    continue  # a resend of a group we already have (counted in the ledger)
-                # After the ledger, so a resent bad group is placed (and counted) once.
-                bad = check_group(msg, self.limits())
-                if bad is not None:
-                    self.buffer.reject(msg, bad.reason)
-                    self._log_rejected(msg, bad.reason, bad.detail)
-                    continue
-                self._on_group(msg)
-                self.buffer.put(msg)
-            else:
-                self._on_control(msg)
+            reason = self.registry.check_group(g)
+            if reason is not None:
+                self.buffer.note_rejected()
+                self.registry.reject(reason, g.producer_id, f"group {g.group_id!r}")
+                continue
+            if not self.ledger.accept(g.metadata["incarnation"], g.metadata["seq"]):
+                continue  # a resend of a group we already have (counted in the ledger)
+            # After the ledger, so a resent bad group is placed (and counted) once.
+            bad = check_group(g, self.limits())
+            if bad is not None:
+                self.buffer.reject(g, bad.reason)
+                self._log_rejected(g, bad.reason, bad.detail)
+                continue
+            self._on_group(g)
+            self.buffer.put(g)
+
+    async def _control(self) -> None:
+        """Control socket: every request is answered at once and never waits for the buffer."""
+        assert self.endpoint is not None
+        while True:
+            got = await self.endpoint.recv_control()
+            if got is None:
+                self.registry.reject("malformed_control", "?", "control frame")
+                continue
+            peer, rid, msg = got
+            await self.endpoint.reply(peer, rid, self._answer(msg))
 
     def announcement(self, finished: bool = False) -> Announce:
         held = self.buffer.held_by_producer()
@@ -348,11 +401,13 @@ class Learner:
         while time.monotonic() < deadline:
             now = time.monotonic()
             alive = [i for i in self.producers.values() if now - i.last_seen < ALIVE_S]
-            if alive and all(i.version >= version for i in alive):
+            if all(i.version >= version for i in alive):  # none alive: nobody to wait for
                 break
             await asyncio.sleep(0.02)
         got = self.acks.pop(version, {})
-        behind = sorted(p for p, i in self.producers.items() if i.version < version)
+        now = time.monotonic()
+        behind = sorted(p for p, i in self.producers.items()
+                        if i.version < version and now - i.last_seen < ALIVE_S)
         if behind:
             log.warning("version %d: no ack from %s within %.0fs; training goes on without "
                         "them", version, behind, self.cfg.sync.ack_timeout_s)
@@ -421,6 +476,7 @@ class Learner:
                 **{f"engine_{k}": sum(i.stats.get(k, 0.0) for i in self.producers.values())
                    for k in ("sleeps", "sleep_s", "wake_s") if self.cfg.engine.sleep_when_idle},
                 "duplicates_ignored": float(self.ledger.duplicates),
+                **self.registry.metrics(),
                 **self._take_sync(),
             })
             last_end = now
@@ -502,8 +558,8 @@ class Learner:
         finished = False
         try:
             async with asyncio.TaskGroup() as tg:
-                background = [tg.create_task(self._receive()), tg.create_task(self._announce()),
-                              tg.create_task(self.writer.run())]
+                background = [tg.create_task(self._receive()), tg.create_task(self._control()),
+                              tg.create_task(self._announce()), tg.create_task(self.writer.run())]
                 await self._train()
                 finished = True
                 for task in background:

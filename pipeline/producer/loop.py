@@ -8,6 +8,9 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
   The weights come by the route the learner names for us (file, ipc or nccl; see
   ``sync.transfer``); a GPU route that fails is followed by a file swap to the same version;
 - ``_heartbeat``: liveness and stats for the learner.
+Control messages (Hello, Heartbeat, Ack, SyncReady) go on the control channel and each gets an
+answer (``buffer.protocol``); groups go on the data channel only after the learner has welcomed
+this incarnation, and a learner that no longer knows us (restarted) gets a new Hello.
 Completions stream with RequestOutputKind.DELTA: each delta is tagged with the version the
 engine holds when it arrives (the barrier settles outputs before switching versions).
 """
@@ -29,7 +32,18 @@ from typing import Any
 
 import numpy as np
 
-from buffer.schema import Ack, Announce, Completion, Heartbeat, Hello, RolloutGroup, SyncReady
+from buffer.identity import STALE_INCARNATION, UNEXPECTED_PRODUCER, UNKNOWN_PRODUCER
+from buffer.protocol import (
+    Ack,
+    Announce,
+    ControlMessage,
+    Heartbeat,
+    Hello,
+    Reply,
+    SyncReady,
+    Welcome,
+)
+from buffer.schema import Completion, RolloutGroup
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig, curve_keys, producer_budget
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
@@ -49,6 +63,7 @@ from sync.transfer import (
 )
 
 log = logging.getLogger(__name__)
+CONTROL_TIMEOUT_S = 5.0  # the learner answers control requests at once; longer means it is down
 
 
 class LearnerFinished(Exception):
@@ -359,8 +374,12 @@ class Producer:
             self._loaded_session = learner_session
         else:
             log.error("%s: %s", self.producer_id, report.error)
-        await self.endpoint.send(Ack(producer_id=self.producer_id, version=report.version,
-                                     ok=report.ok, error=report.error, timings=report.timings))
+        answer = await self._control(Ack(
+            producer_id=self.producer_id, incarnation=self.incarnation, version=report.version,
+            ok=report.ok, error=report.error[:16384], timings=report.timings))
+        if answer is None:
+            log.warning("%s: the learner did not answer our ack of v%d within %.0f s",
+                        self.producer_id, report.version, CONTROL_TIMEOUT_S)
 
     async def _swap(self, ref: SnapshotRef, route: str, transfer: dict[str, Any]) -> Any:
         """The barrier around the route's load; a failed GPU route falls back to the file.
@@ -399,13 +418,43 @@ class Producer:
                       link["epoch"], e)
 
     async def _hello(self) -> None:
-        await self.endpoint.send(Hello(producer_id=self.producer_id,
-                                       policy_version=self.tracker.version, pid=os.getpid(),
-                                       devices=self.devices))
+        """Introduce this incarnation; returns once the learner has welcomed it (retrying while
+        the learner is not up yet)."""
+        hello = Hello(producer_id=self.producer_id, incarnation=self.incarnation,
+                      policy_version=self.tracker.version, pid=os.getpid(),
+                      devices=self.devices, recovered=self.outbox.incarnations_recovered)
+        waited = 0.0
+        while True:
+            answer = await self.endpoint.call(hello, CONTROL_TIMEOUT_S)
+            if isinstance(answer, Welcome):
+                return
+            if isinstance(answer, Reply) and answer.reason == UNEXPECTED_PRODUCER:
+                raise RuntimeError(f"the learner refused {self.producer_id}: it runs fewer "
+                                   "producers (num_producers differs between the roles?)")
+            waited += CONTROL_TIMEOUT_S
+            log.info("%s: no welcome from the learner after %.0f s (%s); saying Hello again",
+                     self.producer_id, waited, answer.reason if answer else "no answer")
+
+    async def _control(self, msg: ControlMessage) -> Reply | None:
+        """One control request; a learner that does not know us (it restarted, or another
+        process said Hello in our name) gets our Hello again, then the request once more."""
+        answer = await self.endpoint.call(msg, CONTROL_TIMEOUT_S)
+        if isinstance(answer, Reply) and answer.reason in (UNKNOWN_PRODUCER, STALE_INCARNATION):
+            log.warning("%s: the learner refused a %s (%s); saying Hello again",
+                        self.producer_id, type(msg).__name__, answer.reason)
+            await self._hello()
+            answer = await self.endpoint.call(msg, CONTROL_TIMEOUT_S)
+        return answer if isinstance(answer, Reply) else None
 
     async def _send_ready(self, purpose: str, epoch: int, version: int) -> None:
-        await self.endpoint.send(SyncReady(producer_id=self.producer_id, purpose=purpose,
-                                           epoch=epoch, version=version))
+        """Tell the learner our side of a NCCL link is ready ("drop": given up). Raises if the
+        learner did not take it, so the GPU route fails over to the file at once."""
+        answer = await self._control(SyncReady(
+            producer_id=self.producer_id, incarnation=self.incarnation, purpose=purpose,
+            epoch=epoch, version=version))
+        if purpose != "drop" and (answer is None or not answer.ok):
+            raise RuntimeError(f"the learner did not take SyncReady({purpose!r}, epoch {epoch}): "
+                               f"{answer.reason if answer else 'no answer'}")
 
     def heartbeat_stats(self) -> dict[str, float]:
         """Every counter of this process (``pipeline.producer.stats`` and the rewards'
@@ -417,9 +466,10 @@ class Producer:
             # Also right after a group: the learner's metrics row for the step that trains it
             # then carries the counters that include it (reward failures of that group).
             self._counted.clear()
-            await self.endpoint.send(Heartbeat(producer_id=self.producer_id,
-                                               policy_version=self.tracker.version,
-                                               stats=self.heartbeat_stats()))
+            await self._control(Heartbeat(producer_id=self.producer_id,
+                                          incarnation=self.incarnation,
+                                          policy_version=self.tracker.version,
+                                          stats=self.heartbeat_stats()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._counted.wait(), 2.0)
 

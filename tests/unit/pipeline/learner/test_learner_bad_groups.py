@@ -6,13 +6,16 @@ group is re-checked. Each bad group here used to end the learner process."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from buffer.checks import RunLimits
+from buffer.protocol import Hello, Welcome
 from buffer.schema import Completion, RolloutGroup
 from buffer.store import RolloutBuffer
 from buffer.transport import ProducerEndpoint
@@ -55,11 +58,20 @@ def bad(reason: str) -> RolloutGroup:
     return g
 
 
+INCARNATION = "p0-test"
+_seq = itertools.count()  # unique across the learners of a test (the ledger drops repeats)
+
+
 async def _run(learner: Learner, groups: list[RolloutGroup], timeout: float = 240.0) -> None:
+    """Play producer p0: Hello, then the groups with their incarnation and seq."""
     ep = ProducerEndpoint(learner.cfg.bind_addr)
     task = asyncio.create_task(learner.run())
     try:
+        hello = Hello(producer_id="p0", incarnation=INCARNATION, policy_version=0,
+                      pid=os.getpid())
+        assert isinstance(await ep.call(hello, 120), Welcome)
         for g in groups:
+            g.metadata = {**g.metadata, "incarnation": INCARNATION, "seq": next(_seq)}
             await ep.send(g, timeout=60)
         await asyncio.wait_for(task, timeout)
     finally:

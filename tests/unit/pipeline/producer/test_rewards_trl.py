@@ -136,7 +136,7 @@ def test_call_mode_detection(fn, batched, style, expected):
 
 
 def test_style_validation():
-    with pytest.raises(ValueError, match="style must be auto, native or trl"):
+    with pytest.raises(ValueError, match="style: must be auto, native or trl"):
         RewardSpec(fn=native_len, style="openai")
     with pytest.raises(ValueError, match="leave batched unset"):
         RewardSpec(fn=reward_num_chars, style="trl", batched=True)
