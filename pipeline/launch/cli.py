@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--reward", action="append", metavar="MODULE:ATTR[@WEIGHT]",
                      help="reward function(s); replaces rewards.specs (repeatable)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="any option by dotted name, e.g. --set engine.extra={swap_space: 1}")
+                     help="any option by dotted name (YAML value), e.g. --set "
+                          "train.loss.kl_coef=0.05 or --set 'engine.extra={max_logprobs: 20}'")
     rev = {v: k for k, v in ALIASES.items()}
     groups: dict[str, argparse._ArgumentGroup] = {}
     # Help texts and defaults come from the config dataclasses, nested sections included

@@ -69,6 +69,14 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     check_data(cfg.data, model_path)
     if role in ("all", "producer"):
         check_installed_vllm(cfg.engine.allow_untested_vllm)
+        from pipeline.producer.engine import EngineSetupError, check_extra
+
+        try:
+            check_extra(cfg.engine.extra)
+        except EngineSetupError as e:
+            raise ConfigError(str(e)) from None
+    if role in ("all", "learner"):
+        check_trackers(cfg.report_to)
     try:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
@@ -103,6 +111,16 @@ def check_installed_vllm(allow_untested: bool) -> None:
         raise ConfigError(f"engine.allow_untested_vllm: {e}") from None
     if warning:
         log.warning("%s", warning)
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Every tracker named in report_to is installed (checked without importing it)."""
+    from pipeline.learner import trackers
+
+    missing = trackers.missing_packages(report_to)
+    if missing:
+        raise ConfigError(f"report_to: {', '.join(missing)} named but not installed "
+                          f"(pip install {' '.join(missing)}, or pip install -e .[trackers])")
 
 
 def set_aside_previous_run(run_dir: Path) -> Path | None:

@@ -51,7 +51,7 @@ from buffer.protocol import (
 from buffer.schema import RolloutGroup
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
-from pipeline.config import RunConfig, curve_keys
+from pipeline.config import RunConfig, curve_keys, to_dict
 from pipeline.learner.checkpoint import (
     CheckpointError,
     LearnerState,
@@ -60,6 +60,7 @@ from pipeline.learner.checkpoint import (
     save_checkpoint,
 )
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
+from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
 from pipeline.owner import owned_name
 from pipeline.procs import LOGS_DIR, ConsoleStream
@@ -142,8 +143,10 @@ class Learner:
         self.acks: dict[int, dict[str, Ack]] = {}
         self.last_sync: dict[str, float] = {}
         self.endpoint: LearnerEndpoint | None = None
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard,
+        self.metrics = MetricsLogger(self.run_dir, tensorboard="tensorboard" in cfg.report_to,
                                      progress=cfg.progress, total_steps=cfg.train.steps,
+                                     trackers=Trackers(cfg.report_to, self.run_dir, cfg.name,
+                                                       to_dict(cfg)),
                                      stream=ConsoleStream())
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):

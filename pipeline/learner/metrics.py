@@ -1,4 +1,5 @@
-"""Training metrics: one JSONL file per run, TensorBoard scalars, a progress line, and a plot.
+"""Training metrics: one JSONL file per run, TensorBoard scalars, the optional trackers of
+``report_to`` (``trackers``), a progress line, and a plot.
 
 This module owns how a run's per-step numbers leave the learner. ``run_dir/metrics.jsonl`` is the
 source of truth: one JSON object per learner step, ``{"step", "time", "ts", **metrics}``, written
@@ -86,6 +87,7 @@ class MetricsLogger:
         progress: bool = True,
         total_steps: int | None = None,
         stream: TextIO | None = None,
+        trackers: Any = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +97,8 @@ class MetricsLogger:
         # Resolved at call time, not at import, so redirected stderr (pytest, daemons) is honoured.
         self._stream = stream if stream is not None else sys.stderr
         self._tensorboard = tensorboard
+        # Optional experiment trackers (``trackers.Trackers``): log(step, values), close().
+        self._trackers = trackers
         self._writer: Any = None
         self._tb_failed = False
 
@@ -139,6 +143,8 @@ class MetricsLogger:
             self.first_reward = float(values["reward_mean"])
         if self._tensorboard:
             self._write_tensorboard(int(step), values)
+        if self._trackers is not None:
+            self._trackers.log(int(step), values)
         if self._progress:
             line = format_progress(step, self.total_steps, record, first_reward=self.first_reward)
             print(line, file=self._stream, flush=True)
@@ -169,6 +175,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._trackers is not None:
+            self._trackers.close()
+            self._trackers = None
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -106,3 +106,25 @@ def test_sleep_when_idle_turns_on_vllm_sleep_mode_on_gpus_fake_platform():
 def test_sleep_when_idle_on_cpu_is_one_clear_error():
     with pytest.raises(EngineSetupError, match=r"engine\.sleep_when_idle needs a GPU"):
         _kw(CPU, sleep_when_idle=True)
+
+
+def test_engine_arg_names_read_from_source_match_the_real_engine_args():
+    """engine.extra is checked against names read from vLLM's source (importing vLLM takes
+    seconds); they must be exactly the fields of the installed AsyncEngineArgs."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from pipeline.producer.engine import engine_arg_names
+
+    assert engine_arg_names() == {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def test_unknown_engine_extra_is_refused_before_any_engine_starts():
+    from pipeline.producer.engine import check_extra
+
+    check_extra({})
+    check_extra({"max_logprobs": 5, "disable_log_stats": True})
+    with pytest.raises(EngineSetupError, match=r"^engine\.extra: unknown vLLM engine argument"
+                                               r"\(s\) swap_spce, zzz "):
+        check_extra({"swap_spce": 1, "zzz": 2, "max_logprobs": 5})
