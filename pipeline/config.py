@@ -48,6 +48,7 @@ def opt(default: Any = dataclasses.MISSING, help: str = "", *, gt: float | None 
 
 
 _OFF_POLICY_MODES = ("decoupled", "ppo")
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 _GPU_LIST = re.compile(r"\d+(,\d+)*")
 _AGG_MODES = ("token_mean", "seq_mean")
 
@@ -430,7 +431,11 @@ class RunConfig:
     learner_gpus: str = opt("", "CUDA_VISIBLE_DEVICES of the learner (all ranks), e.g. '0'; "
                                 "the same GPU as a producer = colocated ('' inherits)")
     progress: bool = opt(True, "print a progress line per step")
-    tensorboard: bool = opt(True, "write TensorBoard scalars to run_dir/tb")
+    report_to: list[str] | str = opt(
+        ["tensorboard"], "experiment trackers, TRL's convention: any of tensorboard "
+                         "(run_dir/tensorboard), wandb, trackio, mlflow (each an optional "
+                         "package, imported only when named; [] or none for none)")
+    tensorboard: bool = opt(True, "false takes tensorboard out of report_to")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "model"})
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "engine"})
     generation: GenerationConfig = field(default_factory=GenerationConfig,
@@ -447,6 +452,15 @@ class RunConfig:
         _check(self.generation.max_tokens < self.engine.max_model_len, "generation.max_tokens",
                f"must be below engine.max_model_len ({self.engine.max_model_len}), got "
                f"{self.generation.max_tokens}")
+        if isinstance(self.report_to, str):  # `--report_to wandb,mlflow`, TRL's "none"/"all"
+            text = self.report_to.strip().strip("[]")
+            self.report_to = {"none": [], "all": list(TRACKERS)}.get(
+                text, [t.strip() for t in text.split(",") if t.strip()])
+        _check(isinstance(self.report_to, list) and all(t in TRACKERS for t in self.report_to),
+               "report_to", f"must be a list of {', '.join(TRACKERS)} (got {self.report_to!r})")
+        self.report_to = list(dict.fromkeys(self.report_to))  # each tracker once
+        if not self.tensorboard and "tensorboard" in self.report_to:
+            self.report_to.remove("tensorboard")
         if not self.run_dir:
             self.run_dir = str(Path("runs") / self.name)
         _check(self.buffer_order in ("fifo", "freshest"), "buffer_order", "must be fifo|freshest")

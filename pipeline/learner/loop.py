@@ -51,7 +51,7 @@ from buffer.protocol import (
 from buffer.schema import RolloutGroup
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
-from pipeline.config import RunConfig, curve_keys
+from pipeline.config import RunConfig, curve_keys, to_dict
 from pipeline.learner.checkpoint import (
     CheckpointError,
     LearnerState,
@@ -59,9 +59,11 @@ from pipeline.learner.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from pipeline.learner.metrics import MetricsLogger, plot_run
+from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
+from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
 from pipeline.owner import owned_name
+from pipeline.procs import LOGS_DIR, ConsoleStream
 from sync.packing import Layout, pack, plan_layout
 from sync.snapshot import SnapshotRef
 from sync.transfer import TransportChoiceError, choose_transport
@@ -78,7 +80,8 @@ class ProducerInfo:
     pid: int = 0
     version: int = 0
     last_seen: float = -ALIVE_S  # not alive until heard from after its Hello
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
+    carried: dict[str, float] = field(default_factory=dict)  # its earlier processes' counters
     devices: list[str] = field(default_factory=list)  # GPU UUID per vLLM worker ([] = CPU)
     route: str = "file"  # weight transport for this producer (sync.transfer)
 
@@ -140,8 +143,11 @@ class Learner:
         self.acks: dict[int, dict[str, Ack]] = {}
         self.last_sync: dict[str, float] = {}
         self.endpoint: LearnerEndpoint | None = None
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard,
-                                     progress=cfg.progress, total_steps=cfg.train.steps)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard="tensorboard" in cfg.report_to,
+                                     progress=cfg.progress, total_steps=cfg.train.steps,
+                                     trackers=Trackers(cfg.report_to, self.run_dir, cfg.name,
+                                                       to_dict(cfg)),
+                                     stream=ConsoleStream())
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):
             self.counters.setdefault(k, 0)
@@ -191,6 +197,8 @@ class Learner:
     def _on_hello(self, msg: Hello) -> None:
         new = self.registry.hello(msg)  # a new producer, or a new process of a known one
         info = self.producers.setdefault(msg.producer_id, ProducerInfo())
+        if new:  # a new process: its counters start at 0, its predecessor's carry over
+            info.carried, info.stats = carry_counters(info.carried, info.stats), {}
         if new and info.pid and self.publisher is not None:
             self.publisher.forget(msg.producer_id)  # its link died with the old process
         info.pid = msg.pid
@@ -467,8 +475,7 @@ class Learner:
                 **{f"rejected_groups/{k}": float(v) for k, v in bs.rejected_groups.items()},
                 "producers_alive": float(sum(1 for i in self.producers.values()
                                              if now - i.last_seen < ALIVE_S)),
-                "gen_tokens_per_s": sum(i.stats.get("tokens_per_s", 0.0)
-                                        for i in self.producers.values()),
+                **self._producer_metrics(),
                 **{k: float(v) for k, v in self.counters.items()},
                 "snapshot_files_skipped": float(self.writer.skipped),
                 **{f"engine_{k}": sum(i.stats.get(k, 0.0) for i in self.producers.values())
@@ -485,6 +492,14 @@ class Learner:
             if ce and st.step % ce == 0 and st.step < t.steps:
                 await self.checkpoint()
         await self.writer.flush()  # a failed write raises here, not silently
+
+    def _producer_metrics(self) -> dict[str, float]:
+        """Every producer counter (from heartbeats, restarts carried over), per producer and
+        summed; ``gen_tokens_per_s``: the producers' tokens per second of generation."""
+        m = producer_metrics({p: {**i.stats, **carry_counters(i.carried, i.stats)}
+                              for p, i in self.producers.items()})
+        m["gen_tokens_per_s"] = m.pop("producer/gen_tokens_per_s", 0.0)
+        return m
 
     async def _train_batch(self, batch: list[RolloutGroup], version: int
                            ) -> dict[str, float] | None:
@@ -580,6 +595,6 @@ class Learner:
         k = max(1, min(5, len(rows) // 4))
         first = sum(r["reward_mean"] for r in rows[:k]) / k
         last = sum(r["reward_mean"] for r in rows[-k:]) / k
-        print(f"\nreward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
+        print(f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
               f"({len(rows)} steps, {rows[-1]['time'] / 60:.1f} min)\nplot: {png}\n"
-              f"metrics: {path}", flush=True)
+              f"metrics: {path}\nlogs: {self.run_dir / LOGS_DIR}", file=ConsoleStream())

@@ -40,7 +40,8 @@ class Launcher:
                "--num-producers", "2", "--batch-groups", "2", "--group-size", "4",
                "--max-tokens", "8", "--run-dir", str(run_dir),
                "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
-               "--tensorboard", "false", "--progress", "false", *extra]
+               "--tensorboard", "false", "--progress", "false",
+               "--verbose", *extra]  # the tests follow the processes' INFO lines
         self.run_dir = run_dir
         self.lines: list[str] = []
         self._cond = threading.Condition()

@@ -3,6 +3,7 @@ from TRL, train through the real launcher with a real vLLM CPU engine on the tin
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -48,7 +49,7 @@ def reward_len(completion_ids, **kwargs):
 """
 
 
-def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path):
+def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -76,6 +77,10 @@ def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path):
             ]
         },
     }
+    # The learner's trackers, where installed (pip install -e .[trackers]): wandb offline and
+    # mlflow's file store in the run directory.
+    trackers = [t for t in ("wandb", "mlflow") if importlib.util.find_spec(t) is not None]
+    config["report_to"] = ["tensorboard", *trackers]
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
@@ -105,10 +110,16 @@ def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path):
         "256",
         "--engine.cpu_kvcache_space_gib",
         "1",
-        "--tensorboard",
-        "false",
+        "--name",
+        "trl-e2e",
     ]
-    env = dict(os.environ, PIPELINE_TEST_RUN="trl" + str(os.getpid()))
+    env = dict(
+        os.environ,
+        PIPELINE_TEST_RUN="trl" + str(os.getpid()),
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+    )
+    env.pop("MLFLOW_TRACKING_URI", None)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_no_process_left(env["PIPELINE_TEST_RUN"])
@@ -137,3 +148,21 @@ def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path):
     # TRL's kwargs: prompts, completions, and the dataset's columns (the prompt field excluded).
     assert {"prompts", "completions", "solution", "task", "answer"} <= set(calls[0]["columns"])
     assert "messages" not in calls[0]["columns"]
+
+    # Trackers: TensorBoard events, and every step's scalars in mlflow under the run's name.
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    if "wandb" in trackers:
+        assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    if "mlflow" in trackers:
+        import mlflow
+
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reading a file store
+        client = mlflow.MlflowClient(tracking_uri=(run_dir / "mlruns").as_uri())
+        (run,) = client.search_runs([client.get_experiment_by_name("pipeline-grpo").experiment_id])
+        assert run.info.run_name == "trl-e2e" and run.data.params["train.steps"] == "2"
+        for key in ("reward_mean", "reward/accuracy_reward", "grad_norm"):
+            hist = client.get_metric_history(run.info.run_id, key)
+            assert sorted(m.step for m in hist) == [1, 2], key
+            assert [m.value for m in sorted(hist, key=lambda m: m.step)] == [
+                row[key] for row in metrics
+            ]
