@@ -198,18 +198,20 @@ class Learner:
             self.state.cursors[pid] = max(self.state.cursors.get(pid, 0), cursor)
 
     def _on_hello(self, msg: Hello) -> None:
-        restarted = self.registry.hello(msg)
+        new = self.registry.hello(msg)  # a new producer, or a new process of a known one
         info = self.producers.setdefault(msg.producer_id, ProducerInfo())
-        if restarted:  # a new process: its counters start at 0, its predecessor's carry over
+        if new:  # a new process: its counters start at 0, its predecessor's carry over
             info.carried, info.stats = carry_counters(info.carried, info.stats), {}
-        if restarted and info.pid and self.publisher is not None:
+        if new and info.pid and self.publisher is not None:
             self.publisher.forget(msg.producer_id)  # its link died with the old process
         info.pid = msg.pid
         info.version = msg.policy_version
         info.devices = list(msg.devices)
         info.route = self._route(msg.producer_id, info.devices)
-        log.info("producer %s (pid %d, incarnation %s) connected at version %d; weights by %s",
-                 msg.producer_id, msg.pid, msg.incarnation, msg.policy_version, info.route)
+        if new:  # a repeated Hello (the producer retried, or heard of a restart) says nothing
+            log.info("producer %s (pid %d) connected at version %d; weights by %s "
+                     "(incarnation %s)", msg.producer_id, msg.pid, msg.policy_version,
+                     info.route, msg.incarnation)
 
     def _on_control(self, msg: ControlMessage) -> None:
         """A checked control message from a producer that said Hello."""
