@@ -157,6 +157,7 @@ class Learner:
         self.publisher = None  # sync.publish.WeightPublisher, for ipc/nccl routes
         self._transfer_tasks: set[asyncio.Task] = set()
         self._rejects_logged: dict[tuple[str, str], int] = {}
+        self._vocab_size = self.trainer.vocab_size
         self._failed_steps = 0  # consecutive training steps that raised
         if resume:  # a checkpoint may hold groups that this run would reject now
             limits = self.limits()
@@ -171,7 +172,7 @@ class Learner:
         v = self.state.version
         window = self.cfg.train.max_staleness + self.cfg.sync.keep_snapshots
         return RunLimits(group_size=self.cfg.generation.group_size,
-                         vocab_size=self.trainer.vocab_size,
+                         vocab_size=self._vocab_size,
                          max_tokens=self.cfg.generation.max_tokens,
                          max_model_len=self.cfg.engine.max_model_len,
                          learner_version=v, oldest_version=max(0, v - window))
@@ -180,6 +181,8 @@ class Learner:
         """One line per rejected group, at WARNING for the first few of each (producer, reason)
         so that a flood of them cannot drown the log; every one is counted either way."""
         key = (g.producer_id, reason)
+        if key not in self._rejects_logged and len(self._rejects_logged) >= 1000:
+            key = ("*", reason)  # producer ids come off the wire: bound the table
         n = self._rejects_logged[key] = self._rejects_logged.get(key, 0) + 1
         level = logging.WARNING if n <= REJECT_LOG_LIMIT else logging.DEBUG
         more = "; further ones of this kind are only counted" if n == REJECT_LOG_LIMIT else ""
@@ -195,18 +198,20 @@ class Learner:
             self.state.cursors[pid] = max(self.state.cursors.get(pid, 0), cursor)
 
     def _on_hello(self, msg: Hello) -> None:
-        restarted = self.registry.hello(msg)
+        new = self.registry.hello(msg)  # a new producer, or a new process of a known one
         info = self.producers.setdefault(msg.producer_id, ProducerInfo())
-        if restarted:  # a new process: its counters start at 0, its predecessor's carry over
+        if new:  # a new process: its counters start at 0, its predecessor's carry over
             info.carried, info.stats = carry_counters(info.carried, info.stats), {}
-        if restarted and info.pid and self.publisher is not None:
+        if new and info.pid and self.publisher is not None:
             self.publisher.forget(msg.producer_id)  # its link died with the old process
         info.pid = msg.pid
         info.version = msg.policy_version
         info.devices = list(msg.devices)
         info.route = self._route(msg.producer_id, info.devices)
-        log.info("producer %s (pid %d, incarnation %s) connected at version %d; weights by %s",
-                 msg.producer_id, msg.pid, msg.incarnation, msg.policy_version, info.route)
+        if new:  # a repeated Hello (the producer retried, or heard of a restart) says nothing
+            log.info("producer %s (pid %d) connected at version %d; weights by %s "
+                     "(incarnation %s)", msg.producer_id, msg.pid, msg.policy_version,
+                     info.route, msg.incarnation)
 
     def _on_control(self, msg: ControlMessage) -> None:
         """A checked control message from a producer that said Hello."""

@@ -32,10 +32,14 @@ def test_leftovers_of_a_killed_launcher_are_reclaimed_by_the_next_run(tiny_model
     try:
         la.wait_for(lambda: la.steps_done() >= 1, 300, "the first step")
         record = SHM_DIR / f"pipeline-grpo-segments.owner-{tag}"
-        la.wait_for(lambda: record.exists() and record.read_text().split(), 60,
-                    "the launcher's record of its engines' segments")
-        every = [la.proc.pid] + [c.pid for c in
-                                 psutil.Process(la.proc.pid).children(recursive=True)]
+        la.wait_for(
+            lambda: record.exists() and record.read_text().split(),
+            60,
+            "the launcher's record of its engines' segments",
+        )
+        every = [la.proc.pid] + [
+            c.pid for c in psutil.Process(la.proc.pid).children(recursive=True)
+        ]
         for pid in every:  # the whole job at once: nobody gets to clean up
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -48,15 +52,28 @@ def test_leftovers_of_a_killed_launcher_are_reclaimed_by_the_next_run(tiny_model
     segments = set(record.read_text().split()) & list_segments()
     assert snapshot_dirs and segments, (left, segments)
 
-    la = Launcher(tiny_model, tmp_path / "next", "--mode", "sync", "--steps", "1",
-                  "--num-producers", "1", "--batch-groups", "1")
+    la = Launcher(
+        tiny_model,
+        tmp_path / "next",
+        "--mode",
+        "sync",
+        "--steps",
+        "1",
+        "--num-producers",
+        "1",
+        "--batch-groups",
+        "1",
+    )
     try:
         assert la.wait(300) == 0, la.tail()
     finally:
         la.stop()
     log = "\n".join(la.lines)
-    m = re.search(r"reclaimed ([\d.]+) MB in /dev/shm left by killed runs: (\d+) snapshot "
-                  r"dir\(s\), (\d+) engine segment\(s\)", log)
+    m = re.search(
+        r"reclaimed ([\d.]+) MB in /dev/shm left by killed runs: (\d+) snapshot "
+        r"dir\(s\), (\d+) engine segment\(s\)",
+        log,
+    )
     assert m, log[-3000:]
     assert int(m[2]) >= len(snapshot_dirs) and int(m[3]) >= len(segments)
     assert float(m[1]) > 0
