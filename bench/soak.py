@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
            "--steps", "1000000", "--run-dir", str(run_dir), "--tensorboard", "false",
            "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
            "--train.checkpoint_every", "1", "--max-producer-restarts", "1000",
-           "--max-learner-restarts", "10"]
+           "--max-learner-restarts", "10", "--verbose"]  # _watch reads the INFO lines
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
     pids: dict[str, int] = {}

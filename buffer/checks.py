@@ -27,10 +27,10 @@ REASONS = (
     "token_out_of_vocab",
     "too_many_tokens",
     "too_long",
-    "version_ahead",
-    "version_behind",
     "reward_out_of_range",
     "logprob_out_of_range",
+    "version_ahead",
+    "version_behind",
 )
 """Every reason a group can be rejected for, in the order they are checked."""
 
@@ -116,30 +116,12 @@ def check_group(group: RolloutGroup, limits: RunLimits) -> Rejection | None:
                 f"exceed max_model_len {limits.max_model_len}",
             )
     for i, c in enumerate(comps):
-        versions = [v for _, v in c.version_segments]
-        if max(versions) > limits.learner_version:
-            return Rejection(
-                "version_ahead",
-                f"completion {i} has tokens of version "
-                f"{max(versions)}, the learner is at "
-                f"{limits.learner_version}",
-            )
-        if min(versions) < limits.oldest_version:
-            return Rejection(
-                "version_behind",
-                f"completion {i} has tokens of version "
-                f"{min(versions)}, the oldest kept is "
-                f"{limits.oldest_version}",
-            )
-    for i, c in enumerate(comps):
         rewards = [c.reward, *c.reward_breakdown.values()]
         if not all(math.isfinite(r) and abs(r) <= limits.max_abs_reward for r in rewards):
             return Rejection(
                 "reward_out_of_range",
-                f"completion {i} has reward {c.reward} "
-                f"(breakdown {c.reward_breakdown}); "
-                f"|reward| must be <= "
-                f"{limits.max_abs_reward:g}",
+                f"completion {i} has reward {c.reward} (breakdown {c.reward_breakdown}); "
+                f"|reward| must be <= {limits.max_abs_reward:g}",
             )
     for i, c in enumerate(comps):
         lp = np.asarray(c.logprobs, dtype=np.float64)
@@ -153,4 +135,18 @@ def check_group(group: RolloutGroup, limits: RunLimits) -> Rejection | None:
                 f"completion {i} has logprobs in [{lp.min()}, {lp.max()}], "
                 f"allowed [{limits.min_logprob:g}, {limits.max_logprob:g}]",
             )
+    # Versions last: they are the only checks whose outcome changes as the learner moves on,
+    # and every "ahead" before any "behind", so a group's reason does not depend on timing.
+    newest = [max(v for _, v in c.version_segments) for c in comps]
+    oldest = [min(v for _, v in c.version_segments) for c in comps]
+    if max(newest) > limits.learner_version:
+        return Rejection(
+            "version_ahead",
+            f"tokens of version {max(newest)}, the learner is at {limits.learner_version}",
+        )
+    if min(oldest) < limits.oldest_version:
+        return Rejection(
+            "version_behind",
+            f"tokens of version {min(oldest)}, the oldest kept is {limits.oldest_version}",
+        )
     return None

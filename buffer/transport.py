@@ -165,7 +165,8 @@ def check_secret_key_file(path: str | Path) -> None:
     if st.st_mode & 0o077:
         raise PermissionError(
             f"secret key {p} is accessible by others (mode {st.st_mode & 0o777:04o}); it must "
-            f"be readable by its owner only: chmod 600 {p}")
+            f"be readable by its owner only: chmod 600 {p}"
+        )
 
 
 def _load_secret(path: Path) -> tuple[bytes, bytes | None]:
@@ -191,7 +192,8 @@ def load_curve_keys(directory: str | Path, role: str) -> CurveKeys:
         raise FileNotFoundError(
             f"CURVE keys missing: {', '.join(missing)}. Copy the learner's key directory "
             "(server.key, client.key, client.key_secret; server.key_secret is not needed) to "
-            "this node")
+            "this node"
+        )
     server_public, _ = zmq.auth.load_certificate(d / "server.key")
     client_public, client_secret = _load_secret(d / "client.key_secret")
     return CurveKeys(server_public, None, client_public, client_secret)

@@ -103,10 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-learner-restarts", type=_count, default=0, metavar="INT",
                      help="restart a dead learner from its last checkpoint up to this many times "
                           "while producers keep running (0: a dead learner stops the run)")
+    run.add_argument("--verbose", action="store_true",
+                     help="show every process's log on the console (vLLM's and the libraries' "
+                          "INFO lines too); without it the console shows progress, warnings, "
+                          "errors and the summary, and the rest is in run_dir/logs/")
     run.add_argument("--reward", action="append", metavar="MODULE:ATTR[@WEIGHT]",
                      help="reward function(s); replaces rewards.specs (repeatable)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="any option by dotted name, e.g. --set engine.extra={swap_space: 1}")
+                     help="any option by dotted name (YAML value), e.g. --set "
+                          "train.loss.kl_coef=0.05 or --set 'engine.extra={max_logprobs: 20}'")
     rev = {v: k for k, v in ALIASES.items()}
     groups: dict[str, argparse._ArgumentGroup] = {}
     # Help texts and defaults come from the config dataclasses, nested sections included
@@ -176,13 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pipeline-train: config error: {e}", file=sys.stderr)
         return 2
-    from pipeline.launch.local import run, setup_logging
+    from pipeline.launch.console import launcher_logging
+    from pipeline.launch.local import run
 
-    setup_logging()
+    launcher_logging(args.verbose)
     try:
         return run(cfg, role=args.role, resume=args.resume, producer_index=args.producer_index,
                    max_producer_restarts=args.max_producer_restarts,
-                   max_learner_restarts=args.max_learner_restarts)
+                   max_learner_restarts=args.max_learner_restarts, verbose=args.verbose)
     except ConfigError as e:
         print(f"pipeline-train: config error: {e}", file=sys.stderr)
         return 2

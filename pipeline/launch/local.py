@@ -34,6 +34,7 @@ from pipeline.config import (
     producer_gpu_env,
     to_dict,
 )
+from pipeline.launch.console import LogFollower, log_to_run_dir
 from pipeline.launch.shm import (
     forget_record,
     forget_tracked,
@@ -43,7 +44,14 @@ from pipeline.launch.shm import (
     record_segments,
 )
 from pipeline.owner import OWNER_ENV, owner_tag
-from pipeline.procs import run_with_sigterm, setup_logging, wait_group_gone
+from pipeline.procs import (
+    LOGS_DIR,
+    log_file,
+    run_with_sigterm,
+    setup_logging,
+    to_log_file,
+    wait_group_gone,
+)
 
 log = logging.getLogger("pipeline")
 
@@ -61,6 +69,12 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     check_data(cfg.data, model_path)
     if role in ("all", "producer"):
         check_installed_vllm(cfg.engine.allow_untested_vllm)
+        from pipeline.producer.engine import EngineSetupError, check_extra
+
+        try:
+            check_extra(cfg.engine.extra)
+        except EngineSetupError as e:
+            raise ConfigError(str(e)) from None
     if role in ("all", "learner"):
         check_trackers(cfg.report_to)
     try:
@@ -137,16 +151,19 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child_setup() -> None:
+def _child_setup(cfg_dict: dict, process: str, log_to_file: bool) -> None:
     os.setpgrp()  # own process group: killpg stops vLLM's children with us
     _die_with_parent()
+    if log_to_file:  # run_dir/logs/<process>.log; the launcher shows what is for the console
+        to_log_file(log_file(cfg_dict["run_dir"], process))
     setup_logging()
     # Children ignore the terminal's Ctrl-C; the launcher decides who stops and in which order.
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
-    _child_setup()
+def learner_entry(cfg_dict: dict, model_path: str, resume: bool, log_to_file: bool = False
+                  ) -> None:
+    _child_setup(cfg_dict, "learner", log_to_file)
     # Pinned before the config is built: nothing may initialise CUDA before this.
     os.environ.update(learner_gpu_env(cfg_dict.get("learner_gpus", "")))
     cfg = load_config(overrides=flatten(cfg_dict))
@@ -202,8 +219,12 @@ class LaunchedLearner:
         cmd = self.cmd + (["--main_process_port", str(free_port())] if self.own_port else [])
         cmd += self.args
         log.info("learner: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, preexec_fn=_popen_setup,
-                                     env=os.environ | learner_gpu_env(self.cfg.learner_gpus))
+        path = log_file(self.cfg.run_dir, "learner")  # every rank's output, as learner_entry's
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as out:
+            self.proc = subprocess.Popen(cmd, preexec_fn=_popen_setup, stdout=out,
+                                         stderr=subprocess.STDOUT,
+                                         env=os.environ | learner_gpu_env(self.cfg.learner_gpus))
 
     @property
     def pid(self) -> int | None:
@@ -231,12 +252,13 @@ def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, res
                   ) -> Any:
     if cfg.train.learner_processes > 1 or cfg.train.accelerate_config:
         return LaunchedLearner(cfg, model_path, resume)
-    return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume), name="learner")
+    return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume, True),
+                       name="learner")
 
 
-def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False
-                   ) -> None:
-    _child_setup()
+def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False,
+                   log_to_file: bool = False) -> None:
+    _child_setup(cfg_dict, f"producer-{index}", log_to_file)
     # Pinned before the config is built: nothing may initialise CUDA before this.
     os.environ.update(producer_gpu_env(cfg_dict.get("producer_gpus", []), index))
     cfg = load_config(overrides=flatten(cfg_dict))
@@ -267,8 +289,13 @@ def _reap(procs: list[mp.Process], grace_s: float) -> None:
 
 
 def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_index: int = 0,
-        max_producer_restarts: int = 0, max_learner_restarts: int = 0) -> int:
-    """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
+        max_producer_restarts: int = 0, max_learner_restarts: int = 0,
+        verbose: bool = False) -> int:
+    """Run ``role`` (all | learner | producer) to completion; returns an exit code.
+
+    Each process writes its output to ``run_dir/logs/<process>.log``; the console shows the
+    progress lines, the summary, warnings and errors (``verbose``: every line of every process).
+    """
     model_path = prepare(cfg, role)
     # Children inherit this launcher's owner tag: what they leave in /dev/shm names it, so a
     # later run reclaims it should this launcher be killed (pipeline.launch.shm).
@@ -281,6 +308,8 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     if not resume and role in ("all", "learner"):
         set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    file_log = log_to_run_dir(run_dir)
+    follower = LogFollower(run_dir / LOGS_DIR, verbose=verbose)  # before any child writes
     if not resume:
         # A fresh run must not resend the outbox of an earlier run in the same run_dir.
         for stale in (run_dir / "producers").glob("*.wal"):
@@ -295,7 +324,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         [producer_index] if role == "producer" else [])
     # --role producer: its producer exits when the learner announces its last step.
     producers = {i: ctx.Process(target=producer_entry, name=f"producer{i}",
-                                args=(cfg_dict, model_path, i, role == "producer"))
+                                args=(cfg_dict, model_path, i, role == "producer", True))
                  for i in indices}
     procs = ([learner] if learner else []) + list(producers.values())
     # SIGTERM (e.g. from `timeout` or a job scheduler) stops the run like Ctrl-C does.
@@ -304,6 +333,9 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for p in procs:
         p.start()
+    names = (["learner"] if learner else []) + [f"producer-{i}" for i in producers]
+    print(f"pipeline-train: started {', '.join(names)}; their logs: {run_dir / LOGS_DIR}/"
+          f" (--verbose shows them here)", flush=True)
     restarts = 0
     learner_restarts = 0
     code = 0
@@ -343,7 +375,8 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     p.join(5)
                     wait_group_gone(p.pid)  # its engine core may still hold the segments
                     forget_tracked(reclaim_orphans(shm_before))
-                    new = ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
+                    new = ctx.Process(target=producer_entry,
+                                      args=(cfg_dict, model_path, i, False, True),
                                       name=f"producer{i}")
                     new.start()
                     producers[i] = new
@@ -355,6 +388,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
             if time.monotonic() >= next_record:
                 recorded = record_segments(shm_before, known=recorded)
                 next_record = time.monotonic() + 5.0
+            follower.pump()
             time.sleep(0.5)
     except (KeyboardInterrupt, SystemExit):
         code = code or 130
@@ -368,4 +402,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         _reap(procs, grace_s=20.0)
         forget_tracked(reclaim_orphans(shm_before))
         forget_record()
+        follower.pump(final=True)
+        logging.getLogger().removeHandler(file_log)
+        file_log.close()
     return code

@@ -59,10 +59,11 @@ from pipeline.learner.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from pipeline.learner.metrics import MetricsLogger, plot_run
+from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
 from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
 from pipeline.owner import owned_name
+from pipeline.procs import LOGS_DIR, ConsoleStream
 from sync.packing import Layout, pack, plan_layout
 from sync.snapshot import SnapshotRef
 from sync.transfer import TransportChoiceError, choose_transport
@@ -79,7 +80,8 @@ class ProducerInfo:
     pid: int = 0
     version: int = 0
     last_seen: float = -ALIVE_S  # not alive until heard from after its Hello
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
+    carried: dict[str, float] = field(default_factory=dict)  # its earlier processes' counters
     devices: list[str] = field(default_factory=list)  # GPU UUID per vLLM worker ([] = CPU)
     route: str = "file"  # weight transport for this producer (sync.transfer)
 
@@ -145,7 +147,8 @@ class Learner:
         self.metrics = MetricsLogger(self.run_dir, tensorboard="tensorboard" in cfg.report_to,
                                      progress=cfg.progress, total_steps=cfg.train.steps,
                                      trackers=Trackers(cfg.report_to, self.run_dir, cfg.name,
-                                                       to_dict(cfg)))
+                                                       to_dict(cfg)),
+                                     stream=ConsoleStream())
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):
             self.counters.setdefault(k, 0)
@@ -155,6 +158,7 @@ class Learner:
         self.publisher = None  # sync.publish.WeightPublisher, for ipc/nccl routes
         self._transfer_tasks: set[asyncio.Task] = set()
         self._rejects_logged: dict[tuple[str, str], int] = {}
+        self._vocab_size = self.trainer.vocab_size
         self._failed_steps = 0  # consecutive training steps that raised
         if resume:  # a checkpoint may hold groups that this run would reject now
             limits = self.limits()
@@ -169,7 +173,7 @@ class Learner:
         v = self.state.version
         window = self.cfg.train.max_staleness + self.cfg.sync.keep_snapshots
         return RunLimits(group_size=self.cfg.generation.group_size,
-                         vocab_size=self.trainer.vocab_size,
+                         vocab_size=self._vocab_size,
                          max_tokens=self.cfg.generation.max_tokens,
                          max_model_len=self.cfg.engine.max_model_len,
                          learner_version=v, oldest_version=max(0, v - window))
@@ -178,6 +182,8 @@ class Learner:
         """One line per rejected group, at WARNING for the first few of each (producer, reason)
         so that a flood of them cannot drown the log; every one is counted either way."""
         key = (g.producer_id, reason)
+        if key not in self._rejects_logged and len(self._rejects_logged) >= 1000:
+            key = ("*", reason)  # producer ids come off the wire: bound the table
         n = self._rejects_logged[key] = self._rejects_logged.get(key, 0) + 1
         level = logging.WARNING if n <= REJECT_LOG_LIMIT else logging.DEBUG
         more = "; further ones of this kind are only counted" if n == REJECT_LOG_LIMIT else ""
@@ -193,16 +199,20 @@ class Learner:
             self.state.cursors[pid] = max(self.state.cursors.get(pid, 0), cursor)
 
     def _on_hello(self, msg: Hello) -> None:
-        restarted = self.registry.hello(msg)
+        new = self.registry.hello(msg)  # a new producer, or a new process of a known one
         info = self.producers.setdefault(msg.producer_id, ProducerInfo())
-        if restarted and info.pid and self.publisher is not None:
+        if new:  # a new process: its counters start at 0, its predecessor's carry over
+            info.carried, info.stats = carry_counters(info.carried, info.stats), {}
+        if new and info.pid and self.publisher is not None:
             self.publisher.forget(msg.producer_id)  # its link died with the old process
         info.pid = msg.pid
         info.version = msg.policy_version
         info.devices = list(msg.devices)
         info.route = self._route(msg.producer_id, info.devices)
-        log.info("producer %s (pid %d, incarnation %s) connected at version %d; weights by %s",
-                 msg.producer_id, msg.pid, msg.incarnation, msg.policy_version, info.route)
+        if new:  # a repeated Hello (the producer retried, or heard of a restart) says nothing
+            log.info("producer %s (pid %d) connected at version %d; weights by %s "
+                     "(incarnation %s)", msg.producer_id, msg.pid, msg.policy_version,
+                     info.route, msg.incarnation)
 
     def _on_control(self, msg: ControlMessage) -> None:
         """A checked control message from a producer that said Hello."""
@@ -477,8 +487,7 @@ class Learner:
                 **{f"rejected_groups/{k}": float(v) for k, v in bs.rejected_groups.items()},
                 "producers_alive": float(sum(1 for i in self.producers.values()
                                              if now - i.last_seen < ALIVE_S)),
-                "gen_tokens_per_s": sum(i.stats.get("tokens_per_s", 0.0)
-                                        for i in self.producers.values()),
+                **self._producer_metrics(),
                 **{k: float(v) for k, v in self.counters.items()},
                 "snapshot_files_skipped": float(self.writer.skipped),
                 **{f"engine_{k}": sum(i.stats.get(k, 0.0) for i in self.producers.values())
@@ -495,6 +504,14 @@ class Learner:
             if ce and st.step % ce == 0 and st.step < t.steps:
                 await self.checkpoint()
         await self.writer.flush()  # a failed write raises here, not silently
+
+    def _producer_metrics(self) -> dict[str, float]:
+        """Every producer counter (from heartbeats, restarts carried over), per producer and
+        summed; ``gen_tokens_per_s``: the producers' tokens per second of generation."""
+        m = producer_metrics({p: {**i.stats, **carry_counters(i.carried, i.stats)}
+                              for p, i in self.producers.items()})
+        m["gen_tokens_per_s"] = m.pop("producer/gen_tokens_per_s", 0.0)
+        return m
 
     async def _train_batch(self, batch: list[RolloutGroup], version: int
                            ) -> dict[str, float] | None:
@@ -590,6 +607,6 @@ class Learner:
         k = max(1, min(5, len(rows) // 4))
         first = sum(r["reward_mean"] for r in rows[:k]) / k
         last = sum(r["reward_mean"] for r in rows[-k:]) / k
-        print(f"\nreward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
+        print(f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
               f"({len(rows)} steps, {rows[-1]['time'] / 60:.1f} min)\nplot: {png}\n"
-              f"metrics: {path}", flush=True)
+              f"metrics: {path}\nlogs: {self.run_dir / LOGS_DIR}", file=ConsoleStream())

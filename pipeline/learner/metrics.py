@@ -29,7 +29,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "format_progress", "main", "plot_run", "read_metrics"]
+__all__ = [
+    "METRICS_FILE",
+    "MetricsLogger",
+    "carry_counters",
+    "format_progress",
+    "main",
+    "plot_run",
+    "producer_metrics",
+    "read_metrics",
+]
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the per-run metrics file inside the run directory."""
@@ -175,6 +184,31 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def carry_counters(carried: Mapping[str, float], last: Mapping[str, float]) -> dict[str, float]:
+    """A restarted producer's counters start again from zero: what its earlier processes
+    counted (``carried``, plus their ``last`` heartbeat) is added to the new process's
+    counters. Rates (names ending in ``_per_s``) are not carried over."""
+    out = dict(carried)
+    for key, value in last.items():
+        if not key.endswith("_per_s"):
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def producer_metrics(per_producer: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """The producers' heartbeat counters as metrics: each producer's under
+    ``by_producer/<id>/<name>``, and their sum over producers under ``reward/<name>/<kind>``
+    for the reward counters (the names the rewards count them under) and ``producer/<name>``
+    for the rest (rates too: the producers' rates add up when they generate side by side)."""
+    out: dict[str, float] = {}
+    for pid in sorted(per_producer):
+        for key, value in per_producer[pid].items():
+            out[f"by_producer/{pid}/{key}"] = float(value)
+            total = key if key.startswith("reward/") else f"producer/{key}"
+            out[total] = out.get(total, 0.0) + float(value)
+    return out
 
 
 def _fmt_duration(seconds: float) -> str:

@@ -104,6 +104,13 @@ class _Trackio:
     def close(self) -> None:
         with _stdout_to_log("trackio"):
             self.run.finish()
+        # trackio finishes its current run again at exit (printing to the console) unless it is
+        # cleared, as trackio.finish() does for the run it holds.
+        with contextlib.suppress(Exception):
+            from trackio import context_vars
+
+            if context_vars.current_run.get() is self.run:
+                context_vars.current_run.set(None)
 
 
 class _Mlflow:

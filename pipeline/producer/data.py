@@ -23,28 +23,32 @@ from typing import Any
 
 from pipeline.config import ConfigError, DataConfig
 
-FORMATS = "a .jsonl/.json, .parquet or .csv file, a `datasets` dir saved with save_to_disk, " \
-          "or 'arithmetic:N[:MAX_OPERAND]'"
+FORMATS = (
+    "a .jsonl/.json, .parquet or .csv file, a `datasets` dir saved with save_to_disk, "
+    "or 'arithmetic:N[:MAX_OPERAND]'"
+)
 
 
 @dataclass
 class PromptRecord:
     prompt_id: str
     prompt: str | list[dict[str, Any]]  # text, or a conversation (list of messages)
-    meta: dict[str, Any]   # every other field of the record (e.g. "answer"), for rewards
-    cursor: int            # position in this producer's shard, + 1 (resume point)
+    meta: dict[str, Any]  # every other field of the record (e.g. "answer"), for rewards
+    cursor: int  # position in this producer's shard, + 1 (resume point)
 
 
 def load_records(path: str) -> list[dict[str, Any]]:
     """All records of a source, in file order. Raises ConfigError with the path on failure."""
     if path.startswith("arithmetic:"):
         from pipeline.tasks.arithmetic import make_arithmetic_prompts
+
         try:
             n, *rest = (int(x) for x in path.split(":")[1:])
             max_operand = rest[0] if rest else 20
         except ValueError:
-            raise ConfigError(f"data.path: expected 'arithmetic:N' or 'arithmetic:N:MAX_OPERAND',"
-                              f" got {path!r}") from None
+            raise ConfigError(
+                f"data.path: expected 'arithmetic:N' or 'arithmetic:N:MAX_OPERAND', got {path!r}"
+            ) from None
         return make_arithmetic_prompts(n, seed=1234, max_operand=max_operand)
     p = Path(path)
     if not p.exists():
@@ -64,11 +68,14 @@ def load_records(path: str) -> list[dict[str, Any]]:
     except ConfigError:
         raise
     except ImportError as e:
-        raise ConfigError(f"data.path: {p} needs a package that is not installed ({e}); "
-                          f"pip install datasets") from None
+        raise ConfigError(
+            f"data.path: {p} needs a package that is not installed ({e}); pip install datasets"
+        ) from None
     except Exception as e:  # OSError, UnicodeDecodeError, csv.Error, pyarrow's ArrowInvalid
-        raise ConfigError(f"data.path: cannot read {p}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        raise ConfigError(
+            f"data.path: cannot read {p}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
 
 
 def _load_json(p: Path) -> list[dict[str, Any]]:
@@ -104,13 +111,17 @@ def _load_datasets_dir(p: Path) -> list[dict[str, Any]]:
     try:
         from datasets import DatasetDict, load_from_disk
     except ImportError:
-        raise ConfigError(f"data.path: {p} is a directory but the `datasets` package is "
-                          f"not installed (pip install datasets)") from None
+        raise ConfigError(
+            f"data.path: {p} is a directory but the `datasets` package is "
+            f"not installed (pip install datasets)"
+        ) from None
     try:
         ds = load_from_disk(str(p))
     except FileNotFoundError:
-        raise ConfigError(f"data.path: {p} is a directory but not a `datasets` dir saved with "
-                          f"save_to_disk ({FORMATS})") from None
+        raise ConfigError(
+            f"data.path: {p} is a directory but not a `datasets` dir saved with "
+            f"save_to_disk ({FORMATS})"
+        ) from None
     if isinstance(ds, DatasetDict):
         splits = list(ds)
         if "train" in ds:
@@ -118,8 +129,10 @@ def _load_datasets_dir(p: Path) -> list[dict[str, Any]]:
         elif len(splits) == 1:
             ds = ds[splits[0]]
         else:
-            raise ConfigError(f"data.path: {p} holds the splits {splits} and none is 'train'; "
-                              f"save the split to train on alone")
+            raise ConfigError(
+                f"data.path: {p} holds the splits {splits} and none is 'train'; "
+                f"save the split to train on alone"
+            )
     return [dict(r) for r in ds]
 
 
@@ -135,8 +148,11 @@ def _prompt_problem(prompt: Any) -> str | None:
     if not isinstance(prompt, list) or not prompt:
         return f"is a {type(prompt).__name__}, expected a string or a non-empty list of messages"
     for m in prompt:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
             return f"has a message {m!r}; each must be {{'role': str, 'content': str}}"
     return None
 
@@ -149,18 +165,24 @@ def check_records(cfg: DataConfig, records: list[dict[str, Any]]) -> bool:
     conversational = False
     for i, r in enumerate(records):
         if cfg.prompt_field not in r:
-            raise ConfigError(f"data.prompt_field: record {i} has no field {cfg.prompt_field!r} "
-                              f"(its fields: {', '.join(map(str, r)) or 'none'})")
+            raise ConfigError(
+                f"data.prompt_field: record {i} has no field {cfg.prompt_field!r} "
+                f"(its fields: {', '.join(map(str, r)) or 'none'})"
+            )
         problem = _prompt_problem(r[cfg.prompt_field])
         if problem:
             raise ConfigError(f"data.prompt_field: record {i}: {cfg.prompt_field!r} {problem}")
         conversational |= is_conversation(r[cfg.prompt_field])
         if cfg.answer_field is not None and cfg.answer_field not in r:
-            raise ConfigError(f"data.answer_field: record {i} has no field {cfg.answer_field!r} "
-                              f"(its fields: {', '.join(map(str, r))})")
+            raise ConfigError(
+                f"data.answer_field: record {i} has no field {cfg.answer_field!r} "
+                f"(its fields: {', '.join(map(str, r))})"
+            )
     if conversational and cfg.chat_template == "none":
-        raise ConfigError("data.chat_template: the prompts are conversational (lists of "
-                          "messages), which only a chat template can render; use auto")
+        raise ConfigError(
+            "data.chat_template: the prompts are conversational (lists of "
+            "messages), which only a chat template can render; use auto"
+        )
     return conversational
 
 
@@ -171,22 +193,31 @@ def check_data(cfg: DataConfig, model_path: str) -> None:
         from transformers import AutoTokenizer
 
         if not getattr(AutoTokenizer.from_pretrained(model_path), "chat_template", None):
-            raise ConfigError(f"data.chat_template: the prompts are conversational but the "
-                              f"tokenizer of {model_path} has no chat template")
+            raise ConfigError(
+                f"data.chat_template: the prompts are conversational but the "
+                f"tokenizer of {model_path} has no chat template"
+            )
 
 
 class PromptSource:
     """An endless, resumable iterator over one producer's shard (epochs reshuffle)."""
 
-    def __init__(self, cfg: DataConfig, index: int, num_producers: int, start_cursor: int = 0,
-                 records: list[dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        index: int,
+        num_producers: int,
+        start_cursor: int = 0,
+        records: list[dict[str, Any]] | None = None,
+    ):
         self.cfg = cfg
         recs = records if records is not None else load_records(cfg.path)
         check_records(cfg, recs)
         self.shard = [(i, r) for i, r in enumerate(recs) if i % num_producers == index]
         if not self.shard:
-            raise ConfigError(f"data.path: {len(recs)} records are fewer than the "
-                              f"{num_producers} producers")
+            raise ConfigError(
+                f"data.path: {len(recs)} records are fewer than the {num_producers} producers"
+            )
         self.cursor = start_cursor
         self._epoch_order: tuple[int, list[int]] = (-1, [])
 
@@ -210,20 +241,22 @@ class PromptSource:
         if cfg.answer_field is not None:
             meta["answer"] = rec[cfg.answer_field]
         pid = str(rec.get(cfg.id_field, i))
-        return PromptRecord(prompt_id=pid, prompt=rec[cfg.prompt_field], meta=meta,
-                            cursor=self.cursor)
+        return PromptRecord(
+            prompt_id=pid, prompt=rec[cfg.prompt_field], meta=meta, cursor=self.cursor
+        )
 
 
-def render_prompt(tokenizer: Any, cfg: DataConfig, prompt: str | list[dict[str, Any]]
-                  ) -> list[int]:
+def render_prompt(tokenizer: Any, cfg: DataConfig, prompt: str | list[dict[str, Any]]) -> list[int]:
     """Token ids of a prompt: a conversation through the chat template (``system_prompt``
     first unless it has a system message); a string through it too with ``chat_template:
     auto`` and a tokenizer that has one (as one user message), else tokenized as it is."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if is_conversation(prompt):
         if cfg.chat_template == "none" or not has_template:
-            raise ConfigError("data.chat_template: conversational prompts need the tokenizer's "
-                              "chat template (chat_template: auto, and a model that has one)")
+            raise ConfigError(
+                "data.chat_template: conversational prompts need the tokenizer's "
+                "chat template (chat_template: auto, and a model that has one)"
+            )
         messages = list(prompt)
     elif cfg.chat_template == "auto" and has_template:
         messages = [{"role": "user", "content": prompt}]

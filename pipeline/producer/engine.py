@@ -7,8 +7,11 @@ known to crash on the current hardware are turned off with a logged reason.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from pipeline.config import EngineConfig, ModelConfig
@@ -62,6 +65,35 @@ def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: 
                                f"own options instead")
     kw.update(eng.extra)
     return kw
+
+
+def engine_arg_names() -> set[str] | None:
+    """The argument names vLLM's AsyncEngineArgs accepts, read from its source without importing
+    vLLM (that takes seconds, and the launcher checks engine.extra before anything starts);
+    None when the source is not where this expects it (then nothing is checked here)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        tree = ast.parse((Path(spec.origin).parent / "engine" / "arg_utils.py").read_text())
+    except (OSError, SyntaxError):
+        return None
+    names = {node.target.id for cls in tree.body
+             if isinstance(cls, ast.ClassDef) and cls.name in ("EngineArgs", "AsyncEngineArgs")
+             for node in cls.body
+             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    return names or None
+
+
+def check_extra(extra: dict[str, Any]) -> None:
+    """engine.extra may only name arguments the installed vLLM accepts: an unknown one would
+    otherwise fail in every producer after its engine process started."""
+    known = engine_arg_names() if extra else None
+    unknown = sorted(set(extra) - known) if known else []
+    if unknown:
+        raise EngineSetupError(
+            f"engine.extra: unknown vLLM engine argument(s) {', '.join(unknown)} (the installed "
+            "vLLM's AsyncEngineArgs has no such field)")
 
 
 def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int) -> Any:

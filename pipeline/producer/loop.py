@@ -27,7 +27,6 @@ import math
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
+from pipeline.producer.stats import ProducerStats
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.snapshot import SnapshotRef
 from sync.transfer import (
@@ -69,30 +69,6 @@ CONTROL_TIMEOUT_S = 5.0  # the learner answers control requests at once; longer 
 
 class LearnerFinished(Exception):
     """The learner announced its end (all steps trained): the producer's run is over."""
-
-
-@dataclass
-class ProducerStats:
-    groups_started: int = 0
-    groups_sent: int = 0
-    groups_dropped_reward: int = 0
-    prompts_skipped_too_long: int = 0
-    completions_resubmitted: int = 0
-    groups_resent: int = 0
-    retention_overflow: int = 0
-    tokens: int = 0
-    swaps: int = 0
-    swap_failures: int = 0
-    transport_fallbacks: int = 0
-    sleeps: int = 0
-    sleep_s: float = 0.0     # seconds spent putting the engine to sleep (engine.sleep_when_idle)
-    wake_s: float = 0.0      # and waking it up again
-    started_at: float = field(default_factory=time.monotonic)
-
-    def to_dict(self) -> dict[str, float]:
-        d = {k: float(v) for k, v in self.__dict__.items() if k != "started_at"}
-        d["tokens_per_s"] = self.tokens / max(time.monotonic() - self.started_at, 1e-9)
-        return d
 
 
 class Producer:
@@ -141,6 +117,7 @@ class Producer:
         self._engine_lock = asyncio.Lock()  # sleep, wake and swap never interleave
         self._asleep = False
         self.learner_heading_to = 0  # Announce.heading_to: see pipeline.config.may_admit
+        self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
 
     # ------------------------------------------------------------------ admission
     def outstanding(self) -> int:
@@ -244,6 +221,7 @@ class Producer:
             self._log_sent({"dropped_by_reward": group_id, "prompt_id": record.prompt_id})
             log.warning("group for prompt %s dropped: a reward failed (on_failure=drop)",
                         record.prompt_id)
+            self._counted.set()
             return
         comps = []
         for (comp, _text), total, breakdown in zip(completions, result.total, result.breakdown,
@@ -264,6 +242,7 @@ class Producer:
         await self.endpoint.send(group)
         self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
         self.stats.groups_sent += 1
+        self._counted.set()
 
     def _log_sent(self, record: dict[str, Any]) -> None:
         """One line per group handed to the transport: the producer side of the soak's
@@ -285,6 +264,7 @@ class Producer:
             # weights is never reused for a request admitted after a swap.
             prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
             finish = ""
+            self.stats.busy.enter()
             try:
                 async for out in self.engine.generate(prompt, sp, request_id):
                     c = out.outputs[0]
@@ -302,6 +282,7 @@ class Producer:
                         finish = c.finish_reason or ""
             finally:
                 self.tracker.finish(request_id)
+                self.stats.busy.exit()
             if finish == "abort" and attempt < 100:
                 # Aborted by a swap (abort mode, or not yet started at a drain_prefill swap):
                 # regenerate from scratch under the new weights and their cache salt.
@@ -481,13 +462,22 @@ class Producer:
             raise RuntimeError(f"the learner did not take SyncReady({purpose!r}, epoch {epoch}): "
                                f"{answer.reason if answer else 'no answer'}")
 
+    def heartbeat_stats(self) -> dict[str, float]:
+        """Every counter of this process (``pipeline.producer.stats`` and the rewards'
+        ``reward/<name>/<kind>``): the learner logs them to metrics.jsonl and TensorBoard."""
+        return {**self.stats.to_dict(), **{k: float(v) for k, v in self.rewards.stats.items()}}
+
     async def _heartbeat(self) -> None:
         while True:
+            # Also right after a group: the learner's metrics row for the step that trains it
+            # then carries the counters that include it (reward failures of that group).
+            self._counted.clear()
             await self._control(Heartbeat(producer_id=self.producer_id,
                                           incarnation=self.incarnation,
                                           policy_version=self.tracker.version,
-                                          stats=self.stats.to_dict()))
-            await asyncio.sleep(2.0)
+                                          stats=self.heartbeat_stats()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._counted.wait(), 2.0)
 
     async def _watch(self) -> None:
         while True:

@@ -106,8 +106,9 @@ def load_callable(path: str) -> Any:
     """Import ``package.module:attr`` or ``path/to/file.py:attr`` and return the attribute."""
     module_part, sep, attr = path.rpartition(":")
     if not sep or not module_part or not attr:
-        raise ValueError(f"reward path {path!r} must look like 'package.module:attr' "
-                         "or 'path/to/file.py:attr'")
+        raise ValueError(
+            f"reward path {path!r} must look like 'package.module:attr' or 'path/to/file.py:attr'"
+        )
     if module_part.endswith(".py"):
         file = Path(module_part).expanduser().resolve()
         if not file.is_file():
@@ -131,16 +132,19 @@ def load_callable(path: str) -> Any:
         try:
             module = importlib.import_module(module_part)
         except ImportError as e:
-            raise ImportError(f"reward path {path!r}: cannot import module {module_part!r}: "
-                              f"{e}") from e
+            raise ImportError(
+                f"reward path {path!r}: cannot import module {module_part!r}: {e}"
+            ) from e
     try:
         obj = getattr(module, attr)
     except AttributeError:
-        raise ImportError(f"reward path {path!r}: module {module_part!r} has no "
-                          f"attribute {attr!r}") from None
+        raise ImportError(
+            f"reward path {path!r}: module {module_part!r} has no attribute {attr!r}"
+        ) from None
     if not callable(obj):
-        raise ValueError(f"reward path {path!r} names {type(obj).__name__}, not a function "
-                         "or class")
+        raise ValueError(
+            f"reward path {path!r} names {type(obj).__name__}, not a function or class"
+        )
     return obj
 
 
@@ -152,14 +156,17 @@ def validate_specs(specs: list[RewardSpec]) -> None:
         obj = _resolve_obj(spec)
         name = _defaults(spec, obj)["name"]
         if name in seen:
-            raise ValueError(f"duplicate reward name {name!r}; set RewardSpec.name to tell "
-                             "them apart")
+            raise ValueError(
+                f"duplicate reward name {name!r}; set RewardSpec.name to tell them apart"
+            )
         seen.add(name)
         if spec.executor == "process" and not isinstance(spec.fn, str):
             qual = getattr(obj, "__qualname__", "")
             if "<locals>" in qual or "<lambda>" in qual:
-                raise ValueError(f"reward {name!r} runs in a process but {qual} cannot be "
-                                 "pickled; give its import path instead")
+                raise ValueError(
+                    f"reward {name!r} runs in a process but {qual} cannot be "
+                    "pickled; give its import path instead"
+                )
 
 
 # ------------------------------------------------------------------------------- spec plumbing
@@ -191,9 +198,11 @@ def _param_names(obj: Any) -> frozenset[str] | None:
         return None
     if inspect.isclass(obj) and params and params[0].name == "self":
         params = params[1:]
-    return frozenset(p.name for p in params
-                     if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                       inspect.Parameter.VAR_KEYWORD))
+    return frozenset(
+        p.name
+        for p in params
+        if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    )
 
 
 def call_mode(spec: RewardSpec, obj: Any, batched: bool) -> CallMode:
@@ -211,8 +220,12 @@ def call_mode(spec: RewardSpec, obj: Any, batched: bool) -> CallMode:
     return "batched" if batched else "single"
 
 
-def trl_kwargs(prompt: Any, completions: list[str], metas: list[dict[str, Any]],
-               completion_ids: list[list[int]] | None) -> dict[str, Any]:
+def trl_kwargs(
+    prompt: Any,
+    completions: list[str],
+    metas: list[dict[str, Any]],
+    completion_ids: list[list[int]] | None,
+) -> dict[str, Any]:
     """The keywords TRL's GRPOTrainer passes a reward function, for one group of n completions.
 
     ``prompts`` and ``completions`` are lists of strings, or for a conversational prompt (a list
@@ -225,7 +238,8 @@ def trl_kwargs(prompt: Any, completions: list[str], metas: list[dict[str, Any]],
     kw: dict[str, Any] = {
         "prompts": [prompt] * n,
         "completions": [[{"role": "assistant", "content": c}] for c in completions]
-        if conversational else list(completions),
+        if conversational
+        else list(completions),
     }
     if completion_ids is not None:
         kw["completion_ids"] = [[int(t) for t in ids] for ids in completion_ids]
@@ -248,12 +262,19 @@ def _meta_filter(scorer: Callable[..., Any]) -> frozenset[str] | None:
         return None
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
-    return frozenset(p.name for p in params if p.kind in (
-        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+    return frozenset(
+        p.name
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
 
 
-def _invoke(scorer: Callable[..., Any], accepts: frozenset[str] | None, mode: CallMode,
-            args: tuple[Any, ...]) -> Any:
+def _invoke(
+    scorer: Callable[..., Any],
+    accepts: frozenset[str] | None,
+    mode: CallMode,
+    args: tuple[Any, ...],
+) -> Any:
     """Call a scorer; the result may be a value or an awaitable."""
     if mode == "batched":
         return scorer(*args)
@@ -268,11 +289,16 @@ def _invoke(scorer: Callable[..., Any], accepts: frozenset[str] | None, mode: Ca
     return scorer(prompt, completion, **meta)
 
 
-def _run_blocking(scorer: Callable[..., Any], accepts: frozenset[str] | None, mode: CallMode,
-                  args: tuple[Any, ...]) -> Any:
+def _run_blocking(
+    scorer: Callable[..., Any],
+    accepts: frozenset[str] | None,
+    mode: CallMode,
+    args: tuple[Any, ...],
+) -> Any:
     """Thread/process side: call, and drive an async scorer to completion on a private loop."""
     out = _invoke(scorer, accepts, mode, args)
     if inspect.isawaitable(out):
+
         async def await_it() -> Any:
             return await out
 
@@ -347,8 +373,9 @@ class RewardSet:
     """All configured rewards; scores one group at a time (``score_group`` is safe to run
     concurrently for many groups)."""
 
-    def __init__(self, specs: list[RewardSpec], on_failure: OnFailure = "zero",
-                 pool_workers: int = 2) -> None:
+    def __init__(
+        self, specs: list[RewardSpec], on_failure: OnFailure = "zero", pool_workers: int = 2
+    ) -> None:
         if on_failure not in ("zero", "drop"):
             raise ValueError(f"on_failure must be 'zero' or 'drop', got {on_failure!r}")
         if pool_workers < 1:
@@ -357,8 +384,7 @@ class RewardSet:
         self.on_failure = on_failure
         self.pool_workers = pool_workers
         self.actors: list[_Actor] = []
-        self.stats: dict[str, int] = {"reward/dropped_groups": 0,
-                                      "reward/unscored_completions": 0}
+        self.stats: dict[str, int] = {"reward/dropped_groups": 0, "reward/unscored_completions": 0}
         process_entries = []
         for spec in specs:
             obj = _resolve_obj(spec)
@@ -371,8 +397,9 @@ class RewardSet:
                 scorer = _instantiate(obj, spec.kwargs)
                 accepts = _meta_filter(scorer)
             throttler = rate_limiter(spec.rate_per_s) if spec.rate_per_s else None
-            self.actors.append(_Actor(spec, d["name"], d["weight"], mode, scorer, accepts,
-                                      throttler))
+            self.actors.append(
+                _Actor(spec, d["name"], d["weight"], mode, scorer, accepts, throttler)
+            )
             for kind in STAT_KINDS:
                 self.stats[f"reward/{d['name']}/{kind}"] = 0
         self._process_entries = process_entries
@@ -388,8 +415,13 @@ class RewardSet:
 
     # -- public -------------------------------------------------------------------------------
 
-    async def score_group(self, prompt: Any, completions: list[str], meta: dict[str, Any],
-                          completion_ids: list[list[int]] | None = None) -> RewardResult:
+    async def score_group(
+        self,
+        prompt: Any,
+        completions: list[str],
+        meta: dict[str, Any],
+        completion_ids: list[list[int]] | None = None,
+    ) -> RewardResult:
         """Score the G completions of one prompt with every reward, concurrently.
 
         ``prompt`` is the dataset's prompt (a string, or a list of messages); ``completion_ids``
@@ -398,8 +430,7 @@ class RewardSet:
         n = len(completions)
         metas = [{**meta, "completion_index": i} for i in range(n)]
         per_actor = await asyncio.gather(
-            *(self._score_actor(a, prompt, completions, metas, completion_ids)
-              for a in self.actors)
+            *(self._score_actor(a, prompt, completions, metas, completion_ids) for a in self.actors)
         )
         total = [0.0] * n
         breakdown: list[dict[str, float]] = [{} for _ in range(n)]
@@ -423,8 +454,11 @@ class RewardSet:
             self.stats["reward/dropped_groups"] += 1
             for name in failed_names:
                 self.stats[f"reward/{name}/dropped_groups"] += 1
-            log.warning("prompt %s: group dropped, rewards failed: %s",
-                        meta.get("prompt_id"), ", ".join(failed_names))
+            log.warning(
+                "prompt %s: group dropped, rewards failed: %s",
+                meta.get("prompt_id"),
+                ", ".join(failed_names),
+            )
         return RewardResult(total=total, breakdown=breakdown, failed=failed, dropped=dropped)
 
     def close(self) -> None:
@@ -452,26 +486,37 @@ class RewardSet:
             initargs=(self._process_entries,),
         )
 
-    async def _score_actor(self, actor: _Actor, prompt: Any, completions: list[str],
-                           metas: list[dict[str, Any]], completion_ids: list[list[int]] | None
-                           ) -> tuple[list[float | None], list[bool]]:
+    async def _score_actor(
+        self,
+        actor: _Actor,
+        prompt: Any,
+        completions: list[str],
+        metas: list[dict[str, Any]],
+        completion_ids: list[list[int]] | None,
+    ) -> tuple[list[float | None], list[bool]]:
         """Values (None: not scored) and per-completion success flags of one reward."""
         n = len(completions)
         if actor.mode != "single":
-            args = ((trl_kwargs(prompt, completions, metas, completion_ids),)
-                    if actor.mode == "trl" else ([prompt] * n, list(completions), metas))
+            args = (
+                (trl_kwargs(prompt, completions, metas, completion_ids),)
+                if actor.mode == "trl"
+                else ([prompt] * n, list(completions), metas)
+            )
             res = await self._guarded(actor, metas[0] if metas else {}, args, n)
             if res is None:
                 return [0.0] * n, [False] * n
             return res, [v is None or math.isfinite(v) for v in res]
         outs = await asyncio.gather(
-            *(self._guarded(actor, m, (prompt, c, m), None)
-              for c, m in zip(completions, metas, strict=True))
+            *(
+                self._guarded(actor, m, (prompt, c, m), None)
+                for c, m in zip(completions, metas, strict=True)
+            )
         )
         return ([o[0] if o else 0.0 for o in outs], [o is not None for o in outs])
 
-    async def _guarded(self, actor: _Actor, meta: dict[str, Any], args: tuple[Any, ...],
-                       n: int | None) -> list[float | None] | None:
+    async def _guarded(
+        self, actor: _Actor, meta: dict[str, Any], args: tuple[Any, ...], n: int | None
+    ) -> list[float | None] | None:
         """One call with limits, timeout and validation; None on failure (already counted)."""
         key = f"reward/{actor.name}"
         self.stats[f"{key}/calls"] += 1
@@ -513,8 +558,9 @@ class RewardSet:
             out = _invoke(actor.scorer, actor.accepts, actor.mode, args)
             return await out if inspect.isawaitable(out) else out
         if ex == "thread":
-            return await _in_daemon_thread(_run_blocking, actor.scorer, actor.accepts,
-                                           actor.mode, args)
+            return await _in_daemon_thread(
+                _run_blocking, actor.scorer, actor.accepts, actor.mode, args
+            )
         return await self._in_process(actor.name, args)
 
     async def _in_process(self, name: str, args: tuple[Any, ...]) -> Any:
@@ -543,8 +589,13 @@ class RewardSet:
             self.stats[f"reward/{actor.name}/timeouts"] += 1
         elif kind == "nan":
             self.stats[f"reward/{actor.name}/nan"] += 1
-        log.warning("prompt %s: reward %s %s (on_failure=%s)", meta.get("prompt_id"),
-                    actor.name, why, self.on_failure)
+        log.warning(
+            "prompt %s: reward %s %s (on_failure=%s)",
+            meta.get("prompt_id"),
+            actor.name,
+            why,
+            self.on_failure,
+        )
 
 
 def _validate(raw: Any, n: int | None, allow_none: bool = False) -> list[float | None]:

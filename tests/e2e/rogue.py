@@ -5,7 +5,8 @@ It listens to the learner's announcements like a producer, takes the identity of
 ``--min-version``, sends ``--count`` rollout groups to the learner's data socket. Each group is
 well-formed (it decodes) but wrong for the run in one way drawn at random from
 ``buffer.checks.REASONS``; its seqs are far above any real one, so no real group is displaced.
-Writes ``{"sent": {reason: n}, "version": v, "incarnation": inc}`` to ``--out``.
+Writes ``{"sent": {reason: n}, "version": v, "incarnation": inc}`` to ``--out`` once all are
+sent, then stays connected until its stdin is closed.
 
     python tests/e2e/rogue.py --addr ipc://RUN/learner.sock --count 3000 --out sent.json \
         --group-size 4 --vocab 262 --max-tokens 8 --max-model-len 256 --window 2
@@ -14,7 +15,6 @@ Writes ``{"sent": {reason: n}, "version": v, "incarnation": inc}`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import sys
@@ -23,10 +23,12 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import zmq
 
+from buffer import protocol
 from buffer.checks import REASONS
-from buffer.schema import Completion, RolloutGroup
-from buffer.transport import ProducerEndpoint
+from buffer.schema import Completion, RolloutGroup, encode
+from buffer.transport import derive_pub_addr
 
 SEQ_BASE = 10**9  # far above the seqs of the real p0
 
@@ -81,29 +83,41 @@ def wrong_group(rng: random.Random, reason: str, i: int, a: argparse.Namespace, 
                         metadata={"incarnation": incarnation, "seq": SEQ_BASE + i})
 
 
-async def main(a: argparse.Namespace) -> dict:
+def main(a: argparse.Namespace) -> dict:
     rng = random.Random(a.seed)
-    ep = ProducerEndpoint(a.addr, sndhwm=1000)
+    ctx = zmq.Context()
+    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
     try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(derive_pub_addr(a.addr))
+        push.connect(a.addr)
         deadline = time.monotonic() + a.wait_s
         version, incarnation = -1, None
         while version < a.min_version or incarnation is None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"rogue: no announce of version >= {a.min_version} with p0's "
                                  f"incarnation within {a.wait_s}s")
-            ann = await ep.recv_announce(timeout=1.0)
-            if ann is not None:
-                version = ann.version
-                incarnation = next((k for k in ann.accepted if k.startswith("p0-")), None)
+            if sub.poll(1000):
+                _rid, ann = protocol.decode(sub.recv(), 64 << 20)
+                if isinstance(ann, protocol.Announce):
+                    version = ann.version
+                    incarnation = next((k for k in ann.accepted if k.startswith("p0-")), None)
         reasons = [r for r in REASONS if r != "version_behind" or version > a.window]
         sent: Counter[str] = Counter()
         for i in range(a.count):
             reason = rng.choice(reasons)
-            await ep.send(wrong_group(rng, reason, i, a, version, incarnation), timeout=120)
+            push.send(encode(wrong_group(rng, reason, i, a, version, incarnation)))
             sent[reason] += 1
+        result = {"sent": dict(sent), "version": version, "incarnation": incarnation}
+        Path(a.out).write_text(json.dumps(result))
+        # Stay connected until told (stdin closes): libzmq drops the frames still waiting in
+        # the learner's receive queue when their sender disconnects.
+        sys.stdin.read()
     finally:
-        ep.close()  # LINGER: what is queued still goes out
-    return {"sent": dict(sent), "version": version, "incarnation": incarnation}
+        sub.close(linger=0)
+        push.close(linger=120_000)  # every group queued reaches the learner's socket
+        ctx.term()
+    return result
 
 
 if __name__ == "__main__":
@@ -121,6 +135,4 @@ if __name__ == "__main__":
     ap.add_argument("--wait-s", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    result = asyncio.run(main(args))
-    Path(args.out).write_text(json.dumps(result))
-    print(json.dumps(result), file=sys.stderr)
+    print(json.dumps(main(args)), file=sys.stderr)

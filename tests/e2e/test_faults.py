@@ -40,7 +40,8 @@ class Launcher:
                "--num-producers", "2", "--batch-groups", "2", "--group-size", "4",
                "--max-tokens", "8", "--run-dir", str(run_dir),
                "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
-               "--tensorboard", "false", "--progress", "false", *extra]
+               "--tensorboard", "false", "--progress", "false",
+               "--verbose", *extra]  # the tests follow the processes' INFO lines
         self.run_dir = run_dir
         self.lines: list[str] = []
         self._cond = threading.Condition()
@@ -242,18 +243,27 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
     is dropped in training, every rogue group is rejected and counted under its reason, and the
     real producers' groups are all placed: produced = trained + dropped + held."""
     run_dir = tmp_path / "rogue"
-    steps, count = 12, 3000
+    steps, count = 20, 3000
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    la = Launcher(tiny_model, run_dir, "--mode", "sync", "--steps", str(steps))
+    # Admissions throttled to one group per producer every 2 s: a step takes about 2 s, so the
+    # run outlasts the flood even when a busy machine starves the learner's event loop.
+    la = Launcher(tiny_model, run_dir, "--mode", "sync", "--steps", str(steps),
+                  "--generation.admit_rate_per_s", "0.5")
     out = tmp_path / "rogue.json"
     rogue = subprocess.Popen(
         [sys.executable, str(REPO / "tests" / "e2e" / "rogue.py"),
          "--addr", f"ipc://{run_dir.resolve()}/learner.sock", "--count", str(count),
          "--out", str(out), "--group-size", "4", "--vocab", str(vocab), "--max-tokens", "8",
          "--max-model-len", "256", "--window", "2", "--min-version", "3"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
     try:
-        _, err = rogue.communicate(timeout=400)
+        la.wait_for(lambda: out.exists() or rogue.poll() is not None, 400, "the rogue's flood")
+        # The rogue stays connected until the learner has counted its groups (libzmq drops
+        # what a disconnected sender left in the receive queue), long before the last step.
+        la.wait_for(lambda: _metrics(run_dir)[-1].get("rejected_groups", 0) >= count, 400,
+                    "every rogue group to be counted")
+        _, err = rogue.communicate(timeout=60)  # closes its stdin: it disconnects and exits
         assert rogue.returncode == 0, err
         code = la.wait(400)
     finally:

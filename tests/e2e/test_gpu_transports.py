@@ -227,7 +227,7 @@ def test_pipeline_train_split_layout_routes_weights_by_nccl(tiny_model, tmp_path
            "--max-tokens", "32", "--run-dir", str(run_dir), "--mode", "async",
            "--max-staleness", "1", "--steps", "6", "--engine.gpu_memory_utilization", "0.3",
            "--producer_gpus", '["0"]', "--learner_gpus", "1", "--sync.transport", "auto",
-           "--tensorboard", "false"]
+           "--tensorboard", "false", "--verbose"]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True,
                           text=True, timeout=600, env=dict(os.environ, PIPELINE_TEST_RUN=tag))
     (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)

@@ -44,7 +44,7 @@ def _bad(reason: str) -> RolloutGroup:
         c.token_ids = np.arange(6, dtype=np.int32)
         c.logprobs = -np.ones(6, dtype=np.float32)
     elif reason == "version_ahead":
-        c.version_segments = [(0, 5), (3, 6)]
+        c.version_segments = [(0, 4), (3, 10**6)]
     elif reason == "version_behind":
         c.version_segments = [(0, 1), (2, 4)]
     elif reason == "reward_out_of_range":
@@ -107,3 +107,12 @@ def test_rejected_groups_keep_the_buffer_sum_exact_and_survive_a_snapshot():
     assert len(back) == 2 and st.received == 5
     assert st.received == (st.served + st.dropped_stale + st.dropped_capacity + st.size
                            + sum(st.rejected_groups.values()))
+
+
+def test_the_reason_does_not_depend_on_how_far_the_learner_has_moved():
+    """A group sent at version 4 stays rejected for its own fault once the learner is at 9
+    (its other tokens are then behind too): versions are checked last, ahead before behind."""
+    later = RunLimits(**{**LIMITS.__dict__, "learner_version": 9, "oldest_version": 6})
+    for reason in REASONS:
+        if reason != "version_behind":
+            assert check_group(_bad(reason), later).reason == reason

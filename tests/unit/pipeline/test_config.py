@@ -203,7 +203,7 @@ def test_children_pin_their_gpus_before_building_the_config_fake_load(monkeypatc
         raise SystemExit(0)
 
     monkeypatch.setattr(launch, "load_config", recorder)
-    monkeypatch.setattr(launch, "_child_setup", lambda: None)
+    monkeypatch.setattr(launch, "_child_setup", lambda *_a, **_k: None)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     args = (cfg, "/model", False) if index is None else (cfg, "/model", index)
     with pytest.raises(SystemExit):

@@ -9,8 +9,10 @@ from pipeline.owner import OWNER_ENV, owner_tag
 
 
 def test_configured_dir_wins(tmp_path):
-    assert snapshot_dir("/x/snaps", tmp_path / "run", "k", 10**15, shm=tmp_path).as_posix() \
+    assert (
+        snapshot_dir("/x/snaps", tmp_path / "run", "k", 10**15, shm=tmp_path).as_posix()
         == "/x/snaps"
+    )
 
 
 def test_shared_memory_when_it_has_room_else_run_dir(tmp_path):
@@ -18,8 +20,10 @@ def test_shared_memory_when_it_has_room_else_run_dir(tmp_path):
     shm.mkdir()
     free = shutil.disk_usage(shm).free
     # Named with its owner's tag (here this process: no launcher set one).
-    assert snapshot_dir("", run, "k", free // 2, shm=shm) == \
-        shm / f"pipeline-grpo-k.owner-{owner_tag()}"
+    assert (
+        snapshot_dir("", run, "k", free // 2, shm=shm)
+        == shm / f"pipeline-grpo-k.owner-{owner_tag()}"
+    )
     # Docker's 64 MB /dev/shm against a model's snapshots: run_dir instead of ENOSPC later.
     assert snapshot_dir("", run, "k", free * 2, shm=shm) == run / "snapshots"
     assert snapshot_dir("", run, "k", 1, shm=tmp_path / "absent") == run / "snapshots"

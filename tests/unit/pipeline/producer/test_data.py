@@ -26,8 +26,12 @@ def test_jsonl_records_and_meta(tmp_path):
     assert load_records(str(p)) == _records(3)
     src = PromptSource(DataConfig(path=str(p), seed=-1), 0, 1)
     rec = next(src)
-    assert (rec.prompt_id, rec.prompt, rec.meta, rec.cursor) == \
-        ("q0", "question 0", {"prompt_id": "q0", "answer": "0"}, 1)
+    assert (rec.prompt_id, rec.prompt, rec.meta, rec.cursor) == (
+        "q0",
+        "question 0",
+        {"prompt_id": "q0", "answer": "0"},
+        1,
+    )
 
 
 def test_id_falls_back_to_index(tmp_path):
@@ -87,8 +91,9 @@ def test_sharding_is_a_partition(num_producers):
 def test_cursor_resume_gives_the_same_sequence():
     cfg = DataConfig(path="arithmetic:7", seed=5)
     recs = load_records(cfg.path)
-    full = [(r.prompt_id, r.cursor) for r in itertools.islice(PromptSource(cfg, 1, 2,
-                                                                           records=recs), 12)]
+    full = [
+        (r.prompt_id, r.cursor) for r in itertools.islice(PromptSource(cfg, 1, 2, records=recs), 12)
+    ]
     # Crosses an epoch boundary (shard of 3): epochs are reshuffled yet reproducible.
     resumed = PromptSource(cfg, 1, 2, start_cursor=5, records=recs)
     assert [(r.prompt_id, r.cursor) for r in itertools.islice(resumed, 7)] == full[5:]

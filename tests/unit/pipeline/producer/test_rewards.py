@@ -372,8 +372,9 @@ def test_process_hang_times_out_and_close_terminates_worker():
 def test_close_escalates_to_sigkill_and_returns_only_when_workers_are_gone(tmp_path):
     """A worker that ignores SIGTERM is killed after the grace period; close() returns only
     once every worker has exited (its exit code is known), never with one still running."""
-    rs = RewardSet([spec("hangs_ignoring_sigterm", executor="process", timeout_s=0.5)],
-                   pool_workers=2)
+    rs = RewardSet(
+        [spec("hangs_ignoring_sigterm", executor="process", timeout_s=0.5)], pool_workers=2
+    )
     res = score(rs, ["a", "b"], marker_dir=str(tmp_path))
     assert res.failed and rs.stats["reward/hangs_ignoring_sigterm/timeouts"] == 2
     procs = list(rs._pool._processes.values())
