@@ -32,7 +32,7 @@ from buffer.store import RolloutBuffer
 from pipeline.learner.checkpoint import latest_checkpoint, load_checkpoint
 from pipeline.producer.outbox import read_log
 
-PRODUCER_RE = re.compile(r"producer (p\d+) \(pid (\d+)\) connected")
+PRODUCER_RE = re.compile(r"producer (p\d+) \(pid (\d+)[^)]*\) connected")
 LEARNER_RE = re.compile(r"learner pid (\d+)")
 
 

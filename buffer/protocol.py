@@ -177,6 +177,10 @@ class Announce(_Message, tag="announce"):
     transfer: dict[Name, Any] = {}
     """Transport payload as plain msgpack data (layout, IPC handle fields, NCCL link offers);
     only its types are checked here, ``sync.transfer`` validates the meaning."""
+    heading_to: Count = 0
+    """The version the learner's training is heading to: ``version`` of its newest weights, plus
+    one while it trains on a batch it has taken (a group started now is trained at this version
+    or later, so producers on an older one wait rather than generate a group too stale)."""
     finished: bool = False
     """The learner has trained its last step and is stopping: producers exit (a learner that
     stops early, e.g. Ctrl-C or a crash, never sets it, so producers wait for its return)."""

@@ -5,9 +5,10 @@ Owns RolloutGroup / Completion and their encode/decode; the control messages are
 
 - Every frame is one msgpack map ``{"schema": SCHEMA_VERSION, "kind": <str>, "body": <map>}``
   with nothing after it.
-- :func:`decode` validates every field (types, shapes, finiteness, version segments, sizes) and
-  raises only :class:`DecodeError`; it never executes code or builds arbitrary objects (msgpack
-  ext types are refused).
+- The wire layout is declared once, as msgspec Structs (``_GroupWire``), and both encode and
+  decode go through it. :func:`decode` validates every field (types, shapes, finiteness,
+  version segments, sizes) and raises only :class:`DecodeError`; it never executes code or
+  builds arbitrary objects (msgpack ext types are refused).
 - Token ids and logprobs travel as packed little-endian binary. A group's completions are stored
   column-wise (all token ids in one blob, all logprobs in another, plus per-completion lengths),
   so validation is a handful of vectorised numpy calls per group, not per-token Python loops.
@@ -15,12 +16,13 @@ Owns RolloutGroup / Completion and their encode/decode; the control messages are
 
 from __future__ import annotations
 
-import math
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-import msgpack
+import msgspec
 import numpy as np
+from msgspec import Meta, Struct
 
 SCHEMA_VERSION = 1
 
@@ -130,6 +132,41 @@ class RolloutGroup:
 
 
 # --------------------------------------------------------------------------------------------
+# The wire declaration (msgspec Structs): one for both directions. Decoding against it checks
+# types, required and unknown fields, finite floats and refuses ext types; what a type cannot
+# express (blob sizes, token coverage, version segments, logprob range) is checked after it.
+# --------------------------------------------------------------------------------------------
+_Count = Annotated[int, Meta(ge=0)]
+_Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+
+
+class _CompletionWire(Struct, forbid_unknown_fields=True):
+    num_tokens: _Count
+    version_segments: Annotated[list[tuple[_Count, _Count]], Meta(min_length=1)]
+    reward: _Finite
+    reward_breakdown: dict[str, _Finite]
+    finish_reason: str
+
+
+class _GroupWire(Struct, forbid_unknown_fields=True):
+    group_id: str
+    producer_id: str
+    prompt_id: str
+    prompt_token_ids: bytes
+    token_ids: bytes
+    logprobs: bytes
+    completions: Annotated[list[_CompletionWire], Meta(min_length=1)]
+    timing: dict[str, _Finite]
+    metadata: dict[str, str | int | _Finite]
+
+
+class _GroupFrame(Struct):
+    schema: int
+    kind: str
+    body: _GroupWire
+
+
+# --------------------------------------------------------------------------------------------
 # Encoding
 # --------------------------------------------------------------------------------------------
 
@@ -146,7 +183,7 @@ def _fdict(d: dict[str, float]) -> dict[str, float]:
     return {str(k): float(v) for k, v in d.items()}
 
 
-def _encode_group(g: RolloutGroup) -> dict[str, Any]:
+def _encode_group(g: RolloutGroup) -> _GroupWire:
     comps = g.completions
     if not comps:
         raise ValueError(f"group {g.group_id!r}: a group needs at least one completion")
@@ -160,36 +197,24 @@ def _encode_group(g: RolloutGroup) -> dict[str, Any]:
             n = len(c.token_ids)
             if n != len(c.logprobs):
                 raise DecodeError(f"completion {i}: {n} token ids but {len(c.logprobs)} logprobs")
-            segs = [[int(s), int(v)] for s, v in c.version_segments]
+            segs = [(int(s), int(v)) for s, v in c.version_segments]
             _segments(segs, n, f"completion {i}.version_segments")
-            completions.append(
-                {
-                    "num_tokens": n,
-                    "version_segments": segs,
-                    "reward": float(c.reward),
-                    "reward_breakdown": _fdict(c.reward_breakdown),
-                    "finish_reason": c.finish_reason,
-                }
-            )
+            completions.append(_CompletionWire(
+                num_tokens=n, version_segments=segs, reward=float(c.reward),
+                reward_breakdown=_fdict(c.reward_breakdown), finish_reason=c.finish_reason))
         _check_logprobs(lp)
     except DecodeError as e:
         raise ValueError(f"invalid rollout group {g.group_id!r}: {e}") from None
-    meta = {}
-    for k, v in g.metadata.items():
-        if isinstance(v, np.generic):
-            v = v.item()
-        meta[str(k)] = v
-    return {
-        "group_id": g.group_id,
-        "producer_id": g.producer_id,
-        "prompt_id": g.prompt_id,
-        "prompt_token_ids": memoryview(_as_i32(g.prompt_token_ids).reshape(-1)),
-        "token_ids": memoryview(tok),
-        "logprobs": memoryview(lp),
-        "completions": completions,
-        "timing": _fdict(g.timing),
-        "metadata": meta,
-    }
+    meta = {str(k): v.item() if isinstance(v, np.generic) else v for k, v in g.metadata.items()}
+    # memoryviews: msgspec writes them as bin without another copy.
+    return _GroupWire(
+        group_id=g.group_id, producer_id=g.producer_id, prompt_id=g.prompt_id,
+        prompt_token_ids=memoryview(_as_i32(g.prompt_token_ids).reshape(-1)),  # type: ignore[arg-type]
+        token_ids=memoryview(tok), logprobs=memoryview(lp),  # type: ignore[arg-type]
+        completions=completions, timing=_fdict(g.timing), metadata=meta)
+
+
+_encoder = msgspec.msgpack.Encoder()
 
 
 def encode(group: RolloutGroup) -> bytes:
@@ -199,106 +224,24 @@ def encode(group: RolloutGroup) -> bytes:
         raise TypeError(f"cannot encode {type(group).__name__}: not a RolloutGroup")
     body = _encode_group(group)
     try:
-        frame = msgpack.packb({"schema": SCHEMA_VERSION, "kind": "group", "body": body})
-    except (TypeError, ValueError, OverflowError) as e:
+        return _encoder.encode(_GroupFrame(SCHEMA_VERSION, "group", body))
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
         raise ValueError(f"cannot encode group: {e}") from e
-    return frame
 
 
 # --------------------------------------------------------------------------------------------
-# Decoding (validation)
+# Decoding: the wire declaration (msgspec Structs: types, required and unknown fields, finite
+# floats, no ext types) plus the checks a type cannot express (blob sizes, token coverage,
+# version segments, logprob range), vectorised over the whole group.
 # --------------------------------------------------------------------------------------------
+_top_decoder = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_int_decoder = msgspec.msgpack.Decoder(int)
+_str_decoder = msgspec.msgpack.Decoder(str)
+_group_decoder = msgspec.msgpack.Decoder(_GroupWire)
+_FRAME_FIELDS = {"schema", "kind", "body"}
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    raise DecodeError(f"msgpack ext type {code} is not allowed")
-
-
-def _type_name(v: Any) -> str:
-    return type(v).__name__
-
-
-def _str(v: Any, where: str) -> str:
-    if type(v) is not str:
-        raise DecodeError(f"{where}: expected str, got {_type_name(v)}")
-    return v
-
-
-def _int(v: Any, where: str, *, nonneg: bool = False) -> int:
-    if type(v) is not int:
-        raise DecodeError(f"{where}: expected int, got {_type_name(v)}")
-    if nonneg and v < 0:
-        raise DecodeError(f"{where}: must be >= 0, got {v}")
-    return v
-
-
-def _float(v: Any, where: str) -> float:
-    t = type(v)
-    if t is float:
-        if not math.isfinite(v):
-            raise DecodeError(f"{where}: must be finite, got {v}")
-        return v
-    if t is int:
-        return float(v)
-    raise DecodeError(f"{where}: expected float, got {_type_name(v)}")
-
-
-def _map(v: Any, where: str) -> dict[str, Any]:
-    if type(v) is not dict:
-        raise DecodeError(f"{where}: expected map, got {_type_name(v)}")
-    return v
-
-
-def _list(v: Any, where: str) -> list[Any]:
-    if type(v) is not list:
-        raise DecodeError(f"{where}: expected array, got {_type_name(v)}")
-    return v
-
-
-def _str_keys(d: dict[Any, Any], where: str) -> None:
-    for k in d:
-        if type(k) is not str:
-            raise DecodeError(f"{where}: keys must be str, got {_type_name(k)}")
-
-
-def _float_map(v: Any, where: str) -> dict[str, float]:
-    d = _map(v, where)
-    _str_keys(d, where)
-    return {k: _float(x, f"{where}[{k!r}]") for k, x in d.items()}
-
-
-def _scalar_map(v: Any, where: str) -> dict[str, str | int | float]:
-    d = _map(v, where)
-    _str_keys(d, where)
-    out: dict[str, str | int | float] = {}
-    for k, x in d.items():
-        t = type(x)
-        if t is str or t is int:
-            out[k] = x
-        elif t is float:
-            out[k] = _float(x, f"{where}[{k!r}]")
-        else:
-            raise DecodeError(f"{where}[{k!r}]: expected str, int or float, got {_type_name(x)}")
-    return out
-
-
-def _fields(body: dict[str, Any], required: frozenset[str], where: str,
-            optional: frozenset[str] = frozenset()) -> None:
-    """The required fields, and optional ones added later with defaults: none missing, nothing
-    unknown (a field a reader must understand needs a SCHEMA_VERSION bump, not silence)."""
-    if body.keys() == required:
-        return
-    missing = sorted(required - body.keys())
-    if missing:
-        raise DecodeError(f"{where}: missing field(s) {missing}")
-    unknown = sorted(str(k) for k in body.keys() - required - optional)
-    if unknown:
-        raise DecodeError(f"{where}: unknown field(s) {unknown}")
-
-
-def _blob(v: Any, dtype: np.dtype, where: str) -> np.ndarray:
-    if type(v) is not bytes:
-        raise DecodeError(f"{where}: expected bin, got {_type_name(v)}")
+def _blob(v: bytes, dtype: np.dtype, where: str) -> np.ndarray:
     if len(v) % dtype.itemsize:
         raise DecodeError(
             f"{where}: {len(v)} bytes is not a multiple of {dtype.itemsize} ({dtype.name})"
@@ -307,34 +250,18 @@ def _blob(v: Any, dtype: np.dtype, where: str) -> np.ndarray:
     return np.frombuffer(v, dtype=dtype).astype(dtype.newbyteorder("="), copy=True)
 
 
-def _segments(v: Any, n_tokens: int, where: str) -> list[tuple[int, int]]:
-    segs = _list(v, where)
-    if len(segs) == 1:  # fast path: no weight swap during this completion
-        seg = segs[0]
-        if (
-            type(seg) is list
-            and len(seg) == 2
-            and seg[0] == 0
-            and type(seg[0]) is int
-            and type(seg[1]) is int
-            and seg[1] >= 0
-        ):
-            return [(0, seg[1])]
+def _segments(segs: list[tuple[int, int]], n_tokens: int, where: str) -> list[tuple[int, int]]:
+    """Version segments of one completion: first start 0, starts strictly increasing and below
+    n_tokens, versions >= 0 and non-decreasing."""
+    if len(segs) == 1 and segs[0][0] == 0 and segs[0][1] >= 0:
+        return [(0, segs[0][1])]  # fast path: no weight swap during this completion
     if not segs:
         raise DecodeError(f"{where}: must have at least one segment")
-    out: list[tuple[int, int]] = []
-    prev_start = -1
-    prev_version = -1
-    for i, seg in enumerate(segs):
-        if type(seg) is not list or len(seg) != 2:
-            raise DecodeError(f"{where}[{i}]: expected [start, version] pair")
-        start, version = seg
-        if type(start) is not int or type(version) is not int:
-            raise DecodeError(f"{where}[{i}]: start and version must be int")
-        if i == 0:
-            if start != 0:
-                raise DecodeError(f"{where}: first segment must start at 0, got {start}")
-        elif start <= prev_start:
+    prev_start = prev_version = -1
+    for i, (start, version) in enumerate(segs):
+        if i == 0 and start != 0:
+            raise DecodeError(f"{where}: first segment must start at 0, got {start}")
+        if i and start <= prev_start:
             raise DecodeError(
                 f"{where}[{i}]: starts must be strictly increasing ({start} after {prev_start})"
             )
@@ -347,8 +274,7 @@ def _segments(v: Any, n_tokens: int, where: str) -> list[tuple[int, int]]:
                 f"{where}[{i}]: versions must be non-decreasing ({version} after {prev_version})"
             )
         prev_start, prev_version = start, version
-        out.append((start, version))
-    return out
+    return [(int(s), int(v)) for s, v in segs]
 
 
 def _check_logprobs(lp: np.ndarray) -> None:
@@ -360,23 +286,10 @@ def _check_logprobs(lp: np.ndarray) -> None:
             raise DecodeError(f"group.logprobs: must be <= 0 (found {mx})")
 
 
-_GROUP_FIELDS = frozenset((
-    "group_id", "producer_id", "prompt_id", "prompt_token_ids", "token_ids", "logprobs",
-    "completions", "timing", "metadata",
-))
-_COMPLETION_FIELDS = frozenset((
-    "num_tokens", "version_segments", "reward", "reward_breakdown", "finish_reason",
-))
-
-
-def _decode_group(body: dict[str, Any]) -> RolloutGroup:
-    _fields(body, _GROUP_FIELDS, "group")
-    group_id = _str(body["group_id"], "group.group_id")
-    producer_id = _str(body["producer_id"], "group.producer_id")
-    prompt_id = _str(body["prompt_id"], "group.prompt_id")
-    prompt = _blob(body["prompt_token_ids"], _I32, "group.prompt_token_ids")
-    tok = _blob(body["token_ids"], _I32, "group.token_ids")
-    lp = _blob(body["logprobs"], _F32, "group.logprobs")
+def _decode_group(w: _GroupWire) -> RolloutGroup:
+    prompt = _blob(w.prompt_token_ids, _I32, "group.prompt_token_ids")
+    tok = _blob(w.token_ids, _I32, "group.token_ids")
+    lp = _blob(w.logprobs, _F32, "group.logprobs")
     if len(tok) != len(lp):
         raise DecodeError(
             f"group.token_ids has {len(tok)} tokens but group.logprobs has {len(lp)} values"
@@ -384,46 +297,26 @@ def _decode_group(body: dict[str, Any]) -> RolloutGroup:
     if (prompt.size and prompt.min() < 0) or (tok.size and tok.min() < 0):
         raise DecodeError("group: token ids must be >= 0")
     _check_logprobs(lp)
-    comps_raw = _list(body["completions"], "group.completions")
-    if not comps_raw:
-        raise DecodeError("group.completions: a group needs at least one completion")
     completions: list[Completion] = []
-    offset = 0
-    total = len(tok)
-    for i, c in enumerate(comps_raw):
-        where = f"group.completions[{i}]"
-        c = _map(c, where)
-        _fields(c, _COMPLETION_FIELDS, where)
-        n = _int(c["num_tokens"], f"{where}.num_tokens", nonneg=True)
+    offset, total = 0, len(tok)
+    for i, c in enumerate(w.completions):
+        n = c.num_tokens
         if offset + n > total:
-            raise DecodeError(
-                f"{where}.num_tokens: completions need more than the {total} tokens sent"
-            )
-        completions.append(
-            Completion(
-                token_ids=tok[offset : offset + n],
-                logprobs=lp[offset : offset + n],
-                version_segments=_segments(c["version_segments"], n,
-                                           f"{where}.version_segments"),
-                reward=_float(c["reward"], f"{where}.reward"),
-                reward_breakdown=_float_map(c["reward_breakdown"], f"{where}.reward_breakdown"),
-                finish_reason=_str(c["finish_reason"], f"{where}.finish_reason"),
-            )
-        )
+            raise DecodeError(f"group.completions[{i}].num_tokens: completions need more than "
+                              f"the {total} tokens sent")
+        segs = _segments(c.version_segments, n, f"group.completions[{i}].version_segments")
+        completions.append(Completion(
+            token_ids=tok[offset : offset + n], logprobs=lp[offset : offset + n],
+            version_segments=segs, reward=c.reward, reward_breakdown=c.reward_breakdown,
+            finish_reason=c.finish_reason))
         offset += n
     if offset != total:
         raise DecodeError(
             f"group: completions cover {offset} tokens but {total} token ids were sent"
         )
-    return RolloutGroup(
-        group_id=group_id,
-        producer_id=producer_id,
-        prompt_id=prompt_id,
-        prompt_token_ids=prompt,
-        completions=completions,
-        timing=_float_map(body["timing"], "group.timing"),
-        metadata=_scalar_map(body["metadata"], "group.metadata"),
-    )
+    return RolloutGroup(group_id=w.group_id, producer_id=w.producer_id, prompt_id=w.prompt_id,
+                        prompt_token_ids=prompt, completions=completions, timing=w.timing,
+                        metadata=w.metadata)
 
 
 def decode(frame: bytes, max_frame_bytes: int = 64 << 20) -> RolloutGroup:
@@ -432,58 +325,34 @@ def decode(frame: bytes, max_frame_bytes: int = 64 << 20) -> RolloutGroup:
         return _decode(frame, max_frame_bytes)
     except DecodeError:
         raise
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise DecodeError(f"invalid group frame: {e}") from None
     except Exception as e:  # malformed input must never escape as another exception type
         raise DecodeError(f"invalid frame: {type(e).__name__}: {e}") from None
 
 
 def _decode(frame: bytes, max_frame_bytes: int) -> RolloutGroup:
     if not isinstance(frame, bytes | bytearray | memoryview):
-        raise DecodeError(f"frame must be bytes, got {_type_name(frame)}")
+        raise DecodeError(f"frame must be bytes, got {type(frame).__name__}")
     size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
     if size > max_frame_bytes:
         raise DecodeError(f"frame of {size} bytes exceeds max_frame_bytes={max_frame_bytes}")
     if size == 0:
         raise DecodeError("empty frame")
-    try:
-        obj = msgpack.unpackb(
-            frame,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            ext_hook=_ext_hook,
-            max_bin_len=max_frame_bytes,
-            max_str_len=max_frame_bytes,
-            max_array_len=max_frame_bytes,
-            max_map_len=max_frame_bytes,
-            max_ext_len=0,
-        )
-    except DecodeError:
-        raise
-    except msgpack.ExtraData:
-        raise DecodeError("trailing bytes after the msgpack message") from None
-    except Exception as e:
-        raise DecodeError(f"not a valid msgpack frame: {type(e).__name__}: {e}") from None
-    if type(obj) is not dict:
-        raise DecodeError(f"frame must be a msgpack map, got {_type_name(obj)}")
-    if "protocol" in obj and "schema" not in obj:
+    top = _top_decoder.decode(frame)
+    if "protocol" in top and "schema" not in top:
         raise DecodeError("a control frame (buffer.protocol) on the data socket", "not_a_group")
-    for k in ("schema", "kind", "body"):
-        if k not in obj:
-            raise DecodeError(f"frame: missing field {k!r}")
-    if len(obj) != 3:
-        extra = sorted(str(k) for k in obj if k not in ("schema", "kind", "body"))
-        raise DecodeError(f"frame: unknown field(s) {extra}")
-    schema = obj["schema"]
-    if type(schema) is not int:
-        raise DecodeError(f"frame.schema: expected int, got {_type_name(schema)}")
+    if top.keys() != _FRAME_FIELDS:
+        missing = sorted(_FRAME_FIELDS - top.keys())
+        raise DecodeError(f"frame: missing field(s) {missing}" if missing else
+                          f"frame: unknown field(s) {sorted(top.keys() - _FRAME_FIELDS)}")
+    schema = _int_decoder.decode(top["schema"])
     if schema != SCHEMA_VERSION:
         raise DecodeError(
             f"schema version {schema} is not supported (this build speaks {SCHEMA_VERSION})"
         )
-    kind = obj["kind"]
-    if type(kind) is not str:
-        raise DecodeError(f"frame.kind: expected str, got {_type_name(kind)}")
+    kind = _str_decoder.decode(top["kind"])
     if kind != "group":
         raise DecodeError(f"a {kind!r} frame on the data socket (it carries only groups)",
                           "not_a_group")
-    return _decode_group(_map(obj["body"], "group body"))
+    return _decode_group(_group_decoder.decode(top["body"]))

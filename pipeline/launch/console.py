@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from pipeline.procs import CONSOLE, LOG_DATEFMT, LOG_FORMAT, LOGS_DIR, log_file
+from pipeline.procs import CONSOLE, LOG_DATEFMT, LOG_FORMAT, LOGS_DIR, log_file, setup_logging
 
 _LEVELS = {
     "DEBUG": 10,
@@ -151,15 +151,9 @@ class LogFollower:
 def launcher_logging(verbose: bool) -> None:
     """The launcher's records: stderr from WARNING up (all with ``verbose``); once the run
     directory is known, ``log_to_run_dir`` adds its file."""
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.INFO if verbose else logging.WARNING)
-    console.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
-    root.addHandler(console)
-    logging.captureWarnings(True)
-    for noisy in ("transformers", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging()
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 def log_to_run_dir(run_dir: Path) -> logging.Handler:

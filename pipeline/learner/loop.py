@@ -138,6 +138,7 @@ class Learner:
         self.writer = SnapshotWriter(self.snapshot_dir, cfg.sync.keep_snapshots,
                                      on_written=self._on_written)
         self._acks_tracked = 0  # newest version whose acks are being collected
+        self._heading_to = 0  # version the step under way will publish (Announce.heading_to)
         self.producers: dict[str, ProducerInfo] = {}
         self.registry = ProducerRegistry({f"p{i}" for i in range(cfg.num_producers)})
         self.acks: dict[int, dict[str, Ack]] = {}
@@ -198,18 +199,20 @@ class Learner:
             self.state.cursors[pid] = max(self.state.cursors.get(pid, 0), cursor)
 
     def _on_hello(self, msg: Hello) -> None:
-        restarted = self.registry.hello(msg)
+        new = self.registry.hello(msg)  # a new producer, or a new process of a known one
         info = self.producers.setdefault(msg.producer_id, ProducerInfo())
-        if restarted:  # a new process: its counters start at 0, its predecessor's carry over
+        if new:  # a new process: its counters start at 0, its predecessor's carry over
             info.carried, info.stats = carry_counters(info.carried, info.stats), {}
-        if restarted and info.pid and self.publisher is not None:
+        if new and info.pid and self.publisher is not None:
             self.publisher.forget(msg.producer_id)  # its link died with the old process
         info.pid = msg.pid
         info.version = msg.policy_version
         info.devices = list(msg.devices)
         info.route = self._route(msg.producer_id, info.devices)
-        log.info("producer %s (pid %d, incarnation %s) connected at version %d; weights by %s",
-                 msg.producer_id, msg.pid, msg.incarnation, msg.policy_version, info.route)
+        if new:  # a repeated Hello (the producer retried, or heard of a restart) says nothing
+            log.info("producer %s (pid %d) connected at version %d; weights by %s "
+                     "(incarnation %s)", msg.producer_id, msg.pid, msg.policy_version,
+                     info.route, msg.incarnation)
 
     def _on_control(self, msg: ControlMessage) -> None:
         """A checked control message from a producer that said Hello."""
@@ -342,6 +345,7 @@ class Learner:
                         cursors=dict(self.state.cursors), durable=dict(self.durable),
                         accepted={k: st.accepted for k, st in self.ledger.streams.items()},
                         routes=routes if transfer else {}, transfer=transfer,
+                        heading_to=max(self._heading_to, self.state.version),
                         finished=finished)
 
     async def _announce(self) -> None:
@@ -444,7 +448,14 @@ class Learner:
                                    f"{t.batch_timeout_s:.0f}s (producers alive: {alive or 'none'}"
                                    f"): {e}") from None
             wait_s = time.monotonic() - t0
+            if (st.step + 1) % self.cfg.sync.sync_every == 0 and st.step + 1 < t.steps:
+                # This step publishes v+1: producers still on v stop starting groups (they
+                # would be too stale), and learn it together with the batch's consumption.
+                self._heading_to = st.version + 1
+                await self.endpoint.publish(self.announcement())
             m = await self._train_batch(batch, st.version)
+            self._heading_to = st.version if m is None or m["skipped_nonfinite"] else \
+                self._heading_to
             if m is None:
                 continue
             st.step += 1

@@ -1,8 +1,9 @@
 """A producer: one vLLM AsyncLLM turning prompts into scored GRPO groups, pushed to the learner.
 
 Three coroutines under one TaskGroup (an error in any stops the producer):
-- ``_admit``: starts a group whenever the admission budget allows (in-flight + sent-but-not-yet-
-  consumed groups <= this producer's share of (max_staleness + 1) x batch_groups), so no
+- ``_admit``: starts a group whenever the admission budget allows (``pipeline.config.may_admit``:
+  in-flight + sent-but-not-yet-consumed groups <= this producer's share of
+  (max_staleness + 1 - the engine's lag behind the learner) x batch_groups), so no
   generation is spent on a group that would be too stale to train;
 - ``_listen``: applies announces: new snapshot -> sync barrier -> ack; consumption counts.
   The weights come by the route the learner names for us (file, ipc or nccl; see
@@ -45,7 +46,7 @@ from buffer.protocol import (
 )
 from buffer.schema import Completion, RolloutGroup
 from buffer.transport import ProducerEndpoint
-from pipeline.config import RunConfig, curve_keys, producer_budget
+from pipeline.config import RunConfig, curve_keys, may_admit, producer_budget
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
 from pipeline.producer.outbox import Outbox
@@ -115,6 +116,7 @@ class Producer:
         self._group_tasks: set[asyncio.Task] = set()
         self._engine_lock = asyncio.Lock()  # sleep, wake and swap never interleave
         self._asleep = False
+        self.learner_heading_to = 0  # Announce.heading_to: see pipeline.config.may_admit
         self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
 
     # ------------------------------------------------------------------ admission
@@ -128,7 +130,10 @@ class Producer:
         rate = self.cfg.generation.admit_rate_per_s
         throttle = rate_limiter(rate) if rate else contextlib.nullcontext()
         for record in self.prompts:
-            while self.outstanding() >= self.budget or not self._synced.is_set():
+            while not self._synced.is_set() or not may_admit(
+                    self.outstanding(), self.cfg.train.batch_groups,
+                    self.cfg.train.max_staleness, self.cfg.num_producers, self.index,
+                    self.tracker.version, self.learner_heading_to):
                 self._budget_changed.clear()
                 await self._sleep_if_idle()
                 await self._budget_changed.wait()
@@ -338,6 +343,7 @@ class Producer:
             if report is not None:
                 await self._report(report, ann.learner_session)
         pid = self.producer_id
+        self.learner_heading_to = ann.heading_to
         self.held = max(ann.received.get(pid, 0) - ann.consumed.get(pid, 0), 0)
         self.accepted = ann.accepted.get(self.incarnation, 0)
         if ref is None and self._loaded_session != ann.learner_session:

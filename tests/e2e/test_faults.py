@@ -28,7 +28,7 @@ from pipeline.learner.checkpoint import latest_checkpoint, load_checkpoint
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-CONNECTED = re.compile(r"producer (p\d+) \(pid (\d+)\) connected at version (\d+)")
+CONNECTED = re.compile(r"producer (p\d+) \(pid (\d+)[^)]*\) connected at version (\d+)")
 
 
 class Launcher:
