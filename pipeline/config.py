@@ -270,6 +270,10 @@ class SyncConfig:
                 "GPU broadcast); 'auto' picks per producer from its GPU: file on CPU, ipc on "
                 "the learner's GPU, nccl on another. The file is written every version anyway "
                 "(fallback and catch-up)")
+    stream_from: str = opt("", "producers: tcp://HOST:PORT of the learner node's snapshot "
+                               "server; each version is streamed from it into a directory of "
+                               "this node and checked before the swap (no shared filesystem). "
+                               "The Ray launcher sets it for producers off the learner's node")
     snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run> when "
                                 "keep_snapshots + 1 of them fit there, else run_dir/snapshots)")
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
@@ -289,6 +293,9 @@ class SyncConfig:
                f"unknown mode {self.barrier!r}")
         _check(self.transport in ("auto", "file", "ipc", "nccl"), "sync.transport",
                f"must be auto, file, ipc or nccl, got {self.transport!r}")
+        _check(not self.stream_from or re.fullmatch(r"tcp://[^:/\s]+:\d+", self.stream_from)
+               is not None, "sync.stream_from",
+               f"must look like tcp://HOST:PORT, got {self.stream_from!r}")
         # Only "no GPU at all" is checked here: this also runs in children that launch pinned
         # to one GPU each (CUDA_VISIBLE_DEVICES), where the device count says nothing about
         # placement; see check_placement for that.
