@@ -133,9 +133,17 @@ class _Allow:
         return self.key is None or key == self.key
 
 
-async def fetch_snapshot(addr: str, ref: SnapshotRef, dest: Path, keys: StreamKeys | None,
-                         *, chunk: int = CHUNK_BYTES, window: int = 4, timeout_s: float = 30.0,
-                         ctx: zmq.asyncio.Context | None = None) -> tuple[SnapshotRef, int]:
+async def fetch_snapshot(
+    addr: str,
+    ref: SnapshotRef,
+    dest: Path,
+    keys: StreamKeys | None,
+    *,
+    chunk: int = CHUNK_BYTES,
+    window: int = 4,
+    timeout_s: float = 30.0,
+    ctx: zmq.asyncio.Context | None = None,
+) -> tuple[SnapshotRef, int]:
     """Copy ``ref``'s file from the server at ``addr`` to ``dest`` (atomic rename) and check it
     against ``ref.checksum``; returns the local ref and the byte count. ``timeout_s`` bounds the
     wait for each reply."""
@@ -168,14 +176,17 @@ async def fetch_snapshot(addr: str, ref: SnapshotRef, dest: Path, keys: StreamKe
             await ask()
             while pending:
                 if not await sock.poll(timeout_s * 1000):
-                    raise SnapshotError(f"snapshot v{ref.version}: no reply from {addr} within "
-                                        f"{timeout_s:.0f}s ({received} bytes received)")
+                    raise SnapshotError(
+                        f"snapshot v{ref.version}: no reply from {addr} within "
+                        f"{timeout_s:.0f}s ({received} bytes received)"
+                    )
                 _empty, raw = await sock.recv_multipart()
                 pending -= 1
                 rep = msgpack.unpackb(raw, raw=False)
                 if not rep.get("ok"):
-                    raise SnapshotError(f"snapshot v{ref.version}: {addr} refused "
-                                        f"{ref.uri}: {rep.get('error')}")
+                    raise SnapshotError(
+                        f"snapshot v{ref.version}: {addr} refused {ref.uri}: {rep.get('error')}"
+                    )
                 total = int(rep["total"])
                 data = rep["data"]
                 fh.write(data)  # replies come in request order: one DEALER, one server thread
@@ -185,13 +196,17 @@ async def fetch_snapshot(addr: str, ref: SnapshotRef, dest: Path, keys: StreamKe
                 while pending < window and next_off < total:
                     await ask()
         if total is None or received != total:
-            raise SnapshotError(f"snapshot v{ref.version}: stream from {addr} ended at "
-                                f"{received} of {total} bytes")
-        got = "blake3:" + h.hexdigest(16) if h is not None else \
-            checksum_bytes(tmp.read_bytes(), algo)
+            raise SnapshotError(
+                f"snapshot v{ref.version}: stream from {addr} ended at {received} of {total} bytes"
+            )
+        got = (
+            "blake3:" + h.hexdigest(16) if h is not None else checksum_bytes(tmp.read_bytes(), algo)
+        )
         if got != ref.checksum:
-            raise SnapshotError(f"snapshot v{ref.version}: streamed copy has checksum {got}, "
-                                f"the announce says {ref.checksum}; refusing to load")
+            raise SnapshotError(
+                f"snapshot v{ref.version}: streamed copy has checksum {got}, "
+                f"the announce says {ref.checksum}; refusing to load"
+            )
         tmp.replace(dest)
     finally:
         sock.close(0)
@@ -204,8 +219,15 @@ class StreamedFileTransport(FileTransport):
     streams the version into ``local_dir`` (keeping the ``keep`` newest copies), then stages that
     copy like any snapshot file. ``apply`` is the file transport's."""
 
-    def __init__(self, engine: Any, addr: str, keys: StreamKeys | None, local_dir: str | Path,
-                 keep: int = 2, timeout_s: float = 30.0):
+    def __init__(
+        self,
+        engine: Any,
+        addr: str,
+        keys: StreamKeys | None,
+        local_dir: str | Path,
+        keep: int = 2,
+        timeout_s: float = 30.0,
+    ):
         super().__init__(engine)
         self.addr, self.keys, self.keep, self.timeout_s = addr, keys, keep, timeout_s
         self.local_dir = Path(local_dir)

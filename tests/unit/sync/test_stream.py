@@ -58,8 +58,14 @@ def test_only_snapshot_files_under_the_roots_are_served(served, tmp_path):
     secret.write_bytes(b"x" * 100)
     for uri in (str(secret), "/etc/passwd", ref.uri + "/../../policy_v3.safetensors"):
         with pytest.raises(SnapshotError, match="refused"):
-            asyncio.run(fetch_snapshot(server.addr, SnapshotRef(3, uri, ref.checksum),
-                                       tmp_path / "out" / "policy_v3.safetensors", keys))
+            asyncio.run(
+                fetch_snapshot(
+                    server.addr,
+                    SnapshotRef(3, uri, ref.checksum),
+                    tmp_path / "out" / "policy_v3.safetensors",
+                    keys,
+                )
+            )
 
 
 def test_client_without_the_run_key_gets_nothing(served, tmp_path):
@@ -67,8 +73,11 @@ def test_client_without_the_run_key_gets_nothing(served, tmp_path):
     op, osec = zmq.curve_keypair()
     stranger = StreamKeys(keys.server_public, None, op, osec)
     with pytest.raises(SnapshotError, match="no reply"):
-        asyncio.run(fetch_snapshot(server.addr, ref, tmp_path / "o" / "policy_v3.safetensors",
-                                   stranger, timeout_s=1.0))
+        asyncio.run(
+            fetch_snapshot(
+                server.addr, ref, tmp_path / "o" / "policy_v3.safetensors", stranger, timeout_s=1.0
+            )
+        )
     assert server.bytes_served == 0
 
 
@@ -96,8 +105,10 @@ def test_transport_stages_the_local_copy_and_keeps_two(served, tmp_path):
     method, args = engine.calls[-1]
     assert method == "sync_stage_snapshot" and args[0] == 5
     assert args[1] == str(local / "policy_v5.safetensors") and args[2] == refs[-1].checksum
-    assert sorted(p.name for p in local.iterdir()) == ["policy_v4.safetensors",
-                                                       "policy_v5.safetensors"]
+    assert sorted(p.name for p in local.iterdir()) == [
+        "policy_v4.safetensors",
+        "policy_v5.safetensors",
+    ]
     assert tr.fetches == 3
     tr.close()
     assert not local.exists()
