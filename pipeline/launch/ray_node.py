@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -91,6 +92,16 @@ class RayNode:
             time.sleep(0.2)
         raise TimeoutError(f"ray node on {self.ip} not up within {timeout_s:.0f}s:\n"
                            f"{self.log_tail()}")
+
+    @property
+    def node_id(self) -> str:
+        """The raylet's node id (hex), as Ray's APIs report it ('' before the node is up)."""
+        for f in self.temp_dir.glob("session_*/logs/raylet.out"):
+            with contextlib.suppress(OSError):
+                m = re.search(r"Setting node ID node_id=([0-9a-f]+)", f.read_text(errors="replace"))
+                if m:
+                    return m.group(1)
+        return ""
 
     def log_tail(self, n: int = 20) -> str:
         with contextlib.suppress(OSError):
