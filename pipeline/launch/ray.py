@@ -57,6 +57,7 @@ PRODUCER_KEY_FILES = ("server.key", "client.key", "client.key_secret")
 
 # ---------------------------------------------------------------- shared by both actors
 
+
 def _workdir(run_dir: str, same_as_driver: bool) -> Path:
     """The role's run_dir on this node: the driver's when it is visible here, else a directory
     of this node named after it (the same on a restart, so outboxes and checkpoints survive)."""
@@ -76,12 +77,15 @@ def _write_keys(files: dict[str, bytes]) -> Path:
     return d
 
 
-def _watch_parent(parent: int) -> None:
-    """In the child: when the actor process is gone (kill -9, node loss), kill this process
-    group (the role and its vLLM engine cores) after a short grace for PDEATHSIG's SIGTERM."""
+def _watch_parent(parent: int, keys_dir: str) -> None:
+    """In the child: when the actor process is gone (kill -9, node loss), remove the key copy
+    and kill this process group (the role and its vLLM engine cores) after a short grace for
+    PDEATHSIG's SIGTERM."""
+
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
+        shutil.rmtree(keys_dir, ignore_errors=True)
         time.sleep(5.0)
         os.killpg(0, signal.SIGKILL)
 
@@ -91,14 +95,14 @@ def _watch_parent(parent: int) -> None:
 def _learner_child(parent: int, cfg_dict: dict, model_path: str, resume: bool) -> None:
     from pipeline.launch.local import learner_entry
 
-    _watch_parent(parent)
+    _watch_parent(parent, cfg_dict["curve_keys"])
     learner_entry(cfg_dict, model_path, resume)
 
 
 def _producer_child(parent: int, cfg_dict: dict, model_path: str, index: int) -> None:
     from pipeline.launch.local import producer_entry
 
-    _watch_parent(parent)
+    _watch_parent(parent, cfg_dict["curve_keys"])
     producer_entry(cfg_dict, model_path, index)
 
 
@@ -127,8 +131,9 @@ class _Role:
             warnings.simplefilter("ignore", DeprecationWarning)
             self.restarted = ctx.was_current_actor_reconstructed
         # This node's address as the cluster knows it (the machine may have several).
-        self.ip: str = next(n["NodeManagerAddress"] for n in ray.nodes()
-                       if n["NodeID"] == self.node_id)
+        self.ip: str = next(
+            n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == self.node_id
+        )
         self.proc: Any = None
         self.stopping = False
         self.keys_dir: Path | None = None
@@ -145,8 +150,9 @@ class _Role:
         code = proc.exitcode
         if self.stopping or code == 0:
             return
-        log.error("%s exited with code %s; the actor exits so that Ray restarts it", self.name,
-                  code)
+        log.error(
+            "%s exited with code %s; the actor exits so that Ray restarts it", self.name, code
+        )
         self._cleanup()
         os._exit(1)
 
@@ -162,8 +168,13 @@ class _Role:
             shutil.rmtree(self.keys_dir, ignore_errors=True)
 
     def info(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "ip": self.ip, "pid": self.proc.pid if self.proc else None,
-                "actor_pid": os.getpid(), "workdir": str(self.workdir)}
+        return {
+            "node_id": self.node_id,
+            "ip": self.ip,
+            "pid": self.proc.pid if self.proc else None,
+            "actor_pid": os.getpid(),
+            "workdir": str(self.workdir),
+        }
 
     def poll(self) -> dict[str, Any]:
         return {"pid": self.proc.pid, "exit": self.proc.exitcode}
@@ -186,8 +197,11 @@ class _Role:
         root = self.workdir / under
         if not root.is_dir():
             return []
-        return sorted((str(p.relative_to(self.workdir)), p.stat().st_size)
-                      for p in root.rglob("*") if p.is_file() and not p.name.endswith(".sock"))
+        return sorted(
+            (str(p.relative_to(self.workdir)), p.stat().st_size)
+            for p in root.rglob("*")
+            if p.is_file() and not p.name.endswith(".sock")
+        )
 
     def read(self, rel: str, offset: int = 0, size: int = -1) -> bytes:
         path = (self.workdir / rel).resolve()
@@ -201,8 +215,14 @@ class _Role:
 class LearnerActor(_Role):
     name = "learner"
 
-    def __init__(self, cfg_dict: dict, model_path: str, keys: dict[str, bytes], resume: bool,
-                 driver_node: str):
+    def __init__(
+        self,
+        cfg_dict: dict,
+        model_path: str,
+        keys: dict[str, bytes],
+        resume: bool,
+        driver_node: str,
+    ):
         super().__init__()
         from buffer.transport import free_tcp_port_pair
         from pipeline.launch.ray_node import free_port
@@ -223,26 +243,37 @@ class LearnerActor(_Role):
             ports_file.write_text(json.dumps(ports))
         self.keys_dir = _write_keys({k: keys[k] for k in KEY_FILES})
         self.same = same
-        cfg_dict = dict(cfg_dict, run_dir=str(self.workdir), addr=f"tcp://{ip}:{ports['learner']}",
-                        curve_keys=str(self.keys_dir), insecure=False)
+        cfg_dict = dict(
+            cfg_dict,
+            run_dir=str(self.workdir),
+            addr=f"tcp://{ip}:{ports['learner']}",
+            curve_keys=str(self.keys_dir),
+            insecure=False,
+        )
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
-        roots = [Path(cfg.sync.snapshot_dir)] if cfg.sync.snapshot_dir else [
-            # where the learner puts them (pipeline.learner.loop.snapshot_dir)
-            Path("/dev/shm") / "pipeline-grpo-{}".format(hashlib.sha1(
-                str(self.workdir.resolve()).encode()).hexdigest()[:12]),
-            self.workdir / "snapshots"]
+        # Where the learner puts its snapshots (pipeline.learner.loop.snapshot_dir).
+        run_key = hashlib.sha1(str(self.workdir.resolve()).encode()).hexdigest()[:12]
+        roots = (
+            [Path(cfg.sync.snapshot_dir)]
+            if cfg.sync.snapshot_dir
+            else [Path("/dev/shm") / f"pipeline-grpo-{run_key}", self.workdir / "snapshots"]
+        )
         self.server = SnapshotServer(
-            f"tcp://{ip}:{ports['stream']}", roots,
-            StreamKeys(keys["server.key_public"], keys["server.key_secret_z85"],
-                       keys["client.key_public"]))
+            f"tcp://{ip}:{ports['stream']}",
+            roots,
+            StreamKeys(
+                keys["server.key_public"], keys["server.key_secret_z85"], keys["client.key_public"]
+            ),
+        )
         self.endpoints = {"addr": cfg_dict["addr"], "stream": self.server.addr, "ip": ip}
         model_path = _local_model(model_path, cfg)
         from pipeline.learner.checkpoint import latest_checkpoint
 
         resume = resume or (self.restarted and latest_checkpoint(self.workdir) is not None)
         if self.restarted:
-            log.warning("learner actor restarted by Ray%s", " from its last checkpoint"
-                        if resume else "")
+            log.warning(
+                "learner actor restarted by Ray%s", " from its last checkpoint" if resume else ""
+            )
         ctx = mp.get_context("spawn")
         if cfg.train.learner_processes > 1 or cfg.train.accelerate_config:
             from pipeline.launch.local import LaunchedLearner
@@ -251,8 +282,13 @@ class LearnerActor(_Role):
             # accelerate's launcher has PDEATHSIG set: it stops its ranks when the actor dies.
             self._start(_PopenProc(LaunchedLearner(run_cfg, model_path, resume)))
         else:
-            self._start(ctx.Process(target=_learner_child, name="learner",
-                                    args=(os.getpid(), cfg_dict, model_path, resume)))
+            self._start(
+                ctx.Process(
+                    target=_learner_child,
+                    name="learner",
+                    args=(os.getpid(), cfg_dict, model_path, resume),
+                )
+            )
 
     def get_endpoints(self) -> dict[str, Any]:
         return self.info() | self.endpoints | {"same_dir": self.same}
@@ -285,8 +321,16 @@ class _PopenProc:
 
 
 class ProducerActor(_Role):
-    def __init__(self, cfg_dict: dict, model_path: str, index: int, keys: dict[str, bytes],
-                 learner: dict[str, Any], driver_node: str, resume: bool):
+    def __init__(
+        self,
+        cfg_dict: dict,
+        model_path: str,
+        index: int,
+        keys: dict[str, bytes],
+        learner: dict[str, Any],
+        driver_node: str,
+        resume: bool,
+    ):
         super().__init__()
         from pipeline.launch.shm import list_segments, reclaim_orphans
 
@@ -310,14 +354,25 @@ class ProducerActor(_Role):
         self.shm_before = set(json.loads(shm_file.read_text()))
         self.keys_dir = _write_keys(keys)
         stream = cfg.launch.stream_weights == "always" or (
-            cfg.launch.stream_weights == "auto" and self.node_id != learner["node_id"])
+            cfg.launch.stream_weights == "auto" and self.node_id != learner["node_id"]
+        )
         sync = dict(cfg_dict["sync"], stream_from=learner["stream"] if stream else "")
-        cfg_dict = dict(cfg_dict, run_dir=str(self.workdir), addr=learner["addr"],
-                        curve_keys=str(self.keys_dir), insecure=False, sync=sync)
+        cfg_dict = dict(
+            cfg_dict,
+            run_dir=str(self.workdir),
+            addr=learner["addr"],
+            curve_keys=str(self.keys_dir),
+            insecure=False,
+            sync=sync,
+        )
         model_path = _local_model(model_path, cfg)
-        self._start(mp.get_context("spawn").Process(
-            target=_producer_child, name=f"producer{index}",
-            args=(os.getpid(), cfg_dict, model_path, index)))
+        self._start(
+            mp.get_context("spawn").Process(
+                target=_producer_child,
+                name=f"producer{index}",
+                args=(os.getpid(), cfg_dict, model_path, index),
+            )
+        )
 
     def _cleanup(self) -> None:
         super()._cleanup()
@@ -329,16 +384,20 @@ class ProducerActor(_Role):
 
 # ---------------------------------------------------------------- driver
 
+
 def _import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise ConfigError("launch.backend: 'ray' needs Ray: pip install 'pipeline-grpo[ray]' "
-                          "(or ray[default])") from None
+        raise ConfigError(
+            "launch.backend: 'ray' needs Ray: pip install 'pipeline-grpo[ray]' (or ray[default])"
+        ) from None
     got = tuple(int(x) for x in ray.__version__.split(".")[:2] if x.isdigit())
     if got < MIN_RAY:
-        raise ConfigError(f"launch.backend: Ray {ray.__version__} is too old; need "
-                          f">= {'.'.join(map(str, MIN_RAY))} (pip install 'pipeline-grpo[ray]')")
+        raise ConfigError(
+            f"launch.backend: Ray {ray.__version__} is too old; need "
+            f">= {'.'.join(map(str, MIN_RAY))} (pip install 'pipeline-grpo[ray]')"
+        )
     return ray
 
 
@@ -350,8 +409,11 @@ def make_keys() -> dict[str, bytes]:
     with tempfile.TemporaryDirectory(prefix="pipeline-keys-") as d:  # 0700, removed at once
         k = generate_curve_keys(d)
         files = {name: (Path(d) / name).read_bytes() for name in KEY_FILES}
-    return files | {"server.key_public": k.server_public, "server.key_secret_z85":
-                    k.server_secret, "client.key_public": k.client_public}
+    return files | {
+        "server.key_public": k.server_public,
+        "server.key_secret_z85": k.server_secret,
+        "client.key_public": k.client_public,
+    }
 
 
 def _bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, float]:
@@ -366,8 +428,11 @@ def _missing(ray: Any, bundle: dict[str, float], labels: dict[str, str]) -> str:
     for name, amount in bundle.items():
         if total.get(name, 0) < amount:
             have = total.get(name, 0)
-            return (f"the cluster has {have:g} {name} in all" if have else
-                    f"no node has resource {name!r}") + f" (needs {amount:g})"
+            return (
+                f"the cluster has {have:g} {name} in all"
+                if have
+                else f"no node has resource {name!r}"
+            ) + f" (needs {amount:g})"
     fits = [n for n in nodes if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
     if not fits:
         return f"no single node has all of {bundle}"
@@ -376,13 +441,21 @@ def _missing(ray: Any, bundle: dict[str, float], labels: dict[str, str]) -> str:
     return f"the nodes with {bundle} are busy (resources held by other jobs)"
 
 
-def _place(ray: Any, name: str, bundles: list[dict[str, float]], strategy: str,
-           labels: dict[str, str], timeout_s: float) -> Any:
+def _place(
+    ray: Any,
+    name: str,
+    bundles: list[dict[str, float]],
+    strategy: str,
+    labels: dict[str, str],
+    timeout_s: float,
+) -> Any:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     if not all(bundles):
-        raise ConfigError(f"launch: the {name}'s bundle reserves nothing (set "
-                          f"launch.{name}_num_cpus > 0 or a resource)")
+        raise ConfigError(
+            f"launch: the {name}'s bundle reserves nothing (set "
+            f"launch.{name}_num_cpus > 0 or a resource)"
+        )
     selector = [dict(labels) for _ in bundles] if labels else None
     pg = placement_group(bundles, strategy=strategy, bundle_label_selector=selector)
     try:
@@ -392,8 +465,10 @@ def _place(ray: Any, name: str, bundles: list[dict[str, float]], strategy: str,
         why = _missing(ray, bundles[0], labels)
         if strategy == "STRICT_SPREAD" and len(bundles) > 1:
             why += f"; STRICT_SPREAD needs {len(bundles)} nodes that fit it"
-        raise ConfigError(f"launch: cannot place the {name} within {timeout_s:.0f}s: {why} "
-                          f"(launch.{name}_num_cpus/_num_gpus/_resources/_labels)") from None
+        raise ConfigError(
+            f"launch: cannot place the {name} within {timeout_s:.0f}s: {why} "
+            f"(launch.{name}_num_cpus/_num_gpus/_resources/_labels)"
+        ) from None
     return pg
 
 
@@ -420,10 +495,15 @@ def _connect(ray: Any, cfg: RunConfig) -> Any:
     address = lc.ray_address
     if not address:
         need = lc.learner_num_cpus + cfg.num_producers * lc.producer_num_cpus
-        node = RayNode("127.0.0.1", num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
-                       resources={**lc.learner_resources, **{
-                           k: v * cfg.num_producers for k, v in lc.producer_resources.items()}},
-                       object_store_mb=lc.ray_object_store_mb)
+        node = RayNode(
+            "127.0.0.1",
+            num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+            resources={
+                **lc.learner_resources,
+                **{k: v * cfg.num_producers for k, v in lc.producer_resources.items()},
+            },
+            object_store_mb=lc.ray_object_store_mb,
+        )
         try:
             node.wait_ready(max(lc.ray_timeout_s, 120.0))
         except (RuntimeError, TimeoutError):
@@ -443,8 +523,9 @@ def _connect(ray: Any, cfg: RunConfig) -> Any:
     if why:
         if node is not None:
             node.stop()
-        raise ConfigError(f"launch.ray_address: cannot connect to a Ray cluster at "
-                          f"{address!r}: {why}")
+        raise ConfigError(
+            f"launch.ray_address: cannot connect to a Ray cluster at {address!r}: {why}"
+        )
     return node
 
 
@@ -480,18 +561,30 @@ class _Mirror:
             log.info("left on the learner's node: %d large file(s), e.g. %s", len(left), left[0])
 
 
-def run(cfg: RunConfig, *, resume: bool = False, max_producer_restarts: int = 0,
-        max_learner_restarts: int = 0) -> int:
+def run(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    max_producer_restarts: int = 0,
+    max_learner_restarts: int = 0,
+) -> int:
     """Run the whole job on Ray; returns an exit code (like ``pipeline.launch.local.run``)."""
     from pipeline.launch.local import prepare, set_aside_previous_run
 
+    # Every actor's lines on the console, as with the local launcher (Ray folds similar lines
+    # of different actors into one by default).
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray = _import_ray()
     if cfg.addr:
-        raise ConfigError("addr: the Ray launcher binds the learner on its node's address "
-                          "itself; leave addr empty")
+        raise ConfigError(
+            "addr: the Ray launcher binds the learner on its node's address "
+            "itself; leave addr empty"
+        )
     if cfg.producer_gpus or cfg.learner_gpus:
-        raise ConfigError("producer_gpus/learner_gpus: Ray assigns GPUs; use "
-                          "launch.producer_num_gpus / launch.learner_num_gpus")
+        raise ConfigError(
+            "producer_gpus/learner_gpus: Ray assigns GPUs; use "
+            "launch.producer_num_gpus / launch.learner_num_gpus"
+        )
     model_path = prepare(cfg, "all")
     run_dir = Path(cfg.run_dir).resolve()
     cfg.run_dir = str(run_dir)
@@ -517,46 +610,101 @@ def run(cfg: RunConfig, *, resume: bool = False, max_producer_restarts: int = 0,
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         driver_node = ray.get_runtime_context().get_node_id()
-        log.info("ray: connected in %.1fs (%d nodes)", time.monotonic() - t0,
-                 sum(1 for n in ray.nodes() if n.get("Alive")))
+        log.info(
+            "ray: connected in %.1fs (%d nodes)",
+            time.monotonic() - t0,
+            sum(1 for n in ray.nodes() if n.get("Alive")),
+        )
         lb = _bundle(lc.learner_num_cpus, lc.learner_num_gpus, lc.learner_resources)
         pb = _bundle(lc.producer_num_cpus, lc.producer_num_gpus, lc.producer_resources)
-        pgs.append(_place(ray, "learner", [lb], "STRICT_PACK", lc.learner_labels,
-                          lc.ray_timeout_s))
-        pgs.append(_place(ray, "producer", [pb] * cfg.num_producers, lc.producer_strategy,
-                          lc.producer_labels, lc.ray_timeout_s))
+        pgs.append(_place(ray, "learner", [lb], "STRICT_PACK", lc.learner_labels, lc.ray_timeout_s))
+        pgs.append(
+            _place(
+                ray,
+                "producer",
+                [pb] * cfg.num_producers,
+                lc.producer_strategy,
+                lc.producer_labels,
+                lc.ray_timeout_s,
+            )
+        )
         keys = make_keys()
         producer_keys = {k: keys[k] for k in PRODUCER_KEY_FILES}
-        env = {"env_vars": {k: v for k, v in os.environ.items()
-                            if k.startswith(("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_"))}}
+        env = {
+            "env_vars": {
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith(("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_"))
+            }
+        }
 
         def opts(pg: Any, i: int, cpus: float, gpus: float, res: dict, restarts: int) -> dict:
-            return {"num_cpus": cpus, "num_gpus": gpus, "resources": dict(res),
-                    "max_restarts": restarts, "max_task_retries": 0, "runtime_env": env,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        pg, placement_group_bundle_index=i)}
+            return {
+                "num_cpus": cpus,
+                "num_gpus": gpus,
+                "resources": dict(res),
+                "max_restarts": restarts,
+                "max_task_retries": 0,
+                "runtime_env": env,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i
+                ),
+            }
 
-        learner = ray.remote(LearnerActor).options(
-            name=None, **opts(pgs[0], 0, lc.learner_num_cpus, lc.learner_num_gpus,
-                              lc.learner_resources, max_learner_restarts)
-        ).remote(cfg_dict, model_path, keys, resume, driver_node)
+        learner = (
+            ray.remote(LearnerActor)
+            .options(
+                name=None,
+                **opts(
+                    pgs[0],
+                    0,
+                    lc.learner_num_cpus,
+                    lc.learner_num_gpus,
+                    lc.learner_resources,
+                    max_learner_restarts,
+                ),
+            )
+            .remote(cfg_dict, model_path, keys, resume, driver_node)
+        )
         actors.append(learner)
         ep = ray.get(learner.get_endpoints.remote())
-        log.info("ray: learner on node %s (%s), rollouts at %s, snapshots streamed from %s",
-                 ep["node_id"][:12], ep["ip"], ep["addr"], ep["stream"])
+        log.info(
+            "ray: learner on node %s (%s), rollouts at %s, snapshots streamed from %s",
+            ep["node_id"][:12],
+            ep["ip"],
+            ep["addr"],
+            ep["stream"],
+        )
         for i in range(cfg.num_producers):
-            producers[i] = ray.remote(ProducerActor).options(
-                **opts(pgs[1], i, lc.producer_num_cpus, lc.producer_num_gpus,
-                       lc.producer_resources, max_producer_restarts)
-            ).remote(cfg_dict, model_path, i, producer_keys, ep, driver_node, resume)
+            producers[i] = (
+                ray.remote(ProducerActor)
+                .options(
+                    **opts(
+                        pgs[1],
+                        i,
+                        lc.producer_num_cpus,
+                        lc.producer_num_gpus,
+                        lc.producer_resources,
+                        max_producer_restarts,
+                    )
+                )
+                .remote(cfg_dict, model_path, i, producer_keys, ep, driver_node, resume)
+            )
             actors.append(producers[i])
         infos = ray.get([p.info.remote() for p in producers.values()])
         placement = {"learner": ep["node_id"]} | {
-            f"producer{i}": info["node_id"] for i, info in zip(producers, infos, strict=True)}
+            f"producer{i}": info["node_id"] for i, info in zip(producers, infos, strict=True)
+        }
         (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
         for i, info in zip(producers, infos, strict=True):
-            log.info("ray: producer %d on node %s (%s), actor pid %d, producer pid %d", i,
-                     info["node_id"][:12], info["ip"], info["actor_pid"], info["pid"])
+            log.info(
+                "ray: producer %d on node %s (%s), actor pid %d, producer pid %d",
+                i,
+                info["node_id"][:12],
+                info["ip"],
+                info["actor_pid"],
+                info["pid"],
+            )
         mirror = None if ep["same_dir"] else _Mirror(ray, learner, run_dir)
         code = _watch(ray, learner, producers, mirror, infos)
         if code == 0 and mirror is not None:
@@ -573,8 +721,9 @@ def run(cfg: RunConfig, *, resume: bool = False, max_producer_restarts: int = 0,
     return code
 
 
-def _watch(ray: Any, learner: Any, producers: dict[int, Any], mirror: _Mirror | None,
-           infos: list[dict]) -> int:
+def _watch(
+    ray: Any, learner: Any, producers: dict[int, Any], mirror: _Mirror | None, infos: list[dict]
+) -> int:
     """Until the learner's child exits: mirror metrics, report producer restarts, fail when Ray
     gives up on an actor."""
     pids = {i: info["pid"] for i, info in zip(producers, infos, strict=True)}
@@ -585,8 +734,9 @@ def _watch(ray: Any, learner: Any, producers: dict[int, Any], mirror: _Mirror | 
             time.sleep(1.0)  # being restarted by Ray
             continue
         except ray.exceptions.RayActorError as e:
-            log.error("the learner actor died and Ray will not restart it: %s",
-                      str(e).splitlines()[0])
+            log.error(
+                "the learner actor died and Ray will not restart it: %s", str(e).splitlines()[0]
+            )
             return 1
         except ray.exceptions.GetTimeoutError:
             continue
@@ -602,8 +752,11 @@ def _watch(ray: Any, learner: Any, producers: dict[int, Any], mirror: _Mirror | 
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
                 continue
             except ray.exceptions.RayActorError as e:
-                log.error("producer %d died and Ray will not restart it (launch restarts "
-                          "exhausted): %s", i, str(e).splitlines()[0])
+                log.error(
+                    "producer %d died and Ray will not restart it (launch restarts exhausted): %s",
+                    i,
+                    str(e).splitlines()[0],
+                )
                 return 1
             if pst["pid"] != pids[i]:
                 log.warning("producer %d restarted by Ray (pid %s -> %s)", i, pids[i], pst["pid"])
@@ -611,8 +764,9 @@ def _watch(ray: Any, learner: Any, producers: dict[int, Any], mirror: _Mirror | 
         time.sleep(0.5)
 
 
-def _teardown(ray: Any, learner: Any, producers: dict[int, Any], pgs: list[Any], run_dir: Path,
-              code: int) -> None:
+def _teardown(
+    ray: Any, learner: Any, producers: dict[int, Any], pgs: list[Any], run_dir: Path, code: int
+) -> None:
     """Learner first (SIGINT: its final checkpoint), then producers (their sent logs come back
     to run_dir/producers), then the actors and placement groups."""
     from ray.util.placement_group import remove_placement_group

@@ -24,9 +24,14 @@ from pathlib import Path
 
 import psutil
 
-PORT_OPTIONS = ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
-                "--metrics-export-port", "--runtime-env-agent-port", "--node-manager-port",
-                "--object-manager-port")
+PORT_OPTIONS = (
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--metrics-export-port",
+    "--runtime-env-agent-port",
+    "--node-manager-port",
+    "--object-manager-port",
+)
 
 
 def free_port(host: str) -> int:
@@ -44,29 +49,57 @@ def ray_executable() -> str:
 class RayNode:
     """A head (``head_address`` None) or a worker joining ``head_address``, on ``ip``."""
 
-    def __init__(self, ip: str = "127.0.0.1", *, head_address: str | None = None,
-                 num_cpus: float | None = None, resources: dict[str, float] | None = None,
-                 labels: dict[str, str] | None = None, object_store_mb: int = 256,
-                 temp_dir: str | Path | None = None, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        ip: str = "127.0.0.1",
+        *,
+        head_address: str | None = None,
+        num_cpus: float | None = None,
+        resources: dict[str, float] | None = None,
+        labels: dict[str, str] | None = None,
+        object_store_mb: int = 256,
+        temp_dir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.ip = ip
         self.own_temp = temp_dir is None
         # Ray's socket paths must stay short (AF_UNIX limit): a short name under /tmp.
         self.temp_dir = Path(temp_dir or tempfile.mkdtemp(prefix="pgray", dir="/tmp"))
         self.port = free_port(ip) if head_address is None else None
         self.address = f"{ip}:{self.port}" if head_address is None else head_address
-        cmd = [ray_executable(), "start", "--block", "--node-ip-address", ip,
-               "--temp-dir", str(self.temp_dir), "--object-store-memory",
-               str(object_store_mb << 20), "--disable-usage-stats"]
+        cmd = [
+            ray_executable(),
+            "start",
+            "--block",
+            "--node-ip-address",
+            ip,
+            "--temp-dir",
+            str(self.temp_dir),
+            "--object-store-memory",
+            str(object_store_mb << 20),
+            "--disable-usage-stats",
+        ]
         if head_address is None:
-            cmd += ["--head", "--port", str(self.port), "--include-dashboard", "false",
-                    "--ray-client-server-port", str(free_port(ip))]
+            cmd += [
+                "--head",
+                "--port",
+                str(self.port),
+                "--include-dashboard",
+                "false",
+                "--ray-client-server-port",
+                str(free_port(ip)),
+            ]
         else:
             cmd += ["--address", head_address]
         for opt in PORT_OPTIONS:
             cmd += [opt, str(free_port(ip))]
         worker = free_port(ip)  # a small range of its own for the workers' ports
-        cmd += ["--min-worker-port", str(max(worker - 50, 10002)),
-                "--max-worker-port", str(max(worker - 50, 10002) + 100)]
+        cmd += [
+            "--min-worker-port",
+            str(max(worker - 50, 10002)),
+            "--max-worker-port",
+            str(max(worker - 50, 10002) + 100),
+        ]
         if num_cpus is not None:
             cmd += ["--num-cpus", str(num_cpus)]
         if resources:
@@ -76,8 +109,9 @@ class RayNode:
         self.log_path = self.temp_dir / "ray-start.log"
         node_env = os.environ | {"RAY_TMPDIR": str(self.temp_dir)} | (env or {})
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=node_env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=node_env, start_new_session=True
+            )
         self.session = self.proc.pid  # start_new_session: the session id is its pid
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
@@ -85,13 +119,15 @@ class RayNode:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start on {self.ip} exited ({self.proc.returncode}):\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"ray start on {self.ip} exited ({self.proc.returncode}):\n{self.log_tail()}"
+                )
             if "Ray runtime started" in self.log_path.read_text(errors="replace"):
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"ray node on {self.ip} not up within {timeout_s:.0f}s:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(
+            f"ray node on {self.ip} not up within {timeout_s:.0f}s:\n{self.log_tail()}"
+        )
 
     @property
     def node_id(self) -> str:

@@ -45,9 +45,15 @@ def cluster(tmp_path_factory):
             d = Path(f"/tmp/pgt-{os.getpid()}-{ip.rsplit('.', 1)[1]}")  # short: socket paths
             (d / "tmp").mkdir(parents=True, exist_ok=True)
             head = nodes.get("127.0.0.2")
-            nodes[ip] = RayNode(ip, head_address=head.address if head else None, num_cpus=2,
-                                resources={resource: 1}, object_store_mb=128, temp_dir=d,
-                                env={"TMPDIR": str(d / "tmp"), "PYTHONPATH": str(REPO)})
+            nodes[ip] = RayNode(
+                ip,
+                head_address=head.address if head else None,
+                num_cpus=2,
+                resources={resource: 1},
+                object_store_mb=128,
+                temp_dir=d,
+                env={"TMPDIR": str(d / "tmp"), "PYTHONPATH": str(REPO)},
+            )
             nodes[ip].wait_ready(180)
         yield nodes
     finally:
@@ -60,48 +66,82 @@ def cluster(tmp_path_factory):
 
 
 def _ray_args(cluster, *extra: str) -> tuple[str, ...]:
-    return ("--launcher", "ray", "--ray-address", cluster["127.0.0.2"].address,
-            "--set", "launch.learner_resources={learner_node: 1}",
-            "--set", "launch.producer_resources={producer_node: 1}",
-            "--set", "launch.producer_strategy=STRICT_SPREAD", *extra)
+    return (
+        "--launcher",
+        "ray",
+        "--ray-address",
+        cluster["127.0.0.2"].address,
+        "--set",
+        "launch.learner_resources={learner_node: 1}",
+        "--set",
+        "launch.producer_resources={producer_node: 1}",
+        "--set",
+        "launch.producer_strategy=STRICT_SPREAD",
+        *extra,
+    )
 
 
-def test_three_nodes_placement_streamed_weights_and_producer_kill(cluster, tiny_model, tmp_path,
-                                                                  monkeypatch):
+def test_three_nodes_placement_streamed_weights_and_producer_kill(
+    cluster, tiny_model, tmp_path, monkeypatch
+):
     tag = f"ray{time.time_ns()}"
     monkeypatch.setenv("PIPELINE_TEST_RUN", tag)  # forwarded to the actors (runtime_env)
     shm_before = list_segments()
     run_dir = tmp_path / "run"
     steps = 5
-    la = Launcher(tiny_model, run_dir, *_ray_args(
-        cluster, "--mode", "async", "--max-staleness", "1", "--steps", str(steps),
-        "--max-producer-restarts", "1"))
+    la = Launcher(
+        tiny_model,
+        run_dir,
+        *_ray_args(
+            cluster,
+            "--mode",
+            "async",
+            "--max-staleness",
+            "1",
+            "--steps",
+            str(steps),
+            "--max-producer-restarts",
+            "1",
+        ),
+    )
     placed = r"ray: producer (\d) on node \w+ \(([\d.]+)\), actor pid (\d+), producer pid (\d+)"
     try:
-        la.wait_for(lambda: len([ln for ln in la.lines if re.search(placed, ln)]) == 2, 300,
-                    "both producers placed")
-        actors = {int(m[1]): (m[2], int(m[3]), int(m[4])) for ln in la.lines
-                  if (m := re.search(placed, ln))}
+        la.wait_for(
+            lambda: len([ln for ln in la.lines if re.search(placed, ln)]) == 2,
+            300,
+            "both producers placed",
+        )
+        actors = {
+            int(m[1]): (m[2], int(m[3]), int(m[4]))
+            for ln in la.lines
+            if (m := re.search(placed, ln))
+        }
         la.wait_for(lambda: la.steps_done() >= 1, 400, "the first trained step")
         _ip, actor_pid, child_pid = actors[1]
         victims = [child_pid] + [c.pid for c in psutil.Process(child_pid).children(True)]
         os.kill(actor_pid, signal.SIGKILL)  # the producer actor's process, as an OOM kill
         assert la.steps_done() < steps, "run finished before the kill"
-        la.wait_for(lambda: any("producer 1 restarted by Ray" in ln for ln in la.lines), 300,
-                    "Ray to restart producer 1")
+        la.wait_for(
+            lambda: any("producer 1 restarted by Ray" in ln for ln in la.lines),
+            300,
+            "Ray to restart producer 1",
+        )
         _assert_gone(victims, "the killed actor's producer and engine")
         code = la.wait(600)
     finally:
         la.stop()
     log = "\n".join(la.lines)
+    (run_dir / "driver.log").write_text(log)  # for a failure's post-mortem
     assert code == 0, la.tail(80)
 
     # Placement, from node ids: the learner on .3, one producer on each other node.
     node_ids = {ip: n.node_id for ip, n in cluster.items()}
     placement = json.loads((run_dir / "placement.json").read_text())
     assert placement["learner"] == node_ids["127.0.0.3"]
-    assert {placement["producer0"], placement["producer1"]} == {node_ids["127.0.0.2"],
-                                                                node_ids["127.0.0.4"]}
+    assert {placement["producer0"], placement["producer1"]} == {
+        node_ids["127.0.0.2"],
+        node_ids["127.0.0.4"],
+    }
     assert {actors[0][0], actors[1][0]} == {"127.0.0.2", "127.0.0.4"}
 
     # Every step trained, reward logged; metrics came back from the learner's node.
@@ -138,23 +178,46 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(cluster, tiny_
 
 def _bad(*args: str) -> tuple[int, str, float]:
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "pipeline.launch.cli", *args], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline.launch.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return p.returncode, p.stderr, time.monotonic() - t0
 
 
 def test_unreachable_address_is_one_line(tiny_model, tmp_path):
-    code, err, took = _bad("--launcher", "ray", "--ray-address", "127.0.0.9:1",
-                           "--model", str(tiny_model), "--run-dir", str(tmp_path / "r"))
+    code, err, took = _bad(
+        "--launcher",
+        "ray",
+        "--ray-address",
+        "127.0.0.9:1",
+        "--model",
+        str(tiny_model),
+        "--run-dir",
+        str(tmp_path / "r"),
+    )
     assert code == 2 and took < 30, (code, took, err)
     assert err.strip().splitlines() == [err.strip().splitlines()[-1]], err
     assert "launch.ray_address" in err and "127.0.0.9:1" in err
 
 
 def test_missing_resource_is_named_within_30s(cluster, tiny_model, tmp_path):
-    code, err, took = _bad(*_ray_args(cluster, "--set", "launch.learner_resources={gpu_node: 1}",
-                                      "--set", "launch.ray_timeout_s=10", "--model",
-                                      str(tiny_model), "--run-dir", str(tmp_path / "r")))
+    code, err, took = _bad(
+        *_ray_args(
+            cluster,
+            "--set",
+            "launch.learner_resources={gpu_node: 1}",
+            "--set",
+            "launch.ray_timeout_s=10",
+            "--model",
+            str(tiny_model),
+            "--run-dir",
+            str(tmp_path / "r"),
+        )
+    )
     assert code == 2 and took < 30, (code, took, err)
     last = err.strip().splitlines()[-1]
     assert "cannot place the learner" in last and "'gpu_node'" in last, err
