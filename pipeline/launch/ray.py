@@ -495,8 +495,10 @@ def _connect(ray: Any, cfg: RunConfig) -> Any:
     address = lc.ray_address
     if not address:
         need = lc.learner_num_cpus + cfg.num_producers * lc.producer_num_cpus
+        # 127.0.0.2: Ray rewrites 127.0.0.1 to the machine's network address; any other
+        # loopback address stays as given, so a private run's traffic stays on loopback.
         node = RayNode(
-            "127.0.0.1",
+            "127.0.0.2",
             num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
             resources={
                 **lc.learner_resources,

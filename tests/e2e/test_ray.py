@@ -88,16 +88,16 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(
     monkeypatch.setenv("PIPELINE_TEST_RUN", tag)  # forwarded to the actors (runtime_env)
     shm_before = list_segments()
     run_dir = tmp_path / "run"
-    steps = 5
+    # Sync mode: every step needs both producers' groups, so the learner waits for the killed
+    # one's successor (in async mode the other producer could fill every step alone).
+    steps = 4
     la = Launcher(
         tiny_model,
         run_dir,
         *_ray_args(
             cluster,
             "--mode",
-            "async",
-            "--max-staleness",
-            "1",
+            "sync",
             "--steps",
             str(steps),
             "--max-producer-restarts",
@@ -148,7 +148,7 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all("reward_mean" in r for r in rows)
-    assert rows[-1]["version"] >= 3
+    assert rows[-1]["version"] == steps - 1 and all(r["staleness_max"] == 0 for r in rows)
     # No shared snapshot directory: both producers streamed every version into their node.
     assert log.count("weights streamed from tcp://127.0.0.3:") >= 3  # p0, p1 and p1's successor
     assert "refused" not in log and "checksum" not in log
@@ -165,7 +165,8 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(
     assert t["trained"] == 2 * steps, t
 
     # Teardown: no process of the run, no shared-memory segment left.
-    assert "Traceback" not in log, log[-3000:]
+    # (A killed actor's multiprocessing resource tracker prints its own KeyError tracebacks.)
+    assert f'File "{REPO}/' not in log, log[-3000:]
     _assert_gone(la.descendants, "driver children")
     assert_no_process_left(tag)
     assert (list_segments() - shm_before) - segments_in_use() == set()
