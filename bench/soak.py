@@ -5,7 +5,7 @@ producers, kills a producer every few minutes (the launcher restarts it) and the
 (the launcher restarts it from its last checkpoint while producers keep running and resend what
 that checkpoint lacks), stops the run, and then checks from the counters that
 
-    groups produced = trained + dropped as stale + dropped by capacity + held in the buffer
+    groups produced = trained + dropped as stale + dropped by capacity + rejected + held
 
 where *produced* is every group a producer handed to its socket (``run_dir/producers/*.jsonl``)
 minus those a killed producer had not delivered and that still wait in its outbox log for a
@@ -94,15 +94,17 @@ def tally(run_dir: Path) -> dict[str, float]:
         "dropped_stale": st.dropped_stale,
         "dropped_capacity": st.dropped_capacity,
         "held": st.size,
+        "rejected_groups": sum(st.rejected_groups.values()),
         "duplicates_ignored": ledger.duplicates,
         "pending_in_outbox_logs": pending,
         "lost": lost,
         "accepted_without_producer_record": unknown,
         "frames_rejected": st.rejected,
         "buffer_invariant_ok": st.received == st.served + st.dropped_stale
-        + st.dropped_capacity + st.size,
+        + st.dropped_capacity + sum(st.rejected_groups.values()) + st.size,
         "conservation_ok": lost == 0 and n_produced - pending
-        == st.served + st.dropped_stale + st.dropped_capacity + st.size,
+        == st.served + st.dropped_stale + st.dropped_capacity + sum(st.rejected_groups.values())
+        + st.size,
         "steps": state.step,
         "version": state.version,
     }
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
            "--steps", "1000000", "--run-dir", str(run_dir), "--tensorboard", "false",
            "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
            "--train.checkpoint_every", "1", "--max-producer-restarts", "1000",
-           "--max-learner-restarts", "10"]
+           "--max-learner-restarts", "10", "--verbose"]  # _watch reads the INFO lines
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 bufsize=1)
     pids: dict[str, int] = {}

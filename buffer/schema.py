@@ -1,7 +1,7 @@
-"""Wire format between producers and the learner: msgpack frames, never pickle.
+"""Wire format of rollout groups (the data channel): msgpack frames, never pickle.
 
-Owns the message dataclasses (rollout groups and the small control messages) and their
-encode/decode. Invariants:
+Owns RolloutGroup / Completion and their encode/decode; the control messages are declared in
+``buffer.protocol``. Invariants:
 
 - Every frame is one msgpack map ``{"schema": SCHEMA_VERSION, "kind": <str>, "body": <map>}``
   with nothing after it.
@@ -33,7 +33,13 @@ _F32 = np.dtype("<f4")
 
 
 class DecodeError(ValueError):
-    """Any invalid frame: message says what was wrong."""
+    """Any invalid frame: message says what was wrong, ``reason`` names the kind of fault for
+    counting (``malformed``, or ``not_a_group`` for a well-formed frame of another kind, e.g. a
+    control message sent to the data socket)."""
+
+    def __init__(self, message: str, reason: str = "malformed"):
+        super().__init__(message)
+        self.reason = reason
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,86 +128,6 @@ class RolloutGroup:
         )
 
 
-@dataclass
-class Hello:
-    """Sent by a producer when it starts (and after it reconnects)."""
-
-    producer_id: str
-    policy_version: int
-    pid: int
-    devices: list[str] = field(default_factory=list)
-    """GPU UUID of each of the producer's vLLM workers ([] on CPU): the learner picks the weight
-    transport per producer from it (same GPU: ipc, another GPU: nccl)."""
-
-
-@dataclass
-class Heartbeat:
-    """Periodic liveness and throughput statistics from a producer."""
-
-    producer_id: str
-    policy_version: int
-    stats: dict[str, float]
-
-
-@dataclass
-class Announce:
-    """Learner -> producers: weights ``version`` are ready at ``snapshot_uri``."""
-
-    version: int
-    snapshot_uri: str
-    snapshot_checksum: str
-    learner_session: str
-    received: dict[str, int]
-    """Groups received per producer so far (lets producers detect loss across restarts)."""
-    consumed: dict[str, int]
-    """Groups consumed (served to training) per producer so far."""
-    cursors: dict[str, int] = field(default_factory=dict)
-    """Highest dataset cursor received per producer (where a restarted producer resumes)."""
-    durable: dict[str, int] = field(default_factory=dict)
-    """Per producer incarnation: every group with seq below this is in the learner's last
-    checkpoint, so the producer may forget it (it keeps the rest to resend after a restart)."""
-    accepted: dict[str, int] = field(default_factory=dict)
-    """Per producer incarnation: groups the learner has accepted so far (the producer's
-    in-transit count is what it sent minus this)."""
-    routes: dict[str, str] = field(default_factory=dict)
-    """Per producer id: the weight transport to load ``version`` with ("ipc" or "nccl");
-    absent means the snapshot file (always written, also the fallback)."""
-    transfer: dict[str, Any] = field(default_factory=dict)
-    """Transport payload as plain msgpack data (layout, IPC handle fields, NCCL link offers);
-    only its types are checked here, ``sync.transfer`` validates the meaning."""
-    finished: bool = False
-    """The learner has trained its last step and is stopping: producers exit (a learner that
-    stops early, e.g. Ctrl-C or a crash, never sets it, so producers wait for its return)."""
-
-
-@dataclass
-class Ack:
-    """Producer -> learner: result of loading an announced version."""
-
-    producer_id: str
-    version: int
-    ok: bool
-    error: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class SyncReady:
-    """Producer -> learner, for the NCCL transport (a collective: both sides must take part).
-
-    ``purpose`` "link": the producer is about to join link ``epoch`` (the learner joins too);
-    "weights": the producer is paused and waits on link ``epoch`` for ``version``;
-    "drop": the producer gave link ``epoch`` up (a join or receive failed or timed out on its
-    side), so the learner drops it too and offers a new one; without this the two sides could
-    disagree for good about whether the link is up."""
-
-    producer_id: str
-    purpose: str
-    epoch: int
-    version: int = 0
-
-
-Message = RolloutGroup | Hello | Heartbeat | Announce | Ack | SyncReady
 
 # --------------------------------------------------------------------------------------------
 # Encoding
@@ -266,70 +192,16 @@ def _encode_group(g: RolloutGroup) -> dict[str, Any]:
     }
 
 
-def _encode_body(msg: Message) -> tuple[str, dict[str, Any]]:
-    if isinstance(msg, RolloutGroup):
-        return "group", _encode_group(msg)
-    if isinstance(msg, Hello):
-        body: dict[str, Any] = {
-            "producer_id": msg.producer_id,
-            "policy_version": int(msg.policy_version),
-            "pid": int(msg.pid),
-        }
-        # Optional fields are written only when set, so a reader without them still decodes.
-        if msg.devices:
-            body["devices"] = [str(d) for d in msg.devices]
-        return "hello", body
-    if isinstance(msg, Heartbeat):
-        return "heartbeat", {
-            "producer_id": msg.producer_id,
-            "policy_version": int(msg.policy_version),
-            "stats": _fdict(msg.stats),
-        }
-    if isinstance(msg, Announce):
-        body = {
-            "version": int(msg.version),
-            "snapshot_uri": msg.snapshot_uri,
-            "snapshot_checksum": msg.snapshot_checksum,
-            "learner_session": msg.learner_session,
-            "received": {str(k): int(v) for k, v in msg.received.items()},
-            "consumed": {str(k): int(v) for k, v in msg.consumed.items()},
-            "cursors": {str(k): int(v) for k, v in msg.cursors.items()},
-            "durable": {str(k): int(v) for k, v in msg.durable.items()},
-            "accepted": {str(k): int(v) for k, v in msg.accepted.items()},
-        }
-        if msg.routes:
-            body["routes"] = {str(k): str(v) for k, v in msg.routes.items()}
-        if msg.transfer:
-            body["transfer"] = _plain(msg.transfer, "announce.transfer")
-        if msg.finished:
-            body["finished"] = True
-        return "announce", body
-    if isinstance(msg, SyncReady):
-        return "sync_ready", {
-            "producer_id": msg.producer_id,
-            "purpose": msg.purpose,
-            "epoch": int(msg.epoch),
-            "version": int(msg.version),
-        }
-    if isinstance(msg, Ack):
-        return "ack", {
-            "producer_id": msg.producer_id,
-            "version": int(msg.version),
-            "ok": bool(msg.ok),
-            "error": msg.error,
-            "timings": _fdict(msg.timings),
-        }
-    raise TypeError(f"cannot encode {type(msg).__name__}: not a schema Message")
-
-
-def encode(msg: Message) -> bytes:
-    """Serialise ``msg`` to one frame. Raises ValueError if the message itself is invalid, so a
+def encode(group: RolloutGroup) -> bytes:
+    """Serialise ``group`` to one frame. Raises ValueError if the group itself is invalid, so a
     producer finds out at the source rather than the learner silently rejecting the frame."""
-    kind, body = _encode_body(msg)
+    if not isinstance(group, RolloutGroup):
+        raise TypeError(f"cannot encode {type(group).__name__}: not a RolloutGroup")
+    body = _encode_group(group)
     try:
-        frame = msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, "body": body})
+        frame = msgpack.packb({"schema": SCHEMA_VERSION, "kind": "group", "body": body})
     except (TypeError, ValueError, OverflowError) as e:
-        raise ValueError(f"cannot encode {kind}: {e}") from e
+        raise ValueError(f"cannot encode group: {e}") from e
     return frame
 
 
@@ -357,12 +229,6 @@ def _int(v: Any, where: str, *, nonneg: bool = False) -> int:
         raise DecodeError(f"{where}: expected int, got {_type_name(v)}")
     if nonneg and v < 0:
         raise DecodeError(f"{where}: must be >= 0, got {v}")
-    return v
-
-
-def _bool(v: Any, where: str) -> bool:
-    if type(v) is not bool:
-        raise DecodeError(f"{where}: expected bool, got {_type_name(v)}")
     return v
 
 
@@ -401,12 +267,6 @@ def _float_map(v: Any, where: str) -> dict[str, float]:
     return {k: _float(x, f"{where}[{k!r}]") for k, x in d.items()}
 
 
-def _int_map(v: Any, where: str) -> dict[str, int]:
-    d = _map(v, where)
-    _str_keys(d, where)
-    return {k: _int(x, f"{where}[{k!r}]") for k, x in d.items()}
-
-
 def _scalar_map(v: Any, where: str) -> dict[str, str | int | float]:
     d = _map(v, where)
     _str_keys(d, where)
@@ -434,26 +294,6 @@ def _fields(body: dict[str, Any], required: frozenset[str], where: str,
     unknown = sorted(str(k) for k in body.keys() - required - optional)
     if unknown:
         raise DecodeError(f"{where}: unknown field(s) {unknown}")
-
-
-_PLAIN_DEPTH = 8
-
-
-def _plain(v: Any, where: str, depth: int = 0) -> Any:
-    """Plain data only (nil, bool, int, finite float, str, bin, lists, str-keyed maps), nested
-    at most _PLAIN_DEPTH deep; used both to encode and to check decoded transport payloads."""
-    if depth > _PLAIN_DEPTH:
-        raise DecodeError(f"{where}: nested deeper than {_PLAIN_DEPTH}")
-    if v is None or type(v) in (bool, int, str, bytes):
-        return v
-    if type(v) is float:
-        return _float(v, where)
-    if isinstance(v, (list, tuple)):
-        return [_plain(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
-    if isinstance(v, dict):
-        _str_keys(v, where)
-        return {k: _plain(x, f"{where}.{k}", depth + 1) for k, x in v.items()}
-    raise DecodeError(f"{where}: {_type_name(v)} is not plain msgpack data")
 
 
 def _blob(v: Any, dtype: np.dtype, where: str) -> np.ndarray:
@@ -586,90 +426,7 @@ def _decode_group(body: dict[str, Any]) -> RolloutGroup:
     )
 
 
-def _decode_hello(b: dict[str, Any]) -> Hello:
-    _fields(b, frozenset(("producer_id", "policy_version", "pid")), "hello",
-            optional=frozenset(("devices",)))
-    devices = _list(b.get("devices", []), "hello.devices")
-    return Hello(
-        producer_id=_str(b["producer_id"], "hello.producer_id"),
-        policy_version=_int(b["policy_version"], "hello.policy_version", nonneg=True),
-        pid=_int(b["pid"], "hello.pid"),
-        devices=[_str(d, f"hello.devices[{i}]") for i, d in enumerate(devices)],
-    )
-
-
-def _decode_heartbeat(b: dict[str, Any]) -> Heartbeat:
-    _fields(b, frozenset(("producer_id", "policy_version", "stats")), "heartbeat")
-    return Heartbeat(
-        producer_id=_str(b["producer_id"], "heartbeat.producer_id"),
-        policy_version=_int(b["policy_version"], "heartbeat.policy_version", nonneg=True),
-        stats=_float_map(b["stats"], "heartbeat.stats"),
-    )
-
-
-def _decode_announce(b: dict[str, Any]) -> Announce:
-    _fields(
-        b,
-        frozenset(("version", "snapshot_uri", "snapshot_checksum", "learner_session",
-                   "received", "consumed", "cursors", "durable",
-                   "accepted")),
-        "announce",
-        optional=frozenset(("routes", "transfer", "finished")),
-    )
-    routes = _map(b.get("routes", {}), "announce.routes")
-    _str_keys(routes, "announce.routes")
-    return Announce(
-        version=_int(b["version"], "announce.version", nonneg=True),
-        snapshot_uri=_str(b["snapshot_uri"], "announce.snapshot_uri"),
-        snapshot_checksum=_str(b["snapshot_checksum"], "announce.snapshot_checksum"),
-        learner_session=_str(b["learner_session"], "announce.learner_session"),
-        received=_int_map(b["received"], "announce.received"),
-        consumed=_int_map(b["consumed"], "announce.consumed"),
-        cursors=_int_map(b["cursors"], "announce.cursors"),
-        durable=_int_map(b["durable"], "announce.durable"),
-        accepted=_int_map(b["accepted"], "announce.accepted"),
-        routes={k: _str(v, f"announce.routes[{k!r}]") for k, v in routes.items()},
-        transfer=_plain(_map(b.get("transfer", {}), "announce.transfer"), "announce.transfer"),
-        finished=_bool(b.get("finished", False), "announce.finished"),
-    )
-
-
-def _decode_sync_ready(b: dict[str, Any]) -> SyncReady:
-    _fields(b, frozenset(("producer_id", "purpose", "epoch", "version")), "sync_ready")
-    purpose = _str(b["purpose"], "sync_ready.purpose")
-    if purpose not in ("link", "weights", "drop"):
-        raise DecodeError(f"sync_ready.purpose: expected 'link', 'weights' or 'drop', got "
-                          f"{purpose!r}")
-    return SyncReady(
-        producer_id=_str(b["producer_id"], "sync_ready.producer_id"),
-        purpose=purpose,
-        epoch=_int(b["epoch"], "sync_ready.epoch", nonneg=True),
-        version=_int(b["version"], "sync_ready.version", nonneg=True),
-    )
-
-
-def _decode_ack(b: dict[str, Any]) -> Ack:
-    _fields(b, frozenset(("producer_id", "version", "ok", "error", "timings")), "ack")
-    return Ack(
-        producer_id=_str(b["producer_id"], "ack.producer_id"),
-        version=_int(b["version"], "ack.version", nonneg=True),
-        ok=_bool(b["ok"], "ack.ok"),
-        error=_str(b["error"], "ack.error"),
-        timings=_float_map(b["timings"], "ack.timings"),
-    )
-
-
-_DECODERS = {
-    "group": _decode_group,
-    "hello": _decode_hello,
-    "heartbeat": _decode_heartbeat,
-    "announce": _decode_announce,
-    "ack": _decode_ack,
-    "sync_ready": _decode_sync_ready,
-}
-
-
-def decode(frame: bytes, max_frame_bytes: int = 64 << 20) -> Message:
+def decode(frame: bytes, max_frame_bytes: int = 64 << 20) -> RolloutGroup:
     """Parse and validate one frame. Raises DecodeError (and nothing else) if it is invalid."""
     try:
         return _decode(frame, max_frame_bytes)
@@ -679,7 +436,7 @@ def decode(frame: bytes, max_frame_bytes: int = 64 << 20) -> Message:
         raise DecodeError(f"invalid frame: {type(e).__name__}: {e}") from None
 
 
-def _decode(frame: bytes, max_frame_bytes: int) -> Message:
+def _decode(frame: bytes, max_frame_bytes: int) -> RolloutGroup:
     if not isinstance(frame, bytes | bytearray | memoryview):
         raise DecodeError(f"frame must be bytes, got {_type_name(frame)}")
     size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
@@ -708,6 +465,8 @@ def _decode(frame: bytes, max_frame_bytes: int) -> Message:
         raise DecodeError(f"not a valid msgpack frame: {type(e).__name__}: {e}") from None
     if type(obj) is not dict:
         raise DecodeError(f"frame must be a msgpack map, got {_type_name(obj)}")
+    if "protocol" in obj and "schema" not in obj:
+        raise DecodeError("a control frame (buffer.protocol) on the data socket", "not_a_group")
     for k in ("schema", "kind", "body"):
         if k not in obj:
             raise DecodeError(f"frame: missing field {k!r}")
@@ -724,7 +483,7 @@ def _decode(frame: bytes, max_frame_bytes: int) -> Message:
     kind = obj["kind"]
     if type(kind) is not str:
         raise DecodeError(f"frame.kind: expected str, got {_type_name(kind)}")
-    decoder = _DECODERS.get(kind)
-    if decoder is None:
-        raise DecodeError(f"unknown message kind {kind!r} (known: {sorted(_DECODERS)})")
-    return decoder(_map(obj["body"], f"{kind} body"))
+    if kind != "group":
+        raise DecodeError(f"a {kind!r} frame on the data socket (it carries only groups)",
+                          "not_a_group")
+    return _decode_group(_map(obj["body"], "group body"))

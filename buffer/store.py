@@ -3,8 +3,10 @@
 Owns admission (capacity), staleness enforcement at consume time, ordering, and the counters
 reported to the user. Invariants, after every public call:
 
-- ``received == served + dropped_stale + dropped_capacity + len(buffer)``
-  (``rejected`` counts frames that never decoded into a group, so it is outside this sum);
+- ``received == served + dropped_stale + dropped_capacity + rejected_groups + len(buffer)``
+  where ``rejected_groups`` is the total over reasons of groups that decoded but failed the
+  run's checks (``buffer.checks``); ``rejected`` counts frames that never decoded into a group,
+  so it is outside this sum;
 - groups are stored, dropped and served whole, never split;
 - no group is served with ``learner_version - policy_version > max_staleness``.
 
@@ -18,15 +20,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import msgpack
 
+from buffer.checks import Rejection
 from buffer.schema import DecodeError, RolloutGroup, decode, encode
 
 Order = Literal["fifo", "freshest"]
-_SNAPSHOT_FORMAT = 1
+_SNAPSHOT_FORMAT = 2  # carries rejected_groups; format 1 (without them) still loads
 
 
 @dataclass
@@ -37,6 +41,8 @@ class BufferStats:
     """Groups offered to put()."""
     rejected: int = 0
     """Frames that failed to decode (never became groups)."""
+    rejected_groups: dict[str, int] = field(default_factory=dict)
+    """Groups that decoded but failed the run's checks, per reason (``buffer.checks``)."""
     dropped_stale: int = 0
     """Groups dropped because they exceeded max_staleness."""
     dropped_capacity: int = 0
@@ -81,6 +87,7 @@ class RolloutBuffer:
         self._dropped_stale = 0
         self._dropped_capacity = 0
         self._served = 0
+        self._rejected_groups: Counter[str] = Counter()
         self._ages: Counter[int] = Counter()
         self._data_waiters: list[asyncio.Future[None]] = []
         self._space_waiters: list[asyncio.Future[None]] = []
@@ -149,6 +156,27 @@ class RolloutBuffer:
     def note_rejected(self, n: int = 1) -> None:
         """Count frames that failed to decode (reported in stats, outside the group sum)."""
         self._rejected += n
+
+    def reject(self, group: RolloutGroup, reason: str) -> None:
+        """Count a group offered to the buffer that failed the run's checks: it is received
+        (inside the group sum) and never stored or served."""
+        self._received += 1
+        self._rejected_groups[reason] += 1
+
+    def recheck(self, check: Callable[[RolloutGroup], Rejection | None]
+                ) -> list[tuple[RolloutGroup, Rejection]]:
+        """Remove every held group that ``check`` rejects (a resumed buffer is checked against
+        the run again); each is counted as rejected. Returns them with their rejections."""
+        out = []
+        for s, (_v, g) in list(self._groups.items()):
+            bad = check(g)
+            if bad is not None:
+                del self._groups[s]
+                self._rejected_groups[bad.reason] += 1
+                out.append((g, bad))
+        if out:
+            self._wake(self._space_waiters)
+        return out
 
     # ---- async waiting ---------------------------------------------------------------------
 
@@ -230,6 +258,7 @@ class RolloutBuffer:
                     self._served,
                 ],
                 "ages": [[k, v] for k, v in sorted(self._ages.items())],
+                "rejected_groups": dict(sorted(self._rejected_groups.items())),
                 "groups": [encode(g) for _, g in self._groups.values()],
             }
         )
@@ -243,10 +272,11 @@ class RolloutBuffer:
         buf = cls(capacity, max_staleness, order)
         try:
             obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
-            if obj.get("format") != _SNAPSHOT_FORMAT:
+            if obj.get("format") not in (1, _SNAPSHOT_FORMAT):
                 raise DecodeError(f"unsupported buffer snapshot format {obj.get('format')!r}")
             counters = [int(x) for x in obj["counters"]]
             ages = {int(k): int(v) for k, v in obj["ages"]}
+            rejected_groups = {str(k): int(v) for k, v in obj.get("rejected_groups", {}).items()}
             groups = [decode(f) for f in obj["groups"]]
         except DecodeError:
             raise
@@ -258,6 +288,7 @@ class RolloutBuffer:
             counters
         )
         buf._ages = Counter(ages)
+        buf._rejected_groups = Counter(rejected_groups)
         for g in groups:
             buf.put(g)  # counts each in received; replaced by the saved total below
         buf._received = received
@@ -273,6 +304,7 @@ class RolloutBuffer:
         return BufferStats(
             received=self._received,
             rejected=self._rejected,
+            rejected_groups=dict(sorted(self._rejected_groups.items())),
             dropped_stale=self._dropped_stale,
             dropped_capacity=self._dropped_capacity,
             served=self._served,

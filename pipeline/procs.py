@@ -1,6 +1,14 @@
-"""What every process of a run does the same way: logging setup, and running its main
-coroutine so that SIGTERM cancels it (its ``finally`` blocks then run: checkpoints, engine
-shutdown). Shared by the launcher's children and the accelerate-launched learner ranks."""
+"""What every process of a run does the same way: its output into its log file, logging setup,
+and running its main coroutine so that SIGTERM cancels it (its ``finally`` blocks then run:
+checkpoints, engine shutdown). Shared by the launcher's children and the accelerate-launched
+learner ranks.
+
+Each process of a run writes everything it prints to ``run_dir/logs/<process>.log``
+(``to_log_file``): its own log records, vLLM's and other libraries', the output of the processes
+it starts (vLLM's engine core inherits the file), raw tracebacks. The launcher follows those
+files and alone writes to the console (``pipeline.launch.console``). Lines meant for the user
+(progress, the summary) are records of the ``CONSOLE`` logger.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +18,60 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+LOG_FORMAT = "%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"
+LOG_DATEFMT = "%H:%M:%S"
+CONSOLE = "pipeline.console"
+"""Logger of the lines a run shows on the console whatever the level (progress, summary)."""
+LOGS_DIR = "logs"
+
+
+def log_file(run_dir: str | Path, process: str) -> Path:
+    """``run_dir/logs/<process>.log`` (process: launcher, learner, producer-0, ...)."""
+    return Path(run_dir) / LOGS_DIR / f"{process}.log"
+
+
+def to_log_file(path: Path) -> None:
+    """Point this process's stdout and stderr (file descriptors 1 and 2, so that the processes
+    it starts inherit them) at ``path``, appended to: a restarted process continues its file,
+    and the lines of a process and of its children interleave whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)  # the launcher follows the file as it grows
+
+
+class ConsoleStream:
+    """A text stream whose lines become ``CONSOLE`` records: ``print(..., file=ConsoleStream())``
+    reaches the run's console (through the launcher) and the process's log file."""
+
+    def __init__(self) -> None:
+        self._log = logging.getLogger(CONSOLE)
+        self._buf = ""
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            self._log.info("%s", line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
-    for noisy in ("vllm", "transformers", "httpx"):
+    logging.basicConfig(level=level, stream=sys.stderr, format=LOG_FORMAT, datefmt=LOG_DATEFMT)
+    logging.captureWarnings(True)  # warnings.warn as WARNING records (the console shows them)
+    for noisy in ("transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

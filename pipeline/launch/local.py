@@ -34,8 +34,24 @@ from pipeline.config import (
     producer_gpu_env,
     to_dict,
 )
-from pipeline.launch.shm import forget_tracked, list_segments, reclaim_orphans
-from pipeline.procs import run_with_sigterm, setup_logging, wait_group_gone
+from pipeline.launch.console import LogFollower, log_to_run_dir
+from pipeline.launch.shm import (
+    forget_record,
+    forget_tracked,
+    list_segments,
+    reclaim_dead_owners,
+    reclaim_orphans,
+    record_segments,
+)
+from pipeline.owner import OWNER_ENV, owner_tag
+from pipeline.procs import (
+    LOGS_DIR,
+    log_file,
+    run_with_sigterm,
+    setup_logging,
+    to_log_file,
+    wait_group_gone,
+)
 
 log = logging.getLogger("pipeline")
 
@@ -43,15 +59,24 @@ log = logging.getLogger("pipeline")
 def prepare(cfg: RunConfig, role: str = "all") -> str:
     """Fail fast, before any process starts: model, data and rewards must all resolve."""
     from pipeline.models import resolve_model
-    from pipeline.producer.data import load_records
+    from pipeline.producer.data import check_data
     from pipeline.producer.rewards import validate_specs
 
     try:
         model_path = str(resolve_model(cfg.model.path, Path(cfg.model.cache_dir)))
     except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
-    if not load_records(cfg.data.path):
-        raise ConfigError(f"data.path: {cfg.data.path} holds no records")
+    check_data(cfg.data, model_path)
+    if role in ("all", "producer"):
+        check_installed_vllm(cfg.engine.allow_untested_vllm)
+        from pipeline.producer.engine import EngineSetupError, check_extra
+
+        try:
+            check_extra(cfg.engine.extra)
+        except EngineSetupError as e:
+            raise ConfigError(str(e)) from None
+    if role in ("all", "learner"):
+        check_trackers(cfg.report_to)
     try:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
@@ -66,6 +91,36 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
         except ValueError as e:
             raise ConfigError(f"addr: {e}") from None
     return model_path
+
+
+def check_installed_vllm(allow_untested: bool) -> None:
+    """Refuse a vLLM known to break, or an untested one without the flag, before any engine
+    starts (one line, exit 2); warn once for an allowed untested one."""
+    from pipeline.producer.vllm_version import (
+        VllmVersionError,
+        check_vllm_version,
+        installed_vllm_version,
+    )
+
+    version = installed_vllm_version()
+    if version is None:
+        return  # the producer reports a missing vLLM itself
+    try:
+        warning = check_vllm_version(version, allow_untested)
+    except VllmVersionError as e:
+        raise ConfigError(f"engine.allow_untested_vllm: {e}") from None
+    if warning:
+        log.warning("%s", warning)
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Every tracker named in report_to is installed (checked without importing it)."""
+    from pipeline.learner import trackers
+
+    missing = trackers.missing_packages(report_to)
+    if missing:
+        raise ConfigError(f"report_to: {', '.join(missing)} named but not installed "
+                          f"(pip install {' '.join(missing)}, or pip install -e .[trackers])")
 
 
 def set_aside_previous_run(run_dir: Path) -> Path | None:
@@ -96,16 +151,19 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child_setup() -> None:
+def _child_setup(cfg_dict: dict, process: str, log_to_file: bool) -> None:
     os.setpgrp()  # own process group: killpg stops vLLM's children with us
     _die_with_parent()
+    if log_to_file:  # run_dir/logs/<process>.log; the launcher shows what is for the console
+        to_log_file(log_file(cfg_dict["run_dir"], process))
     setup_logging()
     # Children ignore the terminal's Ctrl-C; the launcher decides who stops and in which order.
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def learner_entry(cfg_dict: dict, model_path: str, resume: bool) -> None:
-    _child_setup()
+def learner_entry(cfg_dict: dict, model_path: str, resume: bool, log_to_file: bool = False
+                  ) -> None:
+    _child_setup(cfg_dict, "learner", log_to_file)
     # Pinned before the config is built: nothing may initialise CUDA before this.
     os.environ.update(learner_gpu_env(cfg_dict.get("learner_gpus", "")))
     cfg = load_config(overrides=flatten(cfg_dict))
@@ -161,8 +219,12 @@ class LaunchedLearner:
         cmd = self.cmd + (["--main_process_port", str(free_port())] if self.own_port else [])
         cmd += self.args
         log.info("learner: %s", " ".join(cmd))
-        self.proc = subprocess.Popen(cmd, preexec_fn=_popen_setup,
-                                     env=os.environ | learner_gpu_env(self.cfg.learner_gpus))
+        path = log_file(self.cfg.run_dir, "learner")  # every rank's output, as learner_entry's
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as out:
+            self.proc = subprocess.Popen(cmd, preexec_fn=_popen_setup, stdout=out,
+                                         stderr=subprocess.STDOUT,
+                                         env=os.environ | learner_gpu_env(self.cfg.learner_gpus))
 
     @property
     def pid(self) -> int | None:
@@ -190,12 +252,13 @@ def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, res
                   ) -> Any:
     if cfg.train.learner_processes > 1 or cfg.train.accelerate_config:
         return LaunchedLearner(cfg, model_path, resume)
-    return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume), name="learner")
+    return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume, True),
+                       name="learner")
 
 
-def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False
-                   ) -> None:
-    _child_setup()
+def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False,
+                   log_to_file: bool = False) -> None:
+    _child_setup(cfg_dict, f"producer-{index}", log_to_file)
     # Pinned before the config is built: nothing may initialise CUDA before this.
     os.environ.update(producer_gpu_env(cfg_dict.get("producer_gpus", []), index))
     cfg = load_config(overrides=flatten(cfg_dict))
@@ -226,14 +289,27 @@ def _reap(procs: list[mp.Process], grace_s: float) -> None:
 
 
 def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_index: int = 0,
-        max_producer_restarts: int = 0, max_learner_restarts: int = 0) -> int:
-    """Run ``role`` (all | learner | producer) to completion; returns an exit code."""
+        max_producer_restarts: int = 0, max_learner_restarts: int = 0,
+        verbose: bool = False) -> int:
+    """Run ``role`` (all | learner | producer) to completion; returns an exit code.
+
+    Each process writes its output to ``run_dir/logs/<process>.log``; the console shows the
+    progress lines, the summary, warnings and errors (``verbose``: every line of every process).
+    """
     model_path = prepare(cfg, role)
+    # Children inherit this launcher's owner tag: what they leave in /dev/shm names it, so a
+    # later run reclaims it should this launcher be killed (pipeline.launch.shm).
+    os.environ[OWNER_ENV] = owner_tag()
+    reclaim_dead_owners()
     shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
+    recorded: set[str] | None = None
+    next_record = 0.0
     run_dir = Path(cfg.run_dir)
     if not resume and role in ("all", "learner"):
         set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    file_log = log_to_run_dir(run_dir)
+    follower = LogFollower(run_dir / LOGS_DIR, verbose=verbose)  # before any child writes
     if not resume:
         # A fresh run must not resend the outbox of an earlier run in the same run_dir.
         for stale in (run_dir / "producers").glob("*.wal"):
@@ -248,7 +324,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         [producer_index] if role == "producer" else [])
     # --role producer: its producer exits when the learner announces its last step.
     producers = {i: ctx.Process(target=producer_entry, name=f"producer{i}",
-                                args=(cfg_dict, model_path, i, role == "producer"))
+                                args=(cfg_dict, model_path, i, role == "producer", True))
                  for i in indices}
     procs = ([learner] if learner else []) + list(producers.values())
     # SIGTERM (e.g. from `timeout` or a job scheduler) stops the run like Ctrl-C does.
@@ -257,6 +333,9 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for p in procs:
         p.start()
+    names = (["learner"] if learner else []) + [f"producer-{i}" for i in producers]
+    print(f"pipeline-train: started {', '.join(names)}; their logs: {run_dir / LOGS_DIR}/"
+          f" (--verbose shows them here)", flush=True)
     restarts = 0
     learner_restarts = 0
     code = 0
@@ -296,7 +375,8 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     p.join(5)
                     wait_group_gone(p.pid)  # its engine core may still hold the segments
                     forget_tracked(reclaim_orphans(shm_before))
-                    new = ctx.Process(target=producer_entry, args=(cfg_dict, model_path, i),
+                    new = ctx.Process(target=producer_entry,
+                                      args=(cfg_dict, model_path, i, False, True),
                                       name=f"producer{i}")
                     new.start()
                     producers[i] = new
@@ -305,6 +385,10 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
                     log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
                     code = 1
                     raise SystemExit(code)
+            if time.monotonic() >= next_record:
+                recorded = record_segments(shm_before, known=recorded)
+                next_record = time.monotonic() + 5.0
+            follower.pump()
             time.sleep(0.5)
     except (KeyboardInterrupt, SystemExit):
         code = code or 130
@@ -317,4 +401,8 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
             _stop(p, signal.SIGTERM)
         _reap(procs, grace_s=20.0)
         forget_tracked(reclaim_orphans(shm_before))
+        forget_record()
+        follower.pump(final=True)
+        logging.getLogger().removeHandler(file_log)
+        file_log.close()
     return code

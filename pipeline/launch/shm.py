@@ -1,4 +1,4 @@
-"""Reclaim shared-memory segments that a killed vLLM engine leaves in /dev/shm.
+"""Reclaim what killed processes leave in /dev/shm: engine segments and snapshot directories.
 
 vLLM's engine processes talk through POSIX shared memory (``/dev/shm/psm_*``, Python's
 ``multiprocessing.shared_memory``). A producer killed with SIGKILL takes its engine's process group
@@ -6,6 +6,12 @@ with it, so nobody unlinks those segments and they hold host memory until reboot
 records which segments existed before it started anything, and after a child dies (and at the
 end of the run) removes the ones created since that no live process maps or holds open: a
 segment whose creator is alive is always mapped by it, so only orphans match.
+
+A launcher killed itself (kill -9) cleans up nothing. So while it runs it keeps a record of the
+segments created since it started (``pipeline-grpo-segments.owner-<tag>``), and the learner names
+its snapshot directory ``pipeline-grpo-<run>.owner-<tag>``, both with the launcher's owner tag
+(pipeline.owner). At start, every launcher reclaims the directories and the recorded segments
+whose owner is dead; a recorded segment is still kept while any live process maps or holds it.
 """
 
 from __future__ import annotations
@@ -13,12 +19,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 from pathlib import Path
+
+from pipeline.owner import OWNED, owned_name, owner_alive
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "psm_"
+_OWNED_NAME = re.compile(r"pipeline-grpo-.*\.owner-(\d+(?:-\d+)?)")
 
 
 def list_segments(shm_dir: Path = SHM_DIR) -> set[str]:
@@ -46,12 +57,12 @@ def segments_in_use(shm_dir: Path = SHM_DIR) -> set[str]:
                 for line in fh:
                     i = line.find(prefix)
                     if i >= 0:
-                        used.add(line[i + len(prefix):].split()[0])
+                        used.add(line[i + len(prefix) :].split()[0])
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     target = os.readlink(f"/proc/{pid}/fd/{fd}")
                     if target.startswith(prefix):
-                        used.add(target[len(prefix):].split()[0])
+                        used.add(target[len(prefix) :].split()[0])
     return used
 
 
@@ -65,8 +76,7 @@ def reclaim_orphans(before: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
         with contextlib.suppress(FileNotFoundError):
             (shm_dir / name).unlink()
     if orphans:
-        log.info("removed %d shared-memory segment(s) left by dead engine processes",
-                 len(orphans))
+        log.info("removed %d shared-memory segment(s) left by dead engine processes", len(orphans))
     return orphans
 
 
@@ -84,3 +94,90 @@ def forget_tracked(names: list[str]) -> None:
     for name in names:
         resource_tracker.register(f"/{name}", "shared_memory")
         resource_tracker.unregister(f"/{name}", "shared_memory")
+
+
+def record_segments(
+    before: set[str],
+    shm_dir: Path = SHM_DIR,
+    owner: str | None = None,
+    known: set[str] | None = None,
+) -> set[str]:
+    """Write down the segments created since ``before`` under this owner's tag (atomically),
+    for a later run to reclaim should this launcher be killed; returns the set written.
+    ``known``: the set written last time; nothing is written if it did not change."""
+    created = list_segments(shm_dir) - before
+    if known is not None and created == known:
+        return known
+    path = shm_dir / owned_name("segments", owner)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text("".join(f"{n}\n" for n in sorted(created)))
+        tmp.replace(path)
+    return created
+
+
+def forget_record(shm_dir: Path = SHM_DIR, owner: str | None = None) -> None:
+    """Drop this owner's segment record (at a clean exit, after its own reclaim)."""
+    with contextlib.suppress(FileNotFoundError):
+        (shm_dir / owned_name("segments", owner)).unlink()
+
+
+def _size(path: Path) -> int:
+    if path.is_dir() and not path.is_symlink():
+        total = 0
+        for f in path.rglob("*"):
+            with contextlib.suppress(OSError):
+                if f.is_file() and not f.is_symlink():
+                    total += f.stat().st_blocks * 512
+        return total
+    with contextlib.suppress(OSError):
+        return path.stat().st_blocks * 512  # shm segments are sparse: count what they hold
+    return 0
+
+
+def reclaim_dead_owners(shm_dir: Path = SHM_DIR) -> tuple[int, int]:
+    """Remove this user's snapshot directories and recorded engine segments whose owner
+    process is dead, except segments a live process still maps or holds open. Logs one line
+    when anything was freed; returns (entries removed, bytes freed)."""
+    if not shm_dir.is_dir():
+        return 0, 0
+    uid = os.getuid()
+    dead: list[Path] = []
+    for p in shm_dir.glob(f"{OWNED}*"):
+        m = _OWNED_NAME.fullmatch(p.name)
+        with contextlib.suppress(OSError):
+            if m and p.lstat().st_uid == uid and not owner_alive(m.group(1)):
+                dead.append(p)
+    if not dead:
+        return 0, 0
+    records = [p for p in dead if p.is_file()]
+    recorded: set[str] = set()
+    for r in records:
+        with contextlib.suppress(OSError):
+            recorded.update(n for n in r.read_text().split() if n.startswith(PREFIX))
+    segments = (
+        sorted((recorded & list_segments(shm_dir)) - segments_in_use(shm_dir)) if recorded else []
+    )
+    freed = removed_dirs = 0
+    for d in (p for p in dead if p.is_dir() and not p.is_symlink()):
+        freed += _size(d)
+        shutil.rmtree(d, ignore_errors=True)
+        removed_dirs += 1
+    for name in segments:
+        seg = shm_dir / name
+        size = _size(seg)
+        with contextlib.suppress(FileNotFoundError):
+            seg.unlink()
+            freed += size
+    for r in records:
+        with contextlib.suppress(FileNotFoundError):
+            r.unlink()
+    if removed_dirs or segments:
+        log.warning(
+            "reclaimed %.1f MB in %s left by killed runs: %d snapshot dir(s), %d engine segment(s)",
+            freed / 1e6,
+            shm_dir,
+            removed_dirs,
+            len(segments),
+        )
+    return removed_dirs + len(segments), freed

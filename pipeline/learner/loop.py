@@ -1,10 +1,16 @@
 """The learner process: receives groups into the rollout buffer, trains, publishes snapshots.
 
-Three coroutines under one TaskGroup: ``_receive`` (socket -> buffer, control messages ->
-producer table), ``_announce`` (re-broadcasts the current version every second, so producers
-that (re)connect catch up before they generate), and ``_train`` (batch -> optimiser step in a
-worker thread -> snapshot -> announce). Sync mode is the same loop with max_staleness 0 and
-admission budgets of exactly one batch: generate with v, train on that batch, publish v+1.
+Four coroutines under one TaskGroup: ``_receive`` (data socket -> buffer, waiting while the
+buffer is full), ``_control`` (control socket: Hello, Heartbeat, Ack, SyncReady, each answered
+at once, whatever the buffer does), ``_announce`` (re-broadcasts the current version every
+second, so producers that (re)connect catch up before they generate), and ``_train`` (batch ->
+optimiser step in a worker thread -> snapshot -> announce). Sync mode is the same loop with
+max_staleness 0 and admission budgets of exactly one batch: generate with v, train on that
+batch, publish v+1.
+
+Producers are known by their Hello (``buffer.identity``): groups and control messages from a
+producer that has not said Hello, or from an incarnation it did not declare, are refused and
+counted as ``rejected/<reason>``; only producers heard from lately count as alive.
 
 Counts kept per producer: ``received`` (groups that arrived) and, derived, ``consumed`` (received
 minus still held), which producers use for admission control.
@@ -29,11 +35,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from buffer.checks import RunLimits, check_group
+from buffer.identity import ProducerRegistry
 from buffer.ledger import GroupLedger
-from buffer.schema import Ack, Announce, Heartbeat, Hello, Message, RolloutGroup, SyncReady
+from buffer.protocol import (
+    Ack,
+    Announce,
+    ControlMessage,
+    Heartbeat,
+    Hello,
+    Reply,
+    SyncReady,
+    Welcome,
+)
+from buffer.schema import RolloutGroup
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
-from pipeline.config import RunConfig, curve_keys
+from pipeline.config import RunConfig, curve_keys, to_dict
 from pipeline.learner.checkpoint import (
     CheckpointError,
     LearnerState,
@@ -41,8 +59,11 @@ from pipeline.learner.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from pipeline.learner.metrics import MetricsLogger, plot_run
+from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
+from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
+from pipeline.owner import owned_name
+from pipeline.procs import LOGS_DIR, ConsoleStream
 from sync.packing import Layout, pack, plan_layout
 from sync.snapshot import SnapshotRef
 from sync.transfer import TransportChoiceError, choose_transport
@@ -50,14 +71,17 @@ from sync.writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
 ALIVE_S = 10.0  # a producer silent for longer is reported as not alive
+REJECT_LOG_LIMIT = 20  # warning lines per (producer, reason); later ones only count (DEBUG)
+MAX_FAILED_STEPS = 10  # training steps raising in a row: the trainer is broken, not the data
 
 
 @dataclass
 class ProducerInfo:
     pid: int = 0
     version: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-    stats: dict[str, float] = field(default_factory=dict)
+    last_seen: float = -ALIVE_S  # not alive until heard from after its Hello
+    stats: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
+    carried: dict[str, float] = field(default_factory=dict)  # its earlier processes' counters
     devices: list[str] = field(default_factory=list)  # GPU UUID per vLLM worker ([] = CPU)
     route: str = "file"  # weight transport for this producer (sync.transfer)
 
@@ -70,7 +94,9 @@ def snapshot_dir(configured: str, run_dir: Path, run_key: str, need_bytes: int,
     if configured:
         return Path(configured)
     if shm.is_dir():
-        mine = shm / f"pipeline-grpo-{run_key}"  # a restarted learner reuses (and prunes) it
+        # Named with the launcher's owner tag: a learner it restarts reuses (and prunes) it,
+        # and a later run reclaims it should that launcher be killed (pipeline.launch.shm).
+        mine = shm / owned_name(run_key)
         free = shutil.disk_usage(shm).free + sum(
             f.stat().st_size for f in mine.rglob("*") if f.is_file())
         if free >= need_bytes:
@@ -113,17 +139,52 @@ class Learner:
                                      on_written=self._on_written)
         self._acks_tracked = 0  # newest version whose acks are being collected
         self.producers: dict[str, ProducerInfo] = {}
+        self.registry = ProducerRegistry({f"p{i}" for i in range(cfg.num_producers)})
         self.acks: dict[int, dict[str, Ack]] = {}
         self.last_sync: dict[str, float] = {}
         self.endpoint: LearnerEndpoint | None = None
-        self.metrics = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard,
-                                     progress=cfg.progress, total_steps=cfg.train.steps)
+        self.metrics = MetricsLogger(self.run_dir, tensorboard="tensorboard" in cfg.report_to,
+                                     progress=cfg.progress, total_steps=cfg.train.steps,
+                                     trackers=Trackers(cfg.report_to, self.run_dir, cfg.name,
+                                                       to_dict(cfg)),
+                                     stream=ConsoleStream())
         self.counters = dict(self.state.counters)
+        for k in ("dropped_batches", "dropped_batch_groups"):
+            self.counters.setdefault(k, 0)
         self.ledger = GroupLedger.from_dict(self.state.ledger)
         self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
         self.learner_gpu: str | None = None  # set in run() when the trainer is on CUDA
         self.publisher = None  # sync.publish.WeightPublisher, for ipc/nccl routes
         self._transfer_tasks: set[asyncio.Task] = set()
+        self._rejects_logged: dict[tuple[str, str], int] = {}
+        self._failed_steps = 0  # consecutive training steps that raised
+        if resume:  # a checkpoint may hold groups that this run would reject now
+            limits = self.limits()
+            for g, bad in self.buffer.recheck(lambda g: check_group(g, limits)):
+                self._log_rejected(g, bad.reason, f"{bad.detail} (in the resumed checkpoint)")
+
+    # ------------------------------------------------------------------ checks
+    def limits(self) -> RunLimits:
+        """What a group must fit now (``buffer.checks``). The oldest version kept is the
+        staleness window plus the snapshot files kept: a producer cannot honestly be further
+        behind, as it loads only announced snapshots."""
+        v = self.state.version
+        window = self.cfg.train.max_staleness + self.cfg.sync.keep_snapshots
+        return RunLimits(group_size=self.cfg.generation.group_size,
+                         vocab_size=self.trainer.vocab_size,
+                         max_tokens=self.cfg.generation.max_tokens,
+                         max_model_len=self.cfg.engine.max_model_len,
+                         learner_version=v, oldest_version=max(0, v - window))
+
+    def _log_rejected(self, g: RolloutGroup, reason: str, detail: str) -> None:
+        """One line per rejected group, at WARNING for the first few of each (producer, reason)
+        so that a flood of them cannot drown the log; every one is counted either way."""
+        key = (g.producer_id, reason)
+        n = self._rejects_logged[key] = self._rejects_logged.get(key, 0) + 1
+        level = logging.WARNING if n <= REJECT_LOG_LIMIT else logging.DEBUG
+        more = "; further ones of this kind are only counted" if n == REJECT_LOG_LIMIT else ""
+        log.log(level, "rejected group %s from producer %s (%s): %s%s", g.group_id,
+                g.producer_id, reason, detail, more)
 
     # ------------------------------------------------------------------ messages
     def _on_group(self, g: RolloutGroup) -> None:
@@ -133,27 +194,31 @@ class Learner:
         if isinstance(cursor, int):
             self.state.cursors[pid] = max(self.state.cursors.get(pid, 0), cursor)
 
-    def _on_control(self, msg: Message) -> None:
-        if isinstance(msg, (Hello, Heartbeat)):
-            info = self.producers.setdefault(msg.producer_id, ProducerInfo())
-            info.last_seen = time.monotonic()
+    def _on_hello(self, msg: Hello) -> None:
+        restarted = self.registry.hello(msg)
+        info = self.producers.setdefault(msg.producer_id, ProducerInfo())
+        if restarted:  # a new process: its counters start at 0, its predecessor's carry over
+            info.carried, info.stats = carry_counters(info.carried, info.stats), {}
+        if restarted and info.pid and self.publisher is not None:
+            self.publisher.forget(msg.producer_id)  # its link died with the old process
+        info.pid = msg.pid
+        info.version = msg.policy_version
+        info.devices = list(msg.devices)
+        info.route = self._route(msg.producer_id, info.devices)
+        log.info("producer %s (pid %d, incarnation %s) connected at version %d; weights by %s",
+                 msg.producer_id, msg.pid, msg.incarnation, msg.policy_version, info.route)
+
+    def _on_control(self, msg: ControlMessage) -> None:
+        """A checked control message from a producer that said Hello."""
+        info = self.producers[msg.producer_id]
+        info.last_seen = time.monotonic()
+        if isinstance(msg, Heartbeat):
             info.version = msg.policy_version
-            if isinstance(msg, Hello):
-                if info.pid and info.pid != msg.pid and self.publisher is not None:
-                    self.publisher.forget(msg.producer_id)  # restarted: its link died with it
-                info.pid = msg.pid
-                info.devices = list(msg.devices)
-                info.route = self._route(msg.producer_id, info.devices)
-                log.info("producer %s (pid %d) connected at version %d; weights by %s",
-                         msg.producer_id, msg.pid, msg.policy_version, info.route)
-            else:
-                info.stats = msg.stats
+            info.stats = msg.stats
         elif isinstance(msg, SyncReady):
             self._on_sync_ready(msg)
         elif isinstance(msg, Ack):
             self.acks.setdefault(msg.version if msg.ok else -1, {})[msg.producer_id] = msg
-            info = self.producers.setdefault(msg.producer_id, ProducerInfo())
-            info.last_seen = time.monotonic()
             if msg.ok:
                 info.version = msg.version
                 if msg.timings.get("fallback"):
@@ -164,6 +229,22 @@ class Learner:
             else:
                 self.counters["sync_failures"] = self.counters.get("sync_failures", 0) + 1
                 log.error("producer %s failed to sync: %s", msg.producer_id, msg.error)
+
+    def _answer(self, msg: ControlMessage) -> Welcome | Reply:
+        """Check and apply one control message; the answer goes back to its sender."""
+        if isinstance(msg, Hello):
+            reason = self.registry.check_hello(msg)
+            if reason is None:
+                self._on_hello(msg)
+                return Welcome(producer_id=msg.producer_id, incarnation=msg.incarnation,
+                               learner_session=self.session)
+        else:
+            reason = self.registry.check_control(msg.producer_id, msg.incarnation)
+            if reason is None:
+                self._on_control(msg)
+                return Reply(ok=True)
+        self.registry.reject(reason, msg.producer_id, type(msg).__name__)
+        return Reply(ok=False, reason=reason)
 
     def _route(self, producer_id: str, devices: list[str]) -> str:
         """This producer's weight transport; an impossible explicit choice is an error in the
@@ -201,22 +282,42 @@ class Learner:
                 if i.route in ("ipc", "nccl") and now - i.last_seen <= ALIVE_S}
 
     async def _receive(self) -> None:
+        """Data socket -> buffer. It stops reading while the buffer is full (back-pressure up to
+        the producers' send); control messages have their own socket and loop."""
         assert self.endpoint is not None
         while True:
-            msg = await self.endpoint.recv()
-            if msg is None:
+            await self.buffer.wait_for_space()
+            g = await self.endpoint.recv()
+            if g is None:
                 self.buffer.note_rejected()
+                self.registry.reject(self.endpoint.last_reason, "?", "frame on the data socket")
                 continue
-            if isinstance(msg, RolloutGroup):
-                await self.buffer.wait_for_space()
-                inc, seq = msg.metadata.get("incarnation"), msg.metadata.get("seq")
-                if isinstance(inc, str) and isinstance(seq, int) \
-                        and not self.ledger.accept(inc, seq):
-                    continue  # a resend of a group we already have (counted in the ledger)
-                self._on_group(msg)
-                self.buffer.put(msg)
-            else:
-                self._on_control(msg)
+            reason = self.registry.check_group(g)
+            if reason is not None:
+                self.buffer.note_rejected()
+                self.registry.reject(reason, g.producer_id, f"group {g.group_id!r}")
+                continue
+            if not self.ledger.accept(g.metadata["incarnation"], g.metadata["seq"]):
+                continue  # a resend of a group we already have (counted in the ledger)
+            # After the ledger, so a resent bad group is placed (and counted) once.
+            bad = check_group(g, self.limits())
+            if bad is not None:
+                self.buffer.reject(g, bad.reason)
+                self._log_rejected(g, bad.reason, bad.detail)
+                continue
+            self._on_group(g)
+            self.buffer.put(g)
+
+    async def _control(self) -> None:
+        """Control socket: every request is answered at once and never waits for the buffer."""
+        assert self.endpoint is not None
+        while True:
+            got = await self.endpoint.recv_control()
+            if got is None:
+                self.registry.reject("malformed_control", "?", "control frame")
+                continue
+            peer, rid, msg = got
+            await self.endpoint.reply(peer, rid, self._answer(msg))
 
     def announcement(self, finished: bool = False) -> Announce:
         held = self.buffer.held_by_producer()
@@ -303,11 +404,13 @@ class Learner:
         while time.monotonic() < deadline:
             now = time.monotonic()
             alive = [i for i in self.producers.values() if now - i.last_seen < ALIVE_S]
-            if alive and all(i.version >= version for i in alive):
+            if all(i.version >= version for i in alive):  # none alive: nobody to wait for
                 break
             await asyncio.sleep(0.02)
         got = self.acks.pop(version, {})
-        behind = sorted(p for p, i in self.producers.items() if i.version < version)
+        now = time.monotonic()
+        behind = sorted(p for p, i in self.producers.items()
+                        if i.version < version and now - i.last_seen < ALIVE_S)
         if behind:
             log.warning("version %d: no ack from %s within %.0fs; training goes on without "
                         "them", version, behind, self.cfg.sync.ack_timeout_s)
@@ -338,7 +441,9 @@ class Learner:
                                    f"{t.batch_timeout_s:.0f}s (producers alive: {alive or 'none'}"
                                    f"): {e}") from None
             wait_s = time.monotonic() - t0
-            m = await asyncio.to_thread(self.trainer.step, batch, st.version)
+            m = await self._train_batch(batch, st.version)
+            if m is None:
+                continue
             st.step += 1
             if m["skipped_nonfinite"]:
                 self.counters["skipped_nonfinite"] = self.counters.get("skipped_nonfinite", 0) + 1
@@ -364,15 +469,17 @@ class Learner:
                 / max(now - last_end, 1e-9),
                 "buffer_size": float(len(self.buffer)), "dropped_stale": float(bs.dropped_stale),
                 "rejected_frames": float(bs.rejected), "received": float(bs.received),
+                "rejected_groups": float(sum(bs.rejected_groups.values())),
+                **{f"rejected_groups/{k}": float(v) for k, v in bs.rejected_groups.items()},
                 "producers_alive": float(sum(1 for i in self.producers.values()
                                              if now - i.last_seen < ALIVE_S)),
-                "gen_tokens_per_s": sum(i.stats.get("tokens_per_s", 0.0)
-                                        for i in self.producers.values()),
+                **self._producer_metrics(),
                 **{k: float(v) for k, v in self.counters.items()},
                 "snapshot_files_skipped": float(self.writer.skipped),
                 **{f"engine_{k}": sum(i.stats.get(k, 0.0) for i in self.producers.values())
                    for k in ("sleeps", "sleep_s", "wake_s") if self.cfg.engine.sleep_when_idle},
                 "duplicates_ignored": float(self.ledger.duplicates),
+                **self.registry.metrics(),
                 **self._take_sync(),
             })
             last_end = now
@@ -383,6 +490,36 @@ class Learner:
             if ce and st.step % ce == 0 and st.step < t.steps:
                 await self.checkpoint()
         await self.writer.flush()  # a failed write raises here, not silently
+
+    def _producer_metrics(self) -> dict[str, float]:
+        """Every producer counter (from heartbeats, restarts carried over), per producer and
+        summed; ``gen_tokens_per_s``: the producers' tokens per second of generation."""
+        m = producer_metrics({p: {**i.stats, **carry_counters(i.carried, i.stats)}
+                              for p, i in self.producers.items()})
+        m["gen_tokens_per_s"] = m.pop("producer/gen_tokens_per_s", 0.0)
+        return m
+
+    async def _train_batch(self, batch: list[RolloutGroup], version: int
+                           ) -> dict[str, float] | None:
+        """One optimiser step on ``batch``, or None if the step raised: the batch is dropped
+        (counted, logged with its group ids) and training goes on, as data must never stop
+        the learner. Only a trainer that fails MAX_FAILED_STEPS batches in a row stops it."""
+        try:
+            m = await asyncio.to_thread(self.trainer.step, batch, version)
+        except Exception as e:
+            self._failed_steps += 1
+            self.counters["dropped_batches"] = self.counters.get("dropped_batches", 0) + 1
+            self.counters["dropped_batch_groups"] = \
+                self.counters.get("dropped_batch_groups", 0) + len(batch)
+            log.error("training step raised %s: %s; dropped the batch of groups %s (producers "
+                      "%s), training goes on", type(e).__name__, e,
+                      [g.group_id for g in batch], sorted({g.producer_id for g in batch}))
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise RuntimeError(f"{self._failed_steps} training steps in a row raised; "
+                                   f"the last: {type(e).__name__}: {e}") from e
+            return None
+        self._failed_steps = 0
+        return m
 
     def _take_sync(self) -> dict[str, float]:
         """Sync timings that arrived since the last step's row, each reported once: repeating a
@@ -424,8 +561,8 @@ class Learner:
         finished = False
         try:
             async with asyncio.TaskGroup() as tg:
-                background = [tg.create_task(self._receive()), tg.create_task(self._announce()),
-                              tg.create_task(self.writer.run())]
+                background = [tg.create_task(self._receive()), tg.create_task(self._control()),
+                              tg.create_task(self._announce()), tg.create_task(self.writer.run())]
                 await self._train()
                 finished = True
                 for task in background:
@@ -456,6 +593,6 @@ class Learner:
         k = max(1, min(5, len(rows) // 4))
         first = sum(r["reward_mean"] for r in rows[:k]) / k
         last = sum(r["reward_mean"] for r in rows[-k:]) / k
-        print(f"\nreward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
+        print(f"reward: first {k} steps {first:.3f} -> last {k} steps {last:.3f} "
               f"({len(rows)} steps, {rows[-1]['time'] / 60:.1f} min)\nplot: {png}\n"
-              f"metrics: {path}", flush=True)
+              f"metrics: {path}\nlogs: {self.run_dir / LOGS_DIR}", file=ConsoleStream())

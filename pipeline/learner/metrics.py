@@ -1,4 +1,5 @@
-"""Training metrics: one JSONL file per run, TensorBoard scalars, a progress line, and a plot.
+"""Training metrics: one JSONL file per run, TensorBoard scalars, the optional trackers of
+``report_to`` (``trackers``), a progress line, and a plot.
 
 This module owns how a run's per-step numbers leave the learner. ``run_dir/metrics.jsonl`` is the
 source of truth: one JSON object per learner step, ``{"step", "time", "ts", **metrics}``, written
@@ -28,7 +29,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "format_progress", "main", "plot_run", "read_metrics"]
+__all__ = [
+    "METRICS_FILE",
+    "MetricsLogger",
+    "carry_counters",
+    "format_progress",
+    "main",
+    "plot_run",
+    "producer_metrics",
+    "read_metrics",
+]
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the per-run metrics file inside the run directory."""
@@ -77,6 +87,7 @@ class MetricsLogger:
         progress: bool = True,
         total_steps: int | None = None,
         stream: TextIO | None = None,
+        trackers: Any = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -86,6 +97,8 @@ class MetricsLogger:
         # Resolved at call time, not at import, so redirected stderr (pytest, daemons) is honoured.
         self._stream = stream if stream is not None else sys.stderr
         self._tensorboard = tensorboard
+        # Optional experiment trackers (``trackers.Trackers``): log(step, values), close().
+        self._trackers = trackers
         self._writer: Any = None
         self._tb_failed = False
 
@@ -130,6 +143,8 @@ class MetricsLogger:
             self.first_reward = float(values["reward_mean"])
         if self._tensorboard:
             self._write_tensorboard(int(step), values)
+        if self._trackers is not None:
+            self._trackers.log(int(step), values)
         if self._progress:
             line = format_progress(step, self.total_steps, record, first_reward=self.first_reward)
             print(line, file=self._stream, flush=True)
@@ -160,12 +175,40 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._trackers is not None:
+            self._trackers.close()
+            self._trackers = None
 
     def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def carry_counters(carried: Mapping[str, float], last: Mapping[str, float]) -> dict[str, float]:
+    """A restarted producer's counters start again from zero: what its earlier processes
+    counted (``carried``, plus their ``last`` heartbeat) is added to the new process's
+    counters. Rates (names ending in ``_per_s``) are not carried over."""
+    out = dict(carried)
+    for key, value in last.items():
+        if not key.endswith("_per_s"):
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def producer_metrics(per_producer: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """The producers' heartbeat counters as metrics: each producer's under
+    ``by_producer/<id>/<name>``, and their sum over producers under ``reward/<name>/<kind>``
+    for the reward counters (the names the rewards count them under) and ``producer/<name>``
+    for the rest (rates too: the producers' rates add up when they generate side by side)."""
+    out: dict[str, float] = {}
+    for pid in sorted(per_producer):
+        for key, value in per_producer[pid].items():
+            out[f"by_producer/{pid}/{key}"] = float(value)
+            total = key if key.startswith("reward/") else f"producer/{key}"
+            out[total] = out.get(total, 0.0) + float(value)
+    return out
 
 
 def _fmt_duration(seconds: float) -> str:

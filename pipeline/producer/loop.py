@@ -8,6 +8,9 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
   The weights come by the route the learner names for us (file, ipc or nccl; see
   ``sync.transfer``); a GPU route that fails is followed by a file swap to the same version;
 - ``_heartbeat``: liveness and stats for the learner.
+Control messages (Hello, Heartbeat, Ack, SyncReady) go on the control channel and each gets an
+answer (``buffer.protocol``); groups go on the data channel only after the learner has welcomed
+this incarnation, and a learner that no longer knows us (restarted) gets a new Hello.
 Completions stream with RequestOutputKind.DELTA: each delta is tagged with the version the
 engine holds when it arrives (the barrier settles outputs before switching versions).
 """
@@ -23,20 +26,31 @@ import math
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from buffer.schema import Ack, Announce, Completion, Heartbeat, Hello, RolloutGroup, SyncReady
+from buffer.identity import STALE_INCARNATION, UNEXPECTED_PRODUCER, UNKNOWN_PRODUCER
+from buffer.protocol import (
+    Ack,
+    Announce,
+    ControlMessage,
+    Heartbeat,
+    Hello,
+    Reply,
+    SyncReady,
+    Welcome,
+)
+from buffer.schema import Completion, RolloutGroup
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig, curve_keys, producer_budget
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
+from pipeline.producer.stats import ProducerStats
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.snapshot import SnapshotRef
 from sync.transfer import (
@@ -49,34 +63,11 @@ from sync.transfer import (
 )
 
 log = logging.getLogger(__name__)
+CONTROL_TIMEOUT_S = 5.0  # the learner answers control requests at once; longer means it is down
 
 
 class LearnerFinished(Exception):
     """The learner announced its end (all steps trained): the producer's run is over."""
-
-
-@dataclass
-class ProducerStats:
-    groups_started: int = 0
-    groups_sent: int = 0
-    groups_dropped_reward: int = 0
-    prompts_skipped_too_long: int = 0
-    completions_resubmitted: int = 0
-    groups_resent: int = 0
-    retention_overflow: int = 0
-    tokens: int = 0
-    swaps: int = 0
-    swap_failures: int = 0
-    transport_fallbacks: int = 0
-    sleeps: int = 0
-    sleep_s: float = 0.0     # seconds spent putting the engine to sleep (engine.sleep_when_idle)
-    wake_s: float = 0.0      # and waking it up again
-    started_at: float = field(default_factory=time.monotonic)
-
-    def to_dict(self) -> dict[str, float]:
-        d = {k: float(v) for k, v in self.__dict__.items() if k != "started_at"}
-        d["tokens_per_s"] = self.tokens / max(time.monotonic() - self.started_at, 1e-9)
-        return d
 
 
 class Producer:
@@ -124,6 +115,7 @@ class Producer:
         self._group_tasks: set[asyncio.Task] = set()
         self._engine_lock = asyncio.Lock()  # sleep, wake and swap never interleave
         self._asleep = False
+        self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
 
     # ------------------------------------------------------------------ admission
     def outstanding(self) -> int:
@@ -217,12 +209,14 @@ class Producer:
         gen_s = time.perf_counter() - t0
         texts = [c[1] for c in completions]
         meta = dict(record.meta, prompt_id=record.prompt_id)
-        result = await self.rewards.score_group(record.prompt, texts, meta)
+        ids = [c[0].token_ids for c in completions]
+        result = await self.rewards.score_group(record.prompt, texts, meta, completion_ids=ids)
         if result.dropped:
             self.stats.groups_dropped_reward += 1
             self._log_sent({"dropped_by_reward": group_id, "prompt_id": record.prompt_id})
             log.warning("group for prompt %s dropped: a reward failed (on_failure=drop)",
                         record.prompt_id)
+            self._counted.set()
             return
         comps = []
         for (comp, _text), total, breakdown in zip(completions, result.total, result.breakdown,
@@ -243,6 +237,7 @@ class Producer:
         await self.endpoint.send(group)
         self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
         self.stats.groups_sent += 1
+        self._counted.set()
 
     def _log_sent(self, record: dict[str, Any]) -> None:
         """One line per group handed to the transport: the producer side of the soak's
@@ -264,6 +259,7 @@ class Producer:
             # weights is never reused for a request admitted after a swap.
             prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
             finish = ""
+            self.stats.busy.enter()
             try:
                 async for out in self.engine.generate(prompt, sp, request_id):
                     c = out.outputs[0]
@@ -281,6 +277,7 @@ class Producer:
                         finish = c.finish_reason or ""
             finally:
                 self.tracker.finish(request_id)
+                self.stats.busy.exit()
             if finish == "abort" and attempt < 100:
                 # Aborted by a swap (abort mode, or not yet started at a drain_prefill swap):
                 # regenerate from scratch under the new weights and their cache salt.
@@ -377,8 +374,12 @@ class Producer:
             self._loaded_session = learner_session
         else:
             log.error("%s: %s", self.producer_id, report.error)
-        await self.endpoint.send(Ack(producer_id=self.producer_id, version=report.version,
-                                     ok=report.ok, error=report.error, timings=report.timings))
+        answer = await self._control(Ack(
+            producer_id=self.producer_id, incarnation=self.incarnation, version=report.version,
+            ok=report.ok, error=report.error[:16384], timings=report.timings))
+        if answer is None:
+            log.warning("%s: the learner did not answer our ack of v%d within %.0f s",
+                        self.producer_id, report.version, CONTROL_TIMEOUT_S)
 
     async def _swap(self, ref: SnapshotRef, route: str, transfer: dict[str, Any]) -> Any:
         """The barrier around the route's load; a failed GPU route falls back to the file.
@@ -417,20 +418,60 @@ class Producer:
                       link["epoch"], e)
 
     async def _hello(self) -> None:
-        await self.endpoint.send(Hello(producer_id=self.producer_id,
-                                       policy_version=self.tracker.version, pid=os.getpid(),
-                                       devices=self.devices))
+        """Introduce this incarnation; returns once the learner has welcomed it (retrying while
+        the learner is not up yet)."""
+        hello = Hello(producer_id=self.producer_id, incarnation=self.incarnation,
+                      policy_version=self.tracker.version, pid=os.getpid(),
+                      devices=self.devices, recovered=self.outbox.incarnations_recovered)
+        waited = 0.0
+        while True:
+            answer = await self.endpoint.call(hello, CONTROL_TIMEOUT_S)
+            if isinstance(answer, Welcome):
+                return
+            if isinstance(answer, Reply) and answer.reason == UNEXPECTED_PRODUCER:
+                raise RuntimeError(f"the learner refused {self.producer_id}: it runs fewer "
+                                   "producers (num_producers differs between the roles?)")
+            waited += CONTROL_TIMEOUT_S
+            log.info("%s: no welcome from the learner after %.0f s (%s); saying Hello again",
+                     self.producer_id, waited, answer.reason if answer else "no answer")
+
+    async def _control(self, msg: ControlMessage) -> Reply | None:
+        """One control request; a learner that does not know us (it restarted, or another
+        process said Hello in our name) gets our Hello again, then the request once more."""
+        answer = await self.endpoint.call(msg, CONTROL_TIMEOUT_S)
+        if isinstance(answer, Reply) and answer.reason in (UNKNOWN_PRODUCER, STALE_INCARNATION):
+            log.warning("%s: the learner refused a %s (%s); saying Hello again",
+                        self.producer_id, type(msg).__name__, answer.reason)
+            await self._hello()
+            answer = await self.endpoint.call(msg, CONTROL_TIMEOUT_S)
+        return answer if isinstance(answer, Reply) else None
 
     async def _send_ready(self, purpose: str, epoch: int, version: int) -> None:
-        await self.endpoint.send(SyncReady(producer_id=self.producer_id, purpose=purpose,
-                                           epoch=epoch, version=version))
+        """Tell the learner our side of a NCCL link is ready ("drop": given up). Raises if the
+        learner did not take it, so the GPU route fails over to the file at once."""
+        answer = await self._control(SyncReady(
+            producer_id=self.producer_id, incarnation=self.incarnation, purpose=purpose,
+            epoch=epoch, version=version))
+        if purpose != "drop" and (answer is None or not answer.ok):
+            raise RuntimeError(f"the learner did not take SyncReady({purpose!r}, epoch {epoch}): "
+                               f"{answer.reason if answer else 'no answer'}")
+
+    def heartbeat_stats(self) -> dict[str, float]:
+        """Every counter of this process (``pipeline.producer.stats`` and the rewards'
+        ``reward/<name>/<kind>``): the learner logs them to metrics.jsonl and TensorBoard."""
+        return {**self.stats.to_dict(), **{k: float(v) for k, v in self.rewards.stats.items()}}
 
     async def _heartbeat(self) -> None:
         while True:
-            await self.endpoint.send(Heartbeat(producer_id=self.producer_id,
-                                               policy_version=self.tracker.version,
-                                               stats=self.stats.to_dict()))
-            await asyncio.sleep(2.0)
+            # Also right after a group: the learner's metrics row for the step that trains it
+            # then carries the counters that include it (reward failures of that group).
+            self._counted.clear()
+            await self._control(Heartbeat(producer_id=self.producer_id,
+                                          incarnation=self.incarnation,
+                                          policy_version=self.tracker.version,
+                                          stats=self.heartbeat_stats()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._counted.wait(), 2.0)
 
     async def _watch(self) -> None:
         while True:

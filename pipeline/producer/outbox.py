@@ -100,6 +100,11 @@ class Outbox:
         os.replace(tmp, self._path)
         self._fh = self._path.open("ab")
 
+    @property
+    def incarnations_recovered(self) -> list[str]:
+        """Incarnations of dead processes whose unconfirmed groups we resend."""
+        return sorted(self._foreign)
+
     def unconfirmed(self) -> list[RolloutGroup]:
         return [self.pending[k] for k in sorted(self.pending)]
 

@@ -5,10 +5,21 @@ A user reward is any of:
 - a class, instantiated once with ``RewardSpec.kwargs`` (setup state: a loaded verifier, an HTTP
   client); its ``__call__`` is the scorer, sync or async, with the signature above;
 - a batched scorer (``batched=True``):
-  ``(prompts: list[str], completions: list[str], metas: list[dict]) -> list[float]``, sync or async.
+  ``(prompts: list[str], completions: list[str], metas: list[dict]) -> list[float]``, sync or async;
+- a TRL GRPOTrainer reward as it is (``style="trl"``, or detected from its signature):
+  ``f(completions, **kwargs) -> list[float | None]``, called once per group with the keywords
+  ``prompts``, ``completions``, ``completion_ids`` and one list per dataset column (see
+  ``trl_kwargs``); a ``None`` entry means "not scored by this reward" (see below).
 ``meta`` carries the dataset record's extra fields (e.g. ``answer``) plus ``prompt_id`` and
 ``completion_index``. A scorer whose signature has no ``**meta`` receives only the keywords it
 names. ``@reward(name=..., batched=..., weight=...)`` attaches defaults that a spec may override.
+A prompt is the dataset's value: a string, or a list of messages for conversational data.
+
+The weighted sum of a completion covers the rewards that scored it: a TRL reward's ``None``
+adds nothing (as TRL's nansum does) and leaves that reward out of the completion's breakdown,
+so per-reward means are taken over the completions each reward scored. A completion no reward
+scored gets total 0.0 and is counted in ``reward/unscored_completions``. ``None`` from a native
+reward is a bug in the reward (counted as a failure).
 
 Invariants of ``RewardSet.score_group``:
 - it never raises (except on cancellation) and never waits longer than the slowest reward's
@@ -35,6 +46,7 @@ import inspect
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
 import sys
 import threading
 import time
@@ -48,7 +60,11 @@ from pipeline.config import RewardSpec
 log = logging.getLogger(__name__)
 
 OnFailure = Literal["zero", "drop"]
-STAT_KINDS = ("calls", "failures", "timeouts", "nan", "dropped_groups")
+STAT_KINDS = ("calls", "failures", "timeouts", "nan", "dropped_groups", "unscored")
+CallMode = Literal["single", "batched", "trl"]
+# Parameter names that tell a TRL-style reward from a native one (style: auto).
+_TRL_NAMES = frozenset(("completions", "completion_ids"))
+_NATIVE_NAMES = frozenset(("completion", "metas"))
 
 
 # ------------------------------------------------------------------------------ user-facing API
@@ -75,9 +91,11 @@ class RewardResult:
     """Scores of one group."""
 
     total: list[float]
-    """Weighted sum per completion (a failed reward contributes 0)."""
+    """Weighted sum per completion over the rewards that scored it (a failed reward
+    contributes 0)."""
     breakdown: list[dict[str, float]]
-    """Per completion: reward name -> value used (raw, unweighted; 0.0 where it failed)."""
+    """Per completion: reward name -> value used (raw, unweighted; 0.0 where it failed; absent
+    where the reward returned None: not scored)."""
     failed: bool
     """Some reward failed (exception, timeout or non-finite value) for some completion."""
     dropped: bool
@@ -164,6 +182,59 @@ def _defaults(spec: RewardSpec, obj: Any) -> dict[str, Any]:
     return {"name": name, "batched": batched, "weight": weight}
 
 
+def _param_names(obj: Any) -> frozenset[str] | None:
+    """Named parameters of a function, or of a class's ``__call__`` (None: no signature)."""
+    target = obj.__call__ if inspect.isclass(obj) else obj
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if inspect.isclass(obj) and params and params[0].name == "self":
+        params = params[1:]
+    return frozenset(p.name for p in params
+                     if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                       inspect.Parameter.VAR_KEYWORD))
+
+
+def call_mode(spec: RewardSpec, obj: Any, batched: bool) -> CallMode:
+    """How a reward is called: per completion, batched (native), or TRL-style per group.
+
+    ``style: auto`` picks trl for a signature naming ``completions`` or ``completion_ids`` and
+    neither ``completion`` nor ``metas`` (TRL's documented shape), unless batched is set.
+    """
+    if spec.style == "trl":
+        return "trl"
+    if spec.style == "auto" and not batched:
+        names = _param_names(obj)
+        if names is not None and names & _TRL_NAMES and not names & _NATIVE_NAMES:
+            return "trl"
+    return "batched" if batched else "single"
+
+
+def trl_kwargs(prompt: Any, completions: list[str], metas: list[dict[str, Any]],
+               completion_ids: list[list[int]] | None) -> dict[str, Any]:
+    """The keywords TRL's GRPOTrainer passes a reward function, for one group of n completions.
+
+    ``prompts`` and ``completions`` are lists of strings, or for a conversational prompt (a list
+    of messages) the prompt's messages and ``[{"role": "assistant", "content": text}]`` per
+    completion; ``completion_ids`` the sampled token ids; every other key of the metas (the
+    dataset's columns, ``prompt_id``, ``completion_index``) a list with one entry per completion.
+    """
+    n = len(completions)
+    conversational = isinstance(prompt, list)
+    kw: dict[str, Any] = {
+        "prompts": [prompt] * n,
+        "completions": [[{"role": "assistant", "content": c}] for c in completions]
+        if conversational else list(completions),
+    }
+    if completion_ids is not None:
+        kw["completion_ids"] = [[int(t) for t in ids] for ids in completion_ids]
+    for key in metas[0] if metas else ():
+        if key not in kw:
+            kw[key] = [m.get(key) for m in metas]
+    return kw
+
+
 def _instantiate(obj: Any, kwargs: dict[str, Any]) -> Callable[..., Any]:
     """Classes are built once with kwargs; functions are used as they are."""
     return obj(**kwargs) if inspect.isclass(obj) else obj
@@ -181,21 +252,26 @@ def _meta_filter(scorer: Callable[..., Any]) -> frozenset[str] | None:
         inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
 
 
-def _invoke(scorer: Callable[..., Any], accepts: frozenset[str] | None, batched: bool,
+def _invoke(scorer: Callable[..., Any], accepts: frozenset[str] | None, mode: CallMode,
             args: tuple[Any, ...]) -> Any:
     """Call a scorer; the result may be a value or an awaitable."""
-    if batched:
+    if mode == "batched":
         return scorer(*args)
+    if mode == "trl":
+        (kw,) = args
+        if accepts is not None:
+            kw = {k: v for k, v in kw.items() if k in accepts}
+        return scorer(**kw)
     prompt, completion, meta = args
     if accepts is not None:
         meta = {k: v for k, v in meta.items() if k in accepts}
     return scorer(prompt, completion, **meta)
 
 
-def _run_blocking(scorer: Callable[..., Any], accepts: frozenset[str] | None, batched: bool,
+def _run_blocking(scorer: Callable[..., Any], accepts: frozenset[str] | None, mode: CallMode,
                   args: tuple[Any, ...]) -> Any:
     """Thread/process side: call, and drive an async scorer to completion on a private loop."""
-    out = _invoke(scorer, accepts, batched, args)
+    out = _invoke(scorer, accepts, mode, args)
     if inspect.isawaitable(out):
         async def await_it() -> Any:
             return await out
@@ -206,19 +282,19 @@ def _run_blocking(scorer: Callable[..., Any], accepts: frozenset[str] | None, ba
 
 # Process-pool worker side. The registry lives only in spawned worker processes (filled by the
 # pool initializer); the parent never reads or writes it.
-_WORKER_SCORERS: dict[str, tuple[Callable[..., Any], frozenset[str] | None, bool]] = {}
+_WORKER_SCORERS: dict[str, tuple[Callable[..., Any], frozenset[str] | None, CallMode]] = {}
 
 
-def _worker_init(entries: list[tuple[str, Any, dict[str, Any], bool]]) -> None:
-    for name, fn, kwargs, batched in entries:
+def _worker_init(entries: list[tuple[str, Any, dict[str, Any], CallMode]]) -> None:
+    for name, fn, kwargs, mode in entries:
         obj = load_callable(fn) if isinstance(fn, str) else fn
         scorer = _instantiate(obj, kwargs)
-        _WORKER_SCORERS[name] = (scorer, _meta_filter(scorer), batched)
+        _WORKER_SCORERS[name] = (scorer, _meta_filter(scorer), mode)
 
 
 def _worker_call(name: str, args: tuple[Any, ...]) -> Any:
-    scorer, accepts, batched = _WORKER_SCORERS[name]
-    return _run_blocking(scorer, accepts, batched, args)
+    scorer, accepts, mode = _WORKER_SCORERS[name]
+    return _run_blocking(scorer, accepts, mode, args)
 
 
 class _RewardTimeout(Exception):
@@ -236,7 +312,7 @@ class _Actor:
     spec: RewardSpec
     name: str
     weight: float
-    batched: bool
+    mode: CallMode
     scorer: Callable[..., Any] | None  # None for process rewards (lives in the workers)
     accepts: frozenset[str] | None
     throttler: Any = None
@@ -281,20 +357,22 @@ class RewardSet:
         self.on_failure = on_failure
         self.pool_workers = pool_workers
         self.actors: list[_Actor] = []
-        self.stats: dict[str, int] = {"reward/dropped_groups": 0}
+        self.stats: dict[str, int] = {"reward/dropped_groups": 0,
+                                      "reward/unscored_completions": 0}
         process_entries = []
         for spec in specs:
             obj = _resolve_obj(spec)
             d = _defaults(spec, obj)
+            mode = call_mode(spec, obj, d["batched"])
             if spec.executor == "process":
                 scorer, accepts = None, None
-                process_entries.append((d["name"], spec.fn, dict(spec.kwargs), d["batched"]))
+                process_entries.append((d["name"], spec.fn, dict(spec.kwargs), mode))
             else:
                 scorer = _instantiate(obj, spec.kwargs)
                 accepts = _meta_filter(scorer)
             throttler = rate_limiter(spec.rate_per_s) if spec.rate_per_s else None
-            self.actors.append(_Actor(spec, d["name"], d["weight"], d["batched"], scorer,
-                                      accepts, throttler))
+            self.actors.append(_Actor(spec, d["name"], d["weight"], mode, scorer, accepts,
+                                      throttler))
             for kind in STAT_KINDS:
                 self.stats[f"reward/{d['name']}/{kind}"] = 0
         self._process_entries = process_entries
@@ -310,24 +388,35 @@ class RewardSet:
 
     # -- public -------------------------------------------------------------------------------
 
-    async def score_group(self, prompt: str, completions: list[str],
-                          meta: dict[str, Any]) -> RewardResult:
-        """Score the G completions of one prompt with every reward, concurrently."""
+    async def score_group(self, prompt: Any, completions: list[str], meta: dict[str, Any],
+                          completion_ids: list[list[int]] | None = None) -> RewardResult:
+        """Score the G completions of one prompt with every reward, concurrently.
+
+        ``prompt`` is the dataset's prompt (a string, or a list of messages); ``completion_ids``
+        the completions' token ids, passed to TRL-style rewards as ``completion_ids``.
+        """
         n = len(completions)
         metas = [{**meta, "completion_index": i} for i in range(n)]
         per_actor = await asyncio.gather(
-            *(self._score_actor(a, prompt, completions, metas) for a in self.actors)
+            *(self._score_actor(a, prompt, completions, metas, completion_ids)
+              for a in self.actors)
         )
         total = [0.0] * n
         breakdown: list[dict[str, float]] = [{} for _ in range(n)]
+        scored_by_any = [False] * n
         failed_names = []
         for actor, (values, ok) in zip(self.actors, per_actor, strict=True):
             if not all(ok):
                 failed_names.append(actor.name)
             for i in range(n):
+                if ok[i] and values[i] is None:  # TRL's None: not scored by this reward
+                    self.stats[f"reward/{actor.name}/unscored"] += 1
+                    continue
                 v = values[i] if ok[i] else 0.0
                 breakdown[i][actor.name] = v
                 total[i] += actor.weight * v
+                scored_by_any[i] = True
+        self.stats["reward/unscored_completions"] += scored_by_any.count(False)
         failed = bool(failed_names)
         dropped = failed and self.on_failure == "drop"
         if dropped:
@@ -363,16 +452,18 @@ class RewardSet:
             initargs=(self._process_entries,),
         )
 
-    async def _score_actor(self, actor: _Actor, prompt: str, completions: list[str],
-                           metas: list[dict[str, Any]]) -> tuple[list[float], list[bool]]:
-        """Values and per-completion success flags of one reward for the group."""
+    async def _score_actor(self, actor: _Actor, prompt: Any, completions: list[str],
+                           metas: list[dict[str, Any]], completion_ids: list[list[int]] | None
+                           ) -> tuple[list[float | None], list[bool]]:
+        """Values (None: not scored) and per-completion success flags of one reward."""
         n = len(completions)
-        if actor.batched:
-            res = await self._guarded(actor, metas[0] if metas else {},
-                                      ([prompt] * n, list(completions), metas), n)
+        if actor.mode != "single":
+            args = ((trl_kwargs(prompt, completions, metas, completion_ids),)
+                    if actor.mode == "trl" else ([prompt] * n, list(completions), metas))
+            res = await self._guarded(actor, metas[0] if metas else {}, args, n)
             if res is None:
                 return [0.0] * n, [False] * n
-            return res, [math.isfinite(v) for v in res]
+            return res, [v is None or math.isfinite(v) for v in res]
         outs = await asyncio.gather(
             *(self._guarded(actor, m, (prompt, c, m), None)
               for c, m in zip(completions, metas, strict=True))
@@ -380,7 +471,7 @@ class RewardSet:
         return ([o[0] if o else 0.0 for o in outs], [o is not None for o in outs])
 
     async def _guarded(self, actor: _Actor, meta: dict[str, Any], args: tuple[Any, ...],
-                       n: int | None) -> list[float] | None:
+                       n: int | None) -> list[float | None] | None:
         """One call with limits, timeout and validation; None on failure (already counted)."""
         key = f"reward/{actor.name}"
         self.stats[f"{key}/calls"] += 1
@@ -391,7 +482,7 @@ class RewardSet:
                     raw = await self._throttled_call(actor, args)
             else:
                 raw = await self._throttled_call(actor, args)
-            values = _validate(raw, n)
+            values = _validate(raw, n, allow_none=actor.mode == "trl")
         except asyncio.CancelledError:
             raise
         except _RewardTimeout:
@@ -419,11 +510,11 @@ class RewardSet:
     async def _call(self, actor: _Actor, args: tuple[Any, ...]) -> Any:
         ex = actor.spec.executor
         if ex == "inline":
-            out = _invoke(actor.scorer, actor.accepts, actor.batched, args)
+            out = _invoke(actor.scorer, actor.accepts, actor.mode, args)
             return await out if inspect.isawaitable(out) else out
         if ex == "thread":
             return await _in_daemon_thread(_run_blocking, actor.scorer, actor.accepts,
-                                           actor.batched, args)
+                                           actor.mode, args)
         return await self._in_process(actor.name, args)
 
     async def _in_process(self, name: str, args: tuple[Any, ...]) -> Any:
@@ -456,8 +547,9 @@ class RewardSet:
                     actor.name, why, self.on_failure)
 
 
-def _validate(raw: Any, n: int | None) -> list[float]:
-    """Coerce a scorer's output to floats; raise _NonFinite for NaN/inf, TypeError for junk."""
+def _validate(raw: Any, n: int | None, allow_none: bool = False) -> list[float | None]:
+    """Coerce a scorer's output to floats (None kept where ``allow_none``: not scored); raise
+    _NonFinite for NaN/inf, TypeError for junk."""
     if n is None:
         items = [raw]
     else:
@@ -466,12 +558,15 @@ def _validate(raw: Any, n: int | None) -> list[float]:
         items = list(raw)
         if len(items) != n:
             raise TypeError(f"batched reward returned {len(items)} values for {n} completions")
-    values = []
+    values: list[float | None] = []
     for v in items:
+        if v is None and allow_none:
+            values.append(None)
+            continue
         if isinstance(v, str | bytes) or v is None:
             raise TypeError(f"reward returned {v!r}, expected a number")
         values.append(float(v))
-    bad = [v for v in values if not math.isfinite(v)]
+    bad = [v for v in values if v is not None and not math.isfinite(v)]
     if bad:
         raise _NonFinite(f"returned non-finite value(s) {bad[:3]}", values)
     return values
@@ -505,17 +600,40 @@ async def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await fut
 
 
-def _terminate_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    """Stop a pool without waiting for hung calls: cancel queued work, then terminate the
-    workers this RewardSet started (by their process objects)."""
+def _terminate_pool(pool: concurrent.futures.ProcessPoolExecutor, grace_s: float = 2.0) -> None:
+    """Stop a pool without waiting for hung calls, and return only once its workers are gone:
+    cancel queued work, SIGTERM the workers this RewardSet started (by their process objects),
+    SIGKILL those still running after ``grace_s``, then wait for every one of them to exit."""
     procs = list(getattr(pool, "_processes", {}).values())  # no public API before 3.14
     pool.shutdown(wait=False, cancel_futures=True)
-    deadline = time.monotonic() + 2.0
     for p in procs:
         if p.is_alive():
             p.terminate()
+    running = _wait_exited(procs, grace_s)
+    for p in running:
+        p.kill()
+    _wait_exited(running, None)  # SIGKILL cannot be caught: this wait ends
     for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=1.0)
+        # The pool's manager thread joins the same workers; whichever thread reaps one sets its
+        # exit code, so wait for that here rather than return with a worker not yet reaped.
+        deadline = time.monotonic() + 10.0
+        while p.exitcode is None and time.monotonic() < deadline:
+            p.join(0.05)
+
+
+def _wait_exited(procs: list[Any], timeout: float | None) -> list[Any]:
+    """Wait up to ``timeout`` (None: forever) for ``procs`` to exit; returns those still running.
+    A process's sentinel becomes ready when it exits, whichever thread reaps it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    running = [p for p in procs if not _exited(p)]
+    while running:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        multiprocessing.connection.wait([p.sentinel for p in running], left)
+        running = [p for p in running if not _exited(p)]
+    return running
+
+
+def _exited(p: Any) -> bool:
+    return p.exitcode is not None or bool(multiprocessing.connection.wait([p.sentinel], 0))

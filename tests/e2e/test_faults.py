@@ -1,6 +1,7 @@
 """Fault injection on real runs of `pipeline-train` (launcher, vLLM CPU engines, 2 producers):
 kill -9 of a producer (restarted, run completes) and of the learner (everything stops, --resume
-continues from the last checkpoint)."""
+continues from the last checkpoint), and a rogue process flooding the learner's data socket with
+groups that are wrong for the run (every one rejected and counted, conservation exact)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from bench.soak import tally
+from buffer.checks import REASONS
+from buffer.store import RolloutBuffer
 from pipeline.launch.shm import list_segments, segments_in_use
+from pipeline.learner.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +40,8 @@ class Launcher:
                "--num-producers", "2", "--batch-groups", "2", "--group-size", "4",
                "--max-tokens", "8", "--run-dir", str(run_dir),
                "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
-               "--tensorboard", "false", "--progress", "false", *extra]
+               "--tensorboard", "false", "--progress", "false",
+               "--verbose", *extra]  # the tests follow the processes' INFO lines
         self.run_dir = run_dir
         self.lines: list[str] = []
         self._cond = threading.Condition()
@@ -227,3 +233,55 @@ def test_learner_killed_stops_everything_then_resume_continues(tiny_model, tmp_p
     assert final["step"] == steps and final["version"] >= v
     assert sum(final["received"].values()) >= sum(state["received"].values())
     _assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
+
+
+def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tiny_model,
+                                                                           tmp_path):
+    """A rogue process poses as producer p0 (its incarnation, from the announcements) and sends
+    thousands of well-formed groups, each wrong for the run in one way drawn at random from
+    buffer.checks, while the real producers and the learner run. Every step finishes, nothing
+    is dropped in training, every rogue group is rejected and counted under its reason, and the
+    real producers' groups are all placed: produced = trained + dropped + held."""
+    run_dir = tmp_path / "rogue"
+    steps, count = 12, 3000
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    la = Launcher(tiny_model, run_dir, "--mode", "sync", "--steps", str(steps))
+    out = tmp_path / "rogue.json"
+    rogue = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "e2e" / "rogue.py"),
+         "--addr", f"ipc://{run_dir.resolve()}/learner.sock", "--count", str(count),
+         "--out", str(out), "--group-size", "4", "--vocab", str(vocab), "--max-tokens", "8",
+         "--max-model-len", "256", "--window", "2", "--min-version", "3"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = rogue.communicate(timeout=400)
+        assert rogue.returncode == 0, err
+        code = la.wait(400)
+    finally:
+        if rogue.poll() is None:
+            rogue.kill()
+        la.stop()
+    assert code == 0, la.tail()
+    sent = json.loads(out.read_text())["sent"]
+    assert sum(sent.values()) == count and set(sent) == set(REASONS), sent
+
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["dropped_batches"] == 0 and r["skipped_nonfinite"] == 0 for r in rows)
+    # The final checkpoint is written after the last frame was read: exact counts per reason.
+    _state, _t, buf = load_checkpoint(latest_checkpoint(run_dir))
+    st = RolloutBuffer.restore(buf, capacity=10**9, max_staleness=None).stats
+    assert st.rejected_groups == sent
+    last = rows[-1]
+    assert last["rejected_groups"] == sum(last.get(f"rejected_groups/{r}", 0) for r in REASONS)
+    assert 0 < last["rejected_groups"] <= count
+    t = tally(run_dir)
+    assert t["lost"] == 0 and t["buffer_invariant_ok"], t
+    # Real producers' groups: none rejected, each trained, dropped or held.
+    assert t["produced"] - t["pending_in_outbox_logs"] == (
+        t["trained"] + t["dropped_stale"] + t["dropped_capacity"] + t["held"]), t
+    assert t["rejected_groups"] == count
+    # A flood is counted, not logged line by line: at most a few lines per reason.
+    logged = [ln for ln in la.lines if "rejected group rogue-" in ln]
+    assert len(logged) <= 20 * len(REASONS)
+    _assert_gone(la.descendants)

@@ -10,7 +10,7 @@ restore the original tokens. Failure paths: a learner that never answers (the re
 the link is aborted, the version loads from the file) and a version the learner no longer holds
 (refused, file, link kept). Then the product: `pipeline-train` in the split layout (producer on
 GPU 0, learner on GPU 1) with ``sync.transport=auto`` picks ``nccl`` and trains without a fallback.
-SyncReady messages go through the real msgpack schema (encode/decode), as on the wire.
+SyncReady messages go through the real wire format (buffer.protocol), as on the wire.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from conftest import assert_no_children, assert_no_process_left
 from test_sync_swap import VOCAB, EngineLoop, hf_dir_with, probe
 
 from bench.sync_bench import generate, model_tensors, perturbed, random_prompt
-from buffer.schema import SyncReady, decode, encode
+from buffer.protocol import SyncReady, decode, encode
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.snapshot import SnapshotRef, write_snapshot
 from sync.transfer import (
@@ -94,8 +94,8 @@ class Learner:
         self.tasks: list[asyncio.Task] = []
 
     async def send_ready(self, purpose: str, epoch: int, version: int) -> None:
-        msg = decode(encode(SyncReady(producer_id=PID, purpose=purpose, epoch=epoch,
-                                      version=version)))
+        _, msg = decode(encode(SyncReady(producer_id=PID, incarnation=f"{PID}-1",
+                                         purpose=purpose, epoch=epoch, version=version)))
         if not self.answer:
             return  # a learner that is dead or late
         if msg.purpose == "drop":  # as pipeline's learner: drop our end, offer anew later
@@ -227,7 +227,7 @@ def test_pipeline_train_split_layout_routes_weights_by_nccl(tiny_model, tmp_path
            "--max-tokens", "32", "--run-dir", str(run_dir), "--mode", "async",
            "--max-staleness", "1", "--steps", "6", "--engine.gpu_memory_utilization", "0.3",
            "--producer_gpus", '["0"]', "--learner_gpus", "1", "--sync.transport", "auto",
-           "--tensorboard", "false"]
+           "--tensorboard", "false", "--verbose"]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True,
                           text=True, timeout=600, env=dict(os.environ, PIPELINE_TEST_RUN=tag))
     (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from conftest import assert_no_children
 
-from buffer.schema import Announce, Hello, RolloutGroup
+from buffer.protocol import Announce, Hello, Reply, Welcome
+from buffer.schema import RolloutGroup
 from buffer.transport import LearnerEndpoint, ProducerEndpoint
 from pipeline.config import RunConfig, load_config
 from pipeline.producer.data import PromptSource, render_prompt
@@ -76,7 +77,8 @@ def _config(model: Path, addr: str, **over) -> RunConfig:
 
 
 class FakeLearner:
-    """The learner side of the wire: receives groups, announces version 0 and consumption."""
+    """The learner side of the wire: receives groups, answers control requests, announces
+    version 0 and consumption."""
 
     def __init__(self, addr: str):
         self.endpoint = LearnerEndpoint(addr)
@@ -97,11 +99,23 @@ class FakeLearner:
     async def run(self) -> None:
         async def receive():
             while True:
-                msg = await self.endpoint.recv()
-                if isinstance(msg, RolloutGroup):
-                    self.groups.append(msg)
-                elif isinstance(msg, Hello):
+                group = await self.endpoint.recv()
+                if group is not None:
+                    self.groups.append(group)
+
+        async def control():
+            while True:
+                got = await self.endpoint.recv_control()
+                if got is None:
+                    continue
+                peer, rid, msg = got
+                if isinstance(msg, Hello):
                     self.hellos.append(msg)
+                    answer = Welcome(producer_id=msg.producer_id, incarnation=msg.incarnation,
+                                     learner_session=SESSION)
+                else:
+                    answer = Reply(ok=True)
+                await self.endpoint.reply(peer, rid, answer)
 
         async def announce():
             while True:
@@ -111,6 +125,7 @@ class FakeLearner:
 
         async with asyncio.TaskGroup() as tg:
             tg.create_task(receive())
+            tg.create_task(control())
             tg.create_task(announce())
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 from hypothesis import strategies as st
 
@@ -44,18 +42,10 @@ def make_group(
 
 
 def free_tcp_port_pair() -> int:
-    """A port p with p and p+1 free on 127.0.0.1 (PULL at p, PUB at p+1)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair")
+    """A port p with p, p+1 and p+2 free on 127.0.0.1 (PULL at p, PUB at p+1, ROUTER at p+2)."""
+    from buffer.transport import free_tcp_port_pair as free_ports
+
+    return free_ports()
 
 
 # ---- hypothesis strategies ------------------------------------------------------------------
@@ -110,19 +100,20 @@ def groups(draw) -> RolloutGroup:
 
 
 def producer_process_main(addr: str, producer_id: str, n_groups: int, sndhwm: int) -> None:
-    """Body of a spawned producer: Hello, n_groups numbered groups, then wait for the learner's
-    Announce (so nothing is still queued when the socket closes)."""
+    """Body of a spawned producer: Hello (answered), n_groups numbered groups, then wait for the
+    learner's Announce (so nothing is still queued when the socket closes)."""
     import asyncio
     import os
 
-    from buffer.schema import Hello
+    from buffer.protocol import Hello, Welcome
     from buffer.transport import ProducerEndpoint
 
     async def main() -> None:
         ep = ProducerEndpoint(addr, sndhwm=sndhwm)
         try:
-            await ep.send(Hello(producer_id=producer_id, policy_version=0, pid=os.getpid()),
-                          timeout=30)
+            hello = Hello(producer_id=producer_id, incarnation=f"{producer_id}-{os.getpid()}",
+                          policy_version=0, pid=os.getpid())
+            assert isinstance(await ep.call(hello, 30), Welcome)
             for seq in range(n_groups):
                 g = make_group(f"{producer_id}-{seq}", producer_id=producer_id, n_tokens=32,
                                seed=seq)

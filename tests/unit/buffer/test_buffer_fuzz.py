@@ -1,4 +1,5 @@
-"""Fuzzing: random and mutated frames to decode() and to a live LearnerEndpoint."""
+"""Fuzzing: random and mutated frames to both decoders (groups: buffer.schema, control messages:
+buffer.protocol) and to a live LearnerEndpoint's data and control sockets."""
 
 from __future__ import annotations
 
@@ -10,16 +11,25 @@ import zmq
 import zmq.asyncio
 from buffer_factories import make_group
 
-from buffer.schema import Ack, Announce, DecodeError, Heartbeat, Hello, RolloutGroup, decode, encode
+from buffer import protocol
+from buffer.protocol import Ack, Announce, Heartbeat, Hello, ProtocolError, SyncReady
+from buffer.schema import DecodeError, RolloutGroup, decode, encode
 from buffer.transport import LearnerEndpoint
 
-SEEDS = [
-    encode(make_group("seed", n_completions=3, n_tokens=12)),
-    encode(Hello("p", 1, 2)),
-    encode(Heartbeat("p", 1, {"a": 1.0})),
-    encode(Announce(3, "uri", "sum", "sess", {"p": 1}, {"p": 1})),
-    encode(Ack("p", 3, False, "boom", {"t": 1.0})),
+CONTROL_SEEDS = [
+    protocol.encode(Hello(producer_id="p", incarnation="i", policy_version=1, pid=2,
+                          devices=["GPU-1"])),
+    protocol.encode(Heartbeat(producer_id="p", incarnation="i", policy_version=1,
+                              stats={"a": 1.0})),
+    protocol.encode(Announce(version=3, snapshot_uri="uri", snapshot_checksum="sum",
+                             learner_session="sess", received={"p": 1}, consumed={"p": 1},
+                             transfer={"x": [1, b"z", {"y": None}]})),
+    protocol.encode(Ack(producer_id="p", incarnation="i", version=3, ok=False, error="boom",
+                        timings={"t": 1.0})),
+    protocol.encode(SyncReady(producer_id="p", incarnation="i", purpose="weights", epoch=1,
+                              version=2), rid=9),
 ]
+SEEDS = [encode(make_group("seed", n_completions=3, n_tokens=12)), *CONTROL_SEEDS]
 
 
 def _mutate(rng: random.Random, frame: bytes) -> bytes:
@@ -53,7 +63,8 @@ def _random_msgpack(rng: random.Random, depth: int = 0):
     if c == "list":
         return [_random_msgpack(rng, depth + 1) for _ in range(rng.randint(0, 4))]
     if c == "map":
-        keys = ["schema", "kind", "body", "group_id", "completions", "token_ids", "x"]
+        keys = ["schema", "kind", "body", "group_id", "completions", "token_ids", "x",
+                "protocol", "rid", "msg", "producer_id", "incarnation", "transfer"]
         return {rng.choice(keys): _random_msgpack(rng, depth + 1) for _ in range(rng.randint(0, 4))}
     return c
 
@@ -62,17 +73,23 @@ def _fuzz_frames(n: int, seed: int) -> list[bytes]:
     rng = random.Random(seed)
     frames = []
     for i in range(n):
-        if i % 5 == 4:
+        if i % 10 == 4:
             obj = {"schema": 1, "kind": rng.choice(["group", "hello", "ack", "announce"]),
                    "body": _random_msgpack(rng)}
             frames.append(msgpack.packb(obj if rng.random() < 0.7 else _random_msgpack(rng)))
+        elif i % 10 == 9:
+            body = _random_msgpack(rng)
+            if isinstance(body, dict) and rng.random() < 0.8:
+                body["kind"] = rng.choice(["hello", "heartbeat", "ack", "sync_ready", "announce"])
+            frames.append(msgpack.packb({"protocol": 1, "rid": rng.randrange(4), "msg": body}))
         else:
             frames.append(_mutate(rng, rng.choice(SEEDS)))
     return frames
 
 
 def _classify(frame: bytes) -> bool:
-    """True if decode() accepts the frame; any other exception than DecodeError fails."""
+    """True if decode() accepts the frame as a group; any other exception than DecodeError
+    fails."""
     try:
         decode(frame)
         return True
@@ -81,12 +98,26 @@ def _classify(frame: bytes) -> bool:
         return False
 
 
+def _classify_control(frame: bytes) -> bool:
+    """True if protocol.decode() accepts the frame; any other exception than ProtocolError
+    fails."""
+    try:
+        protocol.decode(frame)
+        return True
+    except ProtocolError as e:
+        assert str(e), "ProtocolError without a message"
+        return False
+
+
 def test_decode_fuzz_only_raises_decode_error():
     frames = _fuzz_frames(20_000, seed=1)
-    accepted = sum(_classify(f) for f in frames)
-    assert accepted < len(frames) // 2  # the mutations are mostly destructive
-    for f in SEEDS:
-        assert _classify(f)
+    groups = sum(_classify(f) for f in frames)
+    control = sum(_classify_control(f) for f in frames)
+    assert groups + control < len(frames) // 2  # the mutations are mostly destructive
+    assert control > 0  # some mutations leave a valid message (e.g. a flipped digit)
+    assert _classify(SEEDS[0]) and not _classify_control(SEEDS[0])
+    for f in CONTROL_SEEDS:
+        assert _classify_control(f) and not _classify(f)
 
 
 def test_live_endpoint_counts_every_bad_frame_and_keeps_working(tmp_path):
@@ -121,4 +152,43 @@ def test_live_endpoint_counts_every_bad_frame_and_keeps_working(tmp_path):
         assert learner.last_error
         assert [m is not None for m in got[:-1]] == expected_ok
         assert isinstance(got[-1], RolloutGroup) and got[-1] == final
+    asyncio.run(main())
+
+
+def test_live_control_socket_answers_valid_requests_and_survives_the_rest(tmp_path):
+    """Fuzzed frames into the learner's ROUTER: each valid request comes out in order, every
+    other one is counted, and a last valid request still gets through."""
+    addr = f"ipc://{tmp_path}/fuzz.sock"
+    frames = _fuzz_frames(3000, seed=3)
+    expected = [f for f in frames if _classify_control(f)]
+    expected = [f for f in expected
+                if not isinstance(protocol.decode(f)[1], (Announce, protocol.Welcome,
+                                                          protocol.Reply))]
+    final = protocol.encode(Heartbeat(producer_id="p", incarnation="i", policy_version=0,
+                                      stats={}), rid=12345)
+
+    async def main():
+        learner = LearnerEndpoint(addr)
+        ctx = zmq.asyncio.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(learner.ctl_addr)
+
+        async def send_all():
+            for f in [*frames, final]:
+                await dealer.send(f)
+
+        sender = asyncio.create_task(send_all())
+        got = []
+        try:
+            while not got or got[-1] != 12345:
+                item = await asyncio.wait_for(learner.recv_control(), 10)
+                if item is not None:
+                    got.append(item[1])
+            await sender
+        finally:
+            dealer.close(linger=0)
+            ctx.term()
+            learner.close()
+        assert got == [protocol.decode(f)[0] for f in expected] + [12345]
+        assert learner.rejected == len(frames) - len(expected)
     asyncio.run(main())

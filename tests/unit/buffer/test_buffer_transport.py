@@ -12,7 +12,9 @@ import zmq
 import zmq.asyncio
 from buffer_factories import free_tcp_port_pair, make_group, producer_process_main
 
-from buffer.schema import Ack, Announce, Heartbeat, Hello, RolloutGroup, encode
+from buffer import protocol
+from buffer.protocol import Ack, Announce, Heartbeat, Hello, Reply, Welcome
+from buffer.schema import RolloutGroup, encode
 from buffer.store import RolloutBuffer
 from buffer.transport import (
     CurveKeys,
@@ -20,6 +22,7 @@ from buffer.transport import (
     ProducerEndpoint,
     Receiver,
     check_bind_addr,
+    derive_ctl_addr,
     derive_pub_addr,
     generate_curve_keys,
     load_curve_keys,
@@ -28,6 +31,26 @@ from buffer.transport import (
 
 def _ipc(tmp_path, name="rollouts") -> str:
     return f"ipc://{tmp_path}/{name}.sock"
+
+
+def test_derive_ctl_addr():
+    assert derive_ctl_addr("tcp://127.0.0.1:5555") == "tcp://127.0.0.1:5557"
+    assert derive_ctl_addr("tcp://[::1]:7000") == "tcp://[::1]:7002"
+    assert derive_ctl_addr("ipc:///tmp/x") == "ipc:///tmp/x.ctl"
+    assert derive_ctl_addr("inproc://x") == "inproc://x.ctl"
+
+
+async def serve_control(learner: LearnerEndpoint, seen: list) -> None:
+    """A minimal learner control loop: records each request, welcomes a Hello, acks the rest."""
+    while True:
+        got = await learner.recv_control()
+        if got is None:
+            continue
+        peer, rid, msg = got
+        seen.append(msg)
+        answer = Welcome(producer_id=msg.producer_id, incarnation=msg.incarnation,
+                         learner_session="s") if isinstance(msg, Hello) else Reply(ok=True)
+        await learner.reply(peer, rid, answer)
 
 
 def test_derive_pub_addr():
@@ -72,24 +95,28 @@ def test_round_trip_receiver_and_announce(tmp_path):
         producer = ProducerEndpoint(_ipc(tmp_path))
         store = RolloutBuffer(capacity=16, max_staleness=None)
         control = []
-        task = asyncio.create_task(Receiver(learner, store, control.append).run())
+        task = asyncio.create_task(Receiver(learner, store).run())
+        server = asyncio.create_task(serve_control(learner, control))
         try:
-            await producer.send(Hello("p0", 0, 1))
+            hello = Hello(producer_id="p0", incarnation="i", policy_version=0, pid=1)
+            assert await producer.call(hello, 5) == Welcome(producer_id="p0", incarnation="i",
+                                                            learner_session="s")
             for i in range(5):
                 await producer.send(make_group(f"g{i}"))
-            await producer.send(Heartbeat("p0", 0, {"tok_s": 1.0}))
-            await producer.send(Ack("p0", 1, True))
+            hb = Heartbeat(producer_id="p0", incarnation="i", policy_version=0,
+                           stats={"tok_s": 1.0})
+            assert await producer.call(hb, 5) == Reply(ok=True)
+            ack = Ack(producer_id="p0", incarnation="i", version=1, ok=True)
+            assert await producer.call(ack, 5) == Reply(ok=True)
             batch = await store.get_batch(5, learner_version=0, timeout=5)
             assert [g.group_id for g in batch] == [f"g{i}" for i in range(5)]
             assert batch[0] == make_group("g0")
-            deadline = time.monotonic() + 5
-            while len(control) < 3 and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
-            assert [type(m) for m in control] == [Hello, Heartbeat, Ack]
+            assert control == [hello, hb, ack]
             assert learner.frames_received == 8 and learner.rejected == 0
-            assert learner.bytes_received > 0 and producer.frames_sent == 8
+            assert learner.bytes_received > 0 and producer.frames_sent == 5
             # PUB/SUB: re-publish until the subscription has propagated (slow joiner).
-            ann = Announce(1, "file:///x", "sum", "s", {"p0": 5}, {"p0": 5})
+            ann = Announce(version=1, snapshot_uri="file:///x", snapshot_checksum="sum",
+                           learner_session="s", received={"p0": 5}, consumed={"p0": 5})
             got = None
             for _ in range(50):
                 await learner.publish(ann)
@@ -100,8 +127,33 @@ def test_round_trip_receiver_and_announce(tmp_path):
             assert await producer.recv_announce(timeout=0.05) in (None, ann)
         finally:
             task.cancel()
+            server.cancel()
             producer.close()
             learner.close()
+
+    asyncio.run(main())
+
+
+def test_call_times_out_without_a_learner_and_skips_stale_answers(tmp_path):
+    async def main():
+        producer = ProducerEndpoint(_ipc(tmp_path))
+        hb = Heartbeat(producer_id="p0", incarnation="i", policy_version=0, stats={})
+        try:
+            t0 = time.monotonic()
+            assert await producer.call(hb, 0.2) is None
+            assert time.monotonic() - t0 < 2
+            learner = LearnerEndpoint(_ipc(tmp_path))
+            seen = []
+            server = asyncio.create_task(serve_control(learner, seen))
+            try:
+                # The request queued while the learner was down is answered first (stale rid).
+                assert await producer.call(hb, 5) == Reply(ok=True)
+                assert len(seen) == 2
+            finally:
+                server.cancel()
+                learner.close()
+        finally:
+            producer.close()
 
     asyncio.run(main())
 
@@ -230,7 +282,8 @@ def test_three_producer_processes_into_slow_receiver():
         learner = LearnerEndpoint(addr, rcvhwm=2)
         store = RolloutBuffer(capacity=4, max_staleness=None)
         hellos = []
-        receiver = asyncio.create_task(Receiver(learner, store, hellos.append).run())
+        receiver = asyncio.create_task(Receiver(learner, store).run())
+        server = asyncio.create_task(serve_control(learner, hellos))
         ctx = mp.get_context("spawn")
         procs = [
             ctx.Process(target=producer_process_main, args=(addr, f"p{k}", n_groups, 2))
@@ -249,13 +302,15 @@ def test_three_producer_processes_into_slow_receiver():
                     seqs[g.producer_id].append(g.metadata["seq"])
                     assert len(g.completions) == 2
                 served += len(batch)
-            ann = Announce(1, "done", "", "s", {}, {})
+            ann = Announce(version=1, snapshot_uri="done", snapshot_checksum="",
+                           learner_session="s", received={}, consumed={})
             deadline = time.monotonic() + 60
             while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
                 await learner.publish(ann)
                 await asyncio.sleep(0.05)
         finally:
             receiver.cancel()
+            server.cancel()
             learner.close()
             for p in procs:
                 p.join(timeout=10)
@@ -277,7 +332,7 @@ def test_receiver_counts_rejected_frames_in_store(tmp_path):
     async def main():
         learner = LearnerEndpoint(_ipc(tmp_path))
         store = RolloutBuffer(capacity=4, max_staleness=None)
-        task = asyncio.create_task(Receiver(learner, store, lambda m: None).run())
+        task = asyncio.create_task(Receiver(learner, store).run())
         ctx = zmq.asyncio.Context()
         raw = ctx.socket(zmq.PUSH)
         raw.connect(_ipc(tmp_path))
@@ -286,8 +341,13 @@ def test_receiver_counts_rejected_frames_in_store(tmp_path):
             await raw.send(encode(make_group("ok")))
             batch = await store.get_batch(1, learner_version=0, timeout=5)
             assert batch[0].group_id == "ok"
-            assert store.stats.rejected == 1 and learner.rejected == 1
-            assert "trailing bytes" in learner.last_error
+            await raw.send(protocol.encode(Ack(producer_id="p0", incarnation="i", version=1,
+                                               ok=False)))  # control on the data socket
+            await raw.send(encode(make_group("ok2")))
+            batch = await store.get_batch(1, learner_version=0, timeout=5)
+            assert batch[0].group_id == "ok2"
+            assert store.stats.rejected == 2 and learner.rejected == 2
+            assert learner.last_reason == "not_a_group"
         finally:
             task.cancel()
             raw.close(linger=0)

@@ -108,13 +108,6 @@ def test_buffer_capacity_default_and_check():
         load_config(None, {"train.batch_groups": 4, "buffer_capacity": 3})
 
 
-def test_a_buffer_smaller_than_the_admission_budget_is_warned_about(caplog):
-    load_config(None, {"train.batch_groups": 4, "train.max_staleness": 1})
-    assert "admission budget" not in caplog.text  # the default is 4x the budget
-    load_config(None, {"train.batch_groups": 4, "train.max_staleness": 1, "buffer_capacity": 6})
-    assert "below the admission budget (8 groups)" in caplog.text
-
-
 @pytest.mark.parametrize("batch_groups", [1, 4, 7, 8])
 @pytest.mark.parametrize("max_staleness", [0, 1, 3])
 @pytest.mark.parametrize("num_producers", [1, 2, 3, 5])

@@ -13,7 +13,7 @@ from functools import partial
 import pytest
 import torch
 
-from buffer.schema import Announce, SyncReady, decode, encode
+from buffer.protocol import Announce, SyncReady, decode, encode
 from sync import packing
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.nccl import LinkError, NcclUnavailable
@@ -129,7 +129,7 @@ def test_layout_wire_round_trip_through_a_real_announce_frame():
                    received={}, consumed={}, routes={"p0": "ipc"},
                    transfer={"layout": packing.layout_to_wire(layout),
                              "ipc": {"p0": _mock_ipc_fields()}})
-    got = decode(encode(ann))
+    _, got = decode(encode(ann))
     assert packing.layout_from_wire(got.transfer["layout"]) == layout
     assert packing.check_ipc_fields(got.transfer["ipc"]["p0"]) == _mock_ipc_fields()
 
@@ -227,8 +227,8 @@ def test_link_due_offers_retries_and_gives_up():
 
 
 def test_sync_ready_round_trip_and_purpose_checked():
-    msg = SyncReady(producer_id="p1", purpose="weights", epoch=2, version=9)
-    assert decode(encode(msg)) == msg
+    msg = SyncReady(producer_id="p1", incarnation="p1-1", purpose="weights", epoch=2, version=9)
+    assert decode(encode(msg)) == (0, msg)
 
 
 # ------------------------------------------------------------------ fallback (mock engine)
@@ -339,5 +339,5 @@ def test_a_producer_drop_applies_to_its_live_link_of_that_epoch_only():
     assert not link_droppable(link, 3)  # an older epoch's drop arriving late
     link.state = "dead"
     assert not link_droppable(link, 4) and not link_droppable(None, 4)
-    msg = SyncReady(producer_id="p0", purpose="drop", epoch=4, version=0)
-    assert decode(encode(msg)) == msg
+    msg = SyncReady(producer_id="p0", incarnation="p0-1", purpose="drop", epoch=4, version=0)
+    assert decode(encode(msg)) == (0, msg)

@@ -50,6 +50,7 @@ def _base(tiny_model: Path, run_dir: Path) -> list[str]:
     (["--reward", "nosuchmodule:fn"], "nosuchmodule"),
     (["--data", "/nonexistent.jsonl"], "data.path"),
     (["--set", "addr=tcp://0.0.0.0:5555"], "addr"),
+    (["--set", "engine.extra={swap_spce: 1}"], "engine.extra: unknown vLLM engine argument"),
 ])
 def test_bad_config_fails_fast_with_one_message(tiny_model, tmp_path, extra, names):
     run_dir = tmp_path / "run"

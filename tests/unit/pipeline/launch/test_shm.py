@@ -82,9 +82,137 @@ def test_forget_tracked_silences_the_shared_trackers_double_unlink(forget, tmp_p
     exit prints the two warnings users saw at the end of every run."""
     script = tmp_path / "tracked.py"
     script.write_text(_TRACKED)
-    out = subprocess.run([sys.executable, str(script), "forget" if forget else "keep"],
-                         capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[4],
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[4])})
+    out = subprocess.run(
+        [sys.executable, str(script), "forget" if forget else "keep"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[4],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[4])},
+    )
     assert out.returncode == 0, out.stderr
     assert ("resource_tracker" in out.stderr) is not forget, out.stderr
+
+
+# ------------------------------------------------- leftovers of a launcher killed with -9
+
+_ENGINE_LIKE = """
+import mmap, os, sys, time
+from pathlib import Path
+from pipeline.launch.shm import list_segments, record_segments
+from pipeline.owner import owned_name
+
+shm = Path(sys.argv[1])
+before = list_segments(shm)
+snap = shm / owned_name(sys.argv[2])  # what the learner names its snapshot dir
+snap.mkdir()
+(snap / "v1.safetensors").write_bytes(b"w" * (1 << 20))
+maps = []
+for i in range(2):  # what its engines create and keep mapped
+    p = shm / f"psm_{sys.argv[2]}{i}"
+    p.write_bytes(b"s" * (256 << 10))
+    fd = os.open(p, os.O_RDWR)
+    maps.append(mmap.mmap(fd, 256 << 10))
+    os.close(fd)
+record_segments(before, shm)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _start_owner(tmp_path, stem):
+    """A real process that leaves what a launcher and its children leave in /dev/shm (here a
+    stand-in directory), then waits to be killed."""
+    script = tmp_path / "owner.py"
+    script.write_text(_ENGINE_LIKE)
+    repo = Path(__file__).resolve().parents[4]
+    env = {k: v for k, v in os.environ.items() if k != "PIPELINE_GRPO_OWNER"}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "shm"), stem],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=repo,
+        env={**env, "PYTHONPATH": str(repo)},
+    )
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_a_killed_launchers_leftovers_are_reclaimed_and_a_live_ones_kept(tmp_path, caplog):
+    import logging
+    import signal
+
+    from pipeline.launch.shm import reclaim_dead_owners
+
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    dead = _start_owner(tmp_path, "dead")
+    live = _start_owner(tmp_path, "live")
+    unrelated = _segment(shm, "psm_unrelated")  # created by someone else meanwhile: not ours
+    try:
+        os.kill(dead.pid, signal.SIGKILL)  # the launcher itself killed: nothing cleaned up
+        dead.wait()
+        names = sorted(p.name for p in shm.iterdir())
+        assert f"pipeline-grpo-dead.owner-{dead.pid}" in " ".join(names)
+        with caplog.at_level(logging.INFO, logger="pipeline.launch.shm"):
+            removed, freed = reclaim_dead_owners(shm)
+        assert removed == 3  # its snapshot dir and both of its engine segments
+        assert freed >= (1 << 20) + 2 * (256 << 10)
+        left = sorted(p.name for p in shm.iterdir())
+        assert not [n for n in left if "dead" in n], left
+        # The live owner's directory, segments and record all stay, as does the stranger.
+        assert {"psm_live0", "psm_live1", "psm_unrelated"} <= set(left)
+        assert any(n.startswith("pipeline-grpo-live.owner-") for n in left)
+        assert any(n.startswith("pipeline-grpo-segments.owner-") for n in left)
+        assert unrelated.exists()
+        lines = [r.getMessage() for r in caplog.records if "reclaimed" in r.getMessage()]
+        assert len(lines) == 1 and "1 snapshot dir(s), 2 engine segment(s)" in lines[0]
+        assert f"{freed / 1e6:.1f} MB" in lines[0]
+        assert reclaim_dead_owners(shm) == (0, 0)  # nothing twice
+    finally:
+        live.kill()
+        live.wait()
+    assert reclaim_dead_owners(shm)[0] == 3  # once its owner is gone, it goes too
+
+
+def test_a_recorded_segment_still_mapped_by_a_live_process_is_kept(tmp_path):
+    from pipeline.launch.shm import reclaim_dead_owners, record_segments
+
+    before = list_segments(tmp_path)
+    kept = _segment(tmp_path, "psm_kept")
+    gone = _segment(tmp_path, "psm_gone")
+    record_segments(before, tmp_path, owner="999999999-1")  # an owner that cannot exist
+    fd = os.open(kept, os.O_RDWR)
+    m = mmap.mmap(fd, 4096)  # e.g. an engine core that outlived its launcher
+    os.close(fd)
+    try:
+        assert reclaim_dead_owners(tmp_path)[0] == 1
+        assert kept.exists() and not gone.exists()
+    finally:
+        m.close()
+
+
+def test_owner_tags_see_through_reused_pids_and_zombies():
+    import signal
+
+    from pipeline.owner import owner_alive, owner_tag, start_time
+
+    me = owner_tag()
+    assert owner_alive(me)
+    pid, start = me.split("-")
+    assert not owner_alive(f"{pid}-{int(start) + 1}")  # same pid, another process
+    assert owner_alive(pid)  # no start time recorded: the pid alone decides
+    assert owner_alive("garbage")  # never reclaim what cannot be placed
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    tag = owner_tag(child.pid)
+    assert owner_alive(tag) and start_time(child.pid) is not None
+    os.kill(child.pid, signal.SIGKILL)
+    for _ in range(100):  # a zombie until reaped: already dead
+        if not owner_alive(tag):
+            break
+        import time
+
+        time.sleep(0.05)
+    assert not owner_alive(tag)
+    child.wait()
+    assert not owner_alive(tag)

@@ -14,9 +14,11 @@ import torch
 from pipeline.learner.metrics import (
     METRICS_FILE,
     MetricsLogger,
+    carry_counters,
     format_progress,
     main,
     plot_run,
+    producer_metrics,
     read_metrics,
 )
 
@@ -214,3 +216,41 @@ def test_cli_module_entry_point(tmp_path):
         timeout=120,
     )
     assert_png(tmp_path / "reward.png")
+
+
+def test_producer_metrics_per_producer_and_summed():
+    m = producer_metrics({
+        "p1": {"swaps": 2.0, "reward/flaky/failures": 3.0, "gen_tokens_per_s": 100.0},
+        "p0": {"swaps": 1.0, "reward/flaky/failures": 4.0, "gen_tokens_per_s": 50.0},
+    })
+    assert m["by_producer/p0/swaps"] == 1.0 and m["by_producer/p1/swaps"] == 2.0
+    assert m["by_producer/p1/reward/flaky/failures"] == 3.0
+    assert m["producer/swaps"] == 3.0
+    assert m["reward/flaky/failures"] == 7.0  # the name the reward counts under
+    assert m["producer/gen_tokens_per_s"] == 150.0  # producers generating side by side
+    assert producer_metrics({}) == {}
+
+
+def test_carry_counters_keeps_a_restarted_producers_counts_but_not_its_rates():
+    carried = carry_counters({}, {"swaps": 2.0, "gen_tokens_per_s": 80.0})
+    assert carried == {"swaps": 2.0}
+    again = carry_counters(carried, {"swaps": 1.0, "tokens": 5.0})
+    assert again == {"swaps": 3.0, "tokens": 5.0}
+    # What the learner logs for the producer's new process: its heartbeat plus the carry.
+    new = {"swaps": 4.0, "gen_tokens_per_s": 90.0}
+    assert {**new, **carry_counters(again, new)} == {"swaps": 7.0, "tokens": 5.0,
+                                                     "gen_tokens_per_s": 90.0}
+
+
+def test_producer_counters_reach_jsonl_and_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    counters = producer_metrics({"p0": {"reward/flaky/failures": 3.0, "swaps": 1.0}})
+    with quiet_logger(tmp_path, tensorboard=True) as logger:
+        logger.log(1, counters)
+    assert read_metrics(tmp_path / METRICS_FILE)[0]["reward/flaky/failures"] == 3.0
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"reward/flaky/failures", "producer/swaps", "by_producer/p0/swaps"} <= tags

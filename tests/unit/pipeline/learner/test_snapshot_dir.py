@@ -5,26 +5,34 @@ from __future__ import annotations
 import shutil
 
 from pipeline.learner.loop import snapshot_dir
+from pipeline.owner import OWNER_ENV, owner_tag
 
 
 def test_configured_dir_wins(tmp_path):
-    assert snapshot_dir("/x/snaps", tmp_path / "run", "k", 10**15, shm=tmp_path).as_posix() \
+    assert (
+        snapshot_dir("/x/snaps", tmp_path / "run", "k", 10**15, shm=tmp_path).as_posix()
         == "/x/snaps"
+    )
 
 
 def test_shared_memory_when_it_has_room_else_run_dir(tmp_path):
     shm, run = tmp_path / "shm", tmp_path / "run"
     shm.mkdir()
     free = shutil.disk_usage(shm).free
-    assert snapshot_dir("", run, "k", free // 2, shm=shm) == shm / "pipeline-grpo-k"
+    # Named with its owner's tag (here this process: no launcher set one).
+    assert (
+        snapshot_dir("", run, "k", free // 2, shm=shm)
+        == shm / f"pipeline-grpo-k.owner-{owner_tag()}"
+    )
     # Docker's 64 MB /dev/shm against a model's snapshots: run_dir instead of ENOSPC later.
     assert snapshot_dir("", run, "k", free * 2, shm=shm) == run / "snapshots"
     assert snapshot_dir("", run, "k", 1, shm=tmp_path / "absent") == run / "snapshots"
 
 
-def test_a_restarted_learner_counts_its_own_snapshots_as_room(tmp_path):
+def test_a_restarted_learner_counts_its_own_snapshots_as_room(tmp_path, monkeypatch):
+    monkeypatch.setenv(OWNER_ENV, "123-456")  # the launcher's tag, inherited by each learner
     shm, run = tmp_path / "shm", tmp_path / "run"
-    mine = shm / "pipeline-grpo-k"
+    mine = shm / "pipeline-grpo-k.owner-123-456"
     mine.mkdir(parents=True)
     size = 64 << 20
     with open(mine / "v1.safetensors", "wb") as f:  # allocated, so free space drops by it

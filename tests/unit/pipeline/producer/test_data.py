@@ -46,14 +46,14 @@ def test_bad_json_line_names_path_and_line(tmp_path):
         load_records(str(p))
 
 
-def test_missing_path_and_prompt_key(tmp_path):
+def test_missing_path_and_prompt_field(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_records(str(tmp_path / "nope.jsonl"))
     p = _write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}])
-    with pytest.raises(ConfigError, match=r"data.prompt_key"):
+    with pytest.raises(ConfigError, match=r"data.prompt_field"):
         PromptSource(DataConfig(path=str(p)), 0, 1)
     with pytest.raises(ConfigError, match="fewer than"):
-        PromptSource(DataConfig(path=str(p), prompt_key="text"), 3, 4)
+        PromptSource(DataConfig(path=str(p), prompt_field="text"), 3, 4)
 
 
 def test_arithmetic_source():

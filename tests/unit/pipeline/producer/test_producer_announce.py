@@ -5,21 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from buffer.schema import Announce, Hello, SyncReady
+from producer_fakes import Cursor, RecordingEndpoint
+
+from buffer.protocol import Announce, Hello, SyncReady
 from pipeline.config import load_config
 from pipeline.producer.loop import Producer
-
-
-class RecordingEndpoint:
-    def __init__(self):
-        self.sent: list = []
-
-    async def send(self, msg) -> None:
-        self.sent.append(msg)
-
-
-class Cursor:
-    cursor = 0
 
 
 def _announce(session: str) -> Announce:

@@ -6,21 +6,11 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from buffer.schema import Announce
+from producer_fakes import Cursor, RecordingEndpoint
+
+from buffer.protocol import Announce
 from pipeline.config import load_config
 from pipeline.producer.loop import Producer
-
-
-class RecordingEndpoint:
-    def __init__(self):
-        self.sent: list = []
-
-    async def send(self, msg) -> None:
-        self.sent.append(msg)
-
-
-class Cursor:
-    cursor = 0
 
 
 def _ann(file_v: int, gpu_v: int | None, session: str = "s", route: str = "ipc") -> Announce:

@@ -7,8 +7,10 @@ named by this file's path (``<file>.py:attr``), which the spawned workers import
 import asyncio
 import logging
 import math
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -130,6 +132,15 @@ class ProcessVerifier:
 
 
 def hangs_in_process(prompt, completion, **meta):
+    time.sleep(60)
+    return 1.0
+
+
+def hangs_ignoring_sigterm(prompt, completion, **meta):
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops this worker
+    Path(meta["marker_dir"], str(os.getpid())).touch()
     time.sleep(60)
     return 1.0
 
@@ -356,6 +367,25 @@ def test_process_hang_times_out_and_close_terminates_worker():
     # After close, calls fail cleanly rather than raising.
     after = score(rs, ["a"])
     assert after.failed and after.total == [0.0]
+
+
+def test_close_escalates_to_sigkill_and_returns_only_when_workers_are_gone(tmp_path):
+    """A worker that ignores SIGTERM is killed after the grace period; close() returns only
+    once every worker has exited (its exit code is known), never with one still running."""
+    rs = RewardSet(
+        [spec("hangs_ignoring_sigterm", executor="process", timeout_s=0.5)], pool_workers=2
+    )
+    res = score(rs, ["a", "b"], marker_dir=str(tmp_path))
+    assert res.failed and rs.stats["reward/hangs_ignoring_sigterm/timeouts"] == 2
+    procs = list(rs._pool._processes.values())
+    deadline = time.monotonic() + 60  # the timeout may fire before the spawned workers start
+    while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {p.name for p in tmp_path.iterdir()} == {str(p.pid) for p in procs}
+    assert procs and all(p.is_alive() for p in procs)
+    rs.close()
+    assert all(p.exitcode is not None for p in procs)
+    assert all(p.exitcode == -9 for p in procs), [p.exitcode for p in procs]  # SIGKILL
 
 
 # ------------------------------------------------------------------------------------- limits

@@ -1,0 +1,176 @@
+"""The launcher's console: what a run shows, and its own log file.
+
+Every process of a run writes all its output to ``run_dir/logs/<process>.log``
+(``pipeline.procs.to_log_file``). The launcher follows those files (``LogFollower``) and is
+the only process that writes to the console, so lines of different processes never mix:
+
+- records of the ``pipeline.console`` logger (progress lines, the summary): their message
+  alone, on stdout;
+- errors of any process and library (vLLM's engine core included), raw tracebacks, and the
+  warnings of this project's code, each with its continuation lines: on stderr;
+- warnings of vLLM and other libraries are counted, and named in one line at the end;
+- with ``verbose``, every line (the libraries' INFO and warnings too): on stderr.
+
+The launcher's own records go to ``logs/launcher.log`` and, from WARNING up (every level with
+``verbose``), to stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from pipeline.procs import CONSOLE, LOG_DATEFMT, LOG_FORMAT, LOGS_DIR, log_file
+
+_LEVELS = {
+    "DEBUG": 10,
+    "INFO": 20,
+    "WARN": 30,
+    "WARNING": 30,
+    "ERROR": 40,
+    "CRITICAL": 50,
+    "FATAL": 50,
+}
+_LEVEL = "(DEBUG|INFO|WARN|WARNING|ERROR|CRITICAL|FATAL)"
+# Our records: "12:00:00 producer0 pipeline.producer.loop WARNING ..." (pipeline.procs.LOG_FORMAT).
+_OUR_RECORD = re.compile(r"^\d\d:\d\d:\d\d \S+ (\S+) " + _LEVEL + r" (.*)$")
+# Any other record: its level among the first five words, as vLLM's
+# "(EngineCore pid=7) WARNING 11-25 12:00:00 [file.py:12] ..." or "INFO 11-25 ...".
+_RECORD = re.compile(r"^(?:\S+\s+){0,4}?" + _LEVEL + r"\b")
+_PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn printed without logging
+_ERROR_START = re.compile(r"^(Traceback \(most recent call last\):|Fatal Python error)")
+_OWN_LOGGERS = frozenset({"pipeline", "buffer", "sync", "bench", "examples", "__main__"})
+
+
+class LineFilter:
+    """Decides, line by line, what of one log file reaches the console (pure; one per file,
+    since a record's continuation lines go where the record they follow goes).
+
+    Shown: console records (their message), errors from anyone, raw tracebacks, and warnings
+    of this project's code. Warnings of vLLM and other libraries (platform notes such as
+    "Triton is not installed", repeated by every engine process) stay in the file and are
+    counted in ``hidden_warnings``; ``verbose`` shows every line."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.verbose = verbose
+        self.hidden_warnings = 0
+        self._show = False  # whether the record the next continuation line belongs to shows
+        self._console = False  # whether that record is a console line
+
+    def feed(self, line: str) -> tuple[str, str] | None:
+        """``("out", text)``, ``("err", text)`` or None (the line stays in the file)."""
+        if m := _OUR_RECORD.match(line):
+            logger, level, message = m.group(1), _LEVELS[m.group(2)], m.group(3)
+            if logger == CONSOLE:
+                self._show, self._console = True, True
+                return "out", message
+            ours = logger.split(".")[0] in _OWN_LOGGERS or (
+                logger == "py.warnings" and "site-packages" not in message
+            )
+            self._start(level, ours)
+        elif _ERROR_START.match(line):
+            self._start(logging.ERROR, True)
+        elif _PY_WARNING.match(line):
+            self._start(logging.WARNING, "site-packages" not in line.split(":", 1)[0])
+        elif m := _RECORD.match(line):
+            self._start(_LEVELS[m.group(1)], False)
+        elif self._console:
+            return "out", line  # a console message's further lines
+        if self.verbose or self._show:
+            return "err", line
+        return None
+
+    def _start(self, level: int, ours: bool) -> None:
+        self._console = False
+        self._show = level >= logging.ERROR or (level >= logging.WARNING and ours)
+        if level == logging.WARNING and not ours:
+            self.hidden_warnings += 1
+
+
+class LogFollower:
+    """Follows every ``*.log`` file under ``logs_dir`` but the launcher's own and copies to
+    the console what ``LineFilter`` lets through. Files that exist when it starts are followed
+    from their end (a resumed run does not replay its earlier logs); new ones from the start."""
+
+    def __init__(
+        self,
+        logs_dir: Path,
+        verbose: bool = False,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        skip: tuple[str, ...] = ("launcher.log",),
+    ) -> None:
+        self.dir, self.verbose, self.skip = Path(logs_dir), verbose, skip
+        self._out, self._err = out, err
+        self._offsets = {p.name: p.stat().st_size for p in self._files()}
+        self._partial: dict[str, bytes] = {}
+        self._filters: dict[str, LineFilter] = {}
+
+    def _files(self) -> list[Path]:
+        return sorted(p for p in self.dir.glob("*.log") if p.name not in self.skip)
+
+    def pump(self, final: bool = False) -> None:
+        """Copy what the files gained since the last call; ``final``: also a last line that
+        has no newline yet (the run is over)."""
+        out = self._out if self._out is not None else sys.stdout
+        err = self._err if self._err is not None else sys.stderr
+        for path in self._files():
+            name = path.name
+            with path.open("rb") as f:
+                f.seek(self._offsets.get(name, 0))
+                data = f.read()
+            self._offsets[name] = self._offsets.get(name, 0) + len(data)
+            lines = (self._partial.pop(name, b"") + data).split(b"\n")
+            if not final:
+                self._partial[name] = lines.pop()  # an unfinished line waits for its end
+            filt = self._filters.setdefault(name, LineFilter(self.verbose))
+            for raw in lines:
+                if not raw and final:
+                    continue
+                got = filt.feed(raw.decode("utf-8", errors="replace").rstrip("\r"))
+                if got is not None:
+                    stream, text = got
+                    print(text, file=out if stream == "out" else err)
+        if final and not self.verbose and self.hidden_warnings:
+            print(
+                f"pipeline-train: {self.hidden_warnings} warnings of vLLM and other libraries "
+                f"are in {self.dir}/ (--verbose shows them)",
+                file=err,
+            )
+        out.flush()
+        err.flush()
+
+    @property
+    def hidden_warnings(self) -> int:
+        return sum(f.hidden_warnings for f in self._filters.values())
+
+
+def launcher_logging(verbose: bool) -> None:
+    """The launcher's records: stderr from WARNING up (all with ``verbose``); once the run
+    directory is known, ``log_to_run_dir`` adds its file."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.INFO if verbose else logging.WARNING)
+    console.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+    root.addHandler(console)
+    logging.captureWarnings(True)
+    for noisy in ("transformers", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def log_to_run_dir(run_dir: Path) -> logging.Handler:
+    """Add ``run_dir/logs/launcher.log`` to the launcher's records (every level from INFO)."""
+    path = log_file(run_dir, "launcher")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+__all__ = ["LOGS_DIR", "LineFilter", "LogFollower", "launcher_logging", "log_to_run_dir"]

@@ -1,0 +1,163 @@
+"""The quiet console: which log lines reach it, the launcher following per-process log files,
+and a real child process (and its own child) writing into its log file."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from pipeline.launch.console import LineFilter, LogFollower
+from pipeline.procs import log_file
+
+OURS = "09:01:02 producer0 pipeline.producer.loop {level} {msg}"
+VLLM = "(EngineCore pid=4242) {level} 11-25 09:01:02 [core.py:12] {msg}"
+
+
+def feed(lines: list[str], verbose: bool = False) -> list[tuple[str, str] | None]:
+    f = LineFilter(verbose)
+    return [f.feed(line) for line in lines]
+
+
+def test_info_lines_stay_in_the_file_our_warnings_and_all_errors_reach_the_console():
+    lines = [
+        OURS.format(level="INFO", msg="engine ready"),
+        VLLM.format(level="INFO", msg="setting pause state to PAUSED_ALL"),
+        "(producer0 pid=7) INFO 11-25 09:01:02 [loader.py:1] Loading weights took 0.1 s",
+        "INFO 11-25 09:01:02 [api.py:3] vLLM 0.25.1 style line",
+        OURS.format(level="WARNING", msg="prompt 7: reward flaky raised"),
+        VLLM.format(level="ERROR", msg="engine core died"),
+        OURS.format(level="ERROR", msg="p0: load failed"),
+    ]
+    assert feed(lines) == [None] * 4 + [("err", x) for x in lines[4:]]
+
+
+def test_library_warnings_stay_in_the_file_and_are_counted():
+    f = LineFilter()
+    lines = [
+        VLLM.format(level="WARNING", msg="Triton is not installed."),
+        "09:16:04 producer0 vllm.triton_utils.importing WARNING Triton is installed, but",
+        "/site-packages/vllm/x.py:138: FutureWarning: `reduce_op` is deprecated",
+        "  if hasattr(value, '__dict__'):",
+        "09:16:04 producer0 py.warnings WARNING /site-packages/torch/x.py:1: UserWarning: x",
+        "09:16:04 learner py.warnings WARNING /repo/pipeline/x.py:1: UserWarning: ours",
+        "/repo/pipeline/learner/x.py:3: UserWarning: also ours",
+    ]
+    assert [f.feed(x) for x in lines] == [None] * 5 + [("err", lines[5]), ("err", lines[6])]
+    assert f.hidden_warnings == 4
+
+
+def test_verbose_shows_every_line():
+    lines = [OURS.format(level="INFO", msg="a"), VLLM.format(level="INFO", msg="b"), "raw"]
+    assert feed(lines, verbose=True) == [("err", x) for x in lines]
+
+
+def test_console_records_show_their_message_alone_on_stdout():
+    lines = [
+        "09:05:00 learner pipeline.console INFO step 3/40 | reward 0.41 | 1.8k tok/s",
+        "09:06:00 learner pipeline.console INFO reward: first 1 steps 0.1 -> last 1 0.9",
+    ]
+    assert feed(lines) == [
+        ("out", "step 3/40 | reward 0.41 | 1.8k tok/s"),
+        ("out", "reward: first 1 steps 0.1 -> last 1 0.9"),
+    ]
+
+
+def test_continuation_lines_follow_their_record():
+    lines = [
+        OURS.format(level="ERROR", msg="group failed"),
+        "Traceback (most recent call last):",
+        '  File "loop.py", line 3, in run',
+        "ValueError: bad",
+        OURS.format(level="INFO", msg="retrying"),
+        "  an INFO record's second line",
+        "Loading safetensors checkpoint shards: 100% 1/1",
+    ]
+    assert feed(lines) == [("err", x) for x in lines[:4]] + [None, None, None]
+
+
+def test_raw_tracebacks_and_python_warnings_reach_the_console():
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "RuntimeError: engine core died",
+        "/repo/pipeline/x.py:12: UserWarning: no tokens in this batch",
+        "  warnings.warn(msg)",
+        "Fatal Python error: Segmentation fault",
+    ]
+    assert feed(lines) == [("err", x) for x in lines]
+
+
+def test_follower_copies_new_lines_of_every_process_and_skips_the_launchers_own(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "learner.log").write_text(OURS.format(level="WARNING", msg="from before") + "\n")
+    out, err = io.StringIO(), io.StringIO()
+    follower = LogFollower(logs, out=out, err=err)
+    with (logs / "learner.log").open("a") as f:
+        f.write("09:05:00 learner pipeline.console INFO step 1/2 | reward 0.1\n")
+        f.write(OURS.format(level="WARNING", msg="half a li"))  # no newline yet
+    (logs / "producer-0.log").write_text(
+        VLLM.format(level="INFO", msg="quiet")
+        + "\n"
+        + VLLM.format(level="WARNING", msg="noted")
+        + "\n"
+        + VLLM.format(level="ERROR", msg="loud")
+        + "\n"
+    )
+    (logs / "launcher.log").write_text(OURS.format(level="ERROR", msg="shown already") + "\n")
+    follower.pump()
+    assert out.getvalue() == "step 1/2 | reward 0.1\n"
+    assert err.getvalue() == VLLM.format(level="ERROR", msg="loud") + "\n"
+    with (logs / "learner.log").open("a") as f:
+        f.write("ne\n")
+    follower.pump()
+    assert err.getvalue().endswith(OURS.format(level="WARNING", msg="half a line") + "\n")
+    with (logs / "learner.log").open("a") as f:
+        f.write(OURS.format(level="ERROR", msg="last words"))  # a process killed mid-line
+    follower.pump(final=True)
+    assert err.getvalue().endswith(
+        "last words\npipeline-train: 1 warnings of vLLM and other libraries are in "
+        f"{logs}/ (--verbose shows them)\n"
+    )
+    assert "from before" not in err.getvalue() and "shown already" not in err.getvalue()
+
+
+def test_a_process_and_the_process_it_starts_write_into_its_log_file(tmp_path):
+    """Real processes: what the child prints, logs and leaves as a traceback, and what its own
+    child (as vLLM's engine core) prints, all land in the child's file, none on its console."""
+    path = log_file(tmp_path, "producer-0")
+    code = textwrap.dedent(f"""
+        import logging, subprocess, sys
+        from pathlib import Path
+        from pipeline.procs import setup_logging, to_log_file
+        to_log_file(Path({str(path)!r}))
+        setup_logging()
+        print("plain print")
+        logging.getLogger("vllm.engine").info("engine INFO record")
+        subprocess.run([sys.executable, "-c", "import sys; print('grandchild out'); "
+                        "print('grandchild err', file=sys.stderr)"], check=True)
+        raise SystemExit("dying words")
+    """)
+    repo = Path(__file__).resolve().parents[4]
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=repo,
+        env={"PYTHONPATH": str(repo)},
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert proc.stdout == "" and proc.stderr == ""  # nothing on the console
+    text = path.read_text()
+    for expected in (
+        "plain print",
+        "vllm.engine INFO engine INFO record",
+        "grandchild out",
+        "grandchild err",
+        "dying words",
+    ):
+        assert expected in text, text

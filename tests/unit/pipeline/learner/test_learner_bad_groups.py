@@ -1,0 +1,139 @@
+"""A real Learner (tiny model, CPU trainer, real ZeroMQ socket) fed by a real ProducerEndpoint:
+groups that decode but are wrong for the run are rejected and counted, never trained; a batch on
+which the training step raises is dropped and the run goes on; a resumed checkpoint holding a bad
+group is re-checked. Each bad group here used to end the learner process."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from buffer.checks import RunLimits
+from buffer.protocol import Hello, Welcome
+from buffer.schema import Completion, RolloutGroup
+from buffer.store import RolloutBuffer
+from buffer.transport import ProducerEndpoint
+from pipeline.config import load_config
+from pipeline.learner.checkpoint import latest_checkpoint
+from pipeline.learner.loop import Learner
+
+G = 4
+
+
+def _cfg(tiny_model: Path, run_dir: Path, steps: int):
+    return load_config(overrides={
+        "model.path": str(tiny_model), "data.path": "arithmetic:10",
+        "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward", "weight": 1.0}],
+        "run_dir": str(run_dir), "generation.group_size": G, "generation.max_tokens": 8,
+        "engine.max_model_len": 64, "train.steps": steps, "train.batch_groups": 2,
+        "train.mode": "async", "train.max_staleness": 8, "train.batch_timeout_s": 120.0,
+        "tensorboard": False, "progress": False})
+
+
+def group(gid: str, n: int = G, plen: int = 5, seed: int = 0) -> RolloutGroup:
+    rng = np.random.default_rng(seed)
+    return RolloutGroup(
+        group_id=gid, producer_id="p0", prompt_id=gid,
+        prompt_token_ids=rng.integers(32, 127, plen).astype(np.int32),
+        completions=[Completion(token_ids=rng.integers(32, 127, 6).astype(np.int32),
+                                logprobs=-rng.random(6).astype(np.float32) - 0.1,
+                                version_segments=[(0, 0)], reward=float(i % 2))
+                     for i in range(n)])
+
+
+def bad(reason: str) -> RolloutGroup:
+    g = group(f"bad-{reason}")
+    if reason == "group_size":
+        g.completions = g.completions[:1]
+    elif reason == "empty_prompt":
+        g.prompt_token_ids = np.zeros(0, dtype=np.int32)
+    elif reason == "token_out_of_vocab":
+        g.completions[2].token_ids[3] = 10**6
+    return g
+
+
+INCARNATION = "p0-test"
+_seq = itertools.count()  # unique across the learners of a test (the ledger drops repeats)
+
+
+async def _run(learner: Learner, groups: list[RolloutGroup], timeout: float = 240.0) -> None:
+    """Play producer p0: Hello, then the groups with their incarnation and seq."""
+    ep = ProducerEndpoint(learner.cfg.bind_addr)
+    task = asyncio.create_task(learner.run())
+    try:
+        hello = Hello(producer_id="p0", incarnation=INCARNATION, policy_version=0,
+                      pid=os.getpid())
+        assert isinstance(await ep.call(hello, 120), Welcome)
+        for g in groups:
+            g.metadata = {**g.metadata, "incarnation": INCARNATION, "seq": next(_seq)}
+            await ep.send(g, timeout=60)
+        await asyncio.wait_for(task, timeout)
+    finally:
+        task.cancel()
+        ep.close()
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if ln.strip()]
+
+
+@pytest.mark.parametrize("reason", ["group_size", "empty_prompt", "token_out_of_vocab"])
+def test_a_group_wrong_for_the_run_is_rejected_and_the_run_completes(tiny_model, tmp_path,
+                                                                     reason):
+    learner = Learner(_cfg(tiny_model, tmp_path, steps=2), str(tiny_model))
+    goods = [group(f"ok{i}", seed=i) for i in range(4)]
+    asyncio.run(_run(learner, [goods[0], bad(reason), *goods[1:]]))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1][f"rejected_groups/{reason}"] == 1 and rows[-1]["rejected_groups"] == 1
+    st = learner.buffer.stats
+    assert st.served == 4 and st.received == 5 and st.rejected_groups == {reason: 1}
+    assert learner.state.received == {"p0": 4}  # a rejected group is no producer's progress
+
+
+def test_a_batch_that_raises_in_the_trainer_is_dropped_and_the_run_goes_on_checks_bypassed(
+        tiny_model, tmp_path, caplog):
+    """The checks are widened (a vocabulary of 10**9) so that an out-of-vocab id reaches the
+    real trainer and its embedding lookup raises, as any unforeseen bad data would."""
+    learner = Learner(_cfg(tiny_model, tmp_path, steps=2), str(tiny_model))
+    real = learner.limits
+    learner.limits = lambda: RunLimits(**{**real().__dict__, "vocab_size": 10**9})
+    goods = [group(f"ok{i}", seed=i) for i in range(5)]
+    asyncio.run(_run(learner, [bad("token_out_of_vocab"), *goods]))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[-1]["dropped_batches"] == 1 and rows[-1]["dropped_batch_groups"] == 2
+    assert learner.buffer.stats.served == 6  # served to the trainer; two of them dropped there
+    msg = [r.getMessage() for r in caplog.records if "dropped the batch" in r.getMessage()]
+    assert len(msg) == 1 and "bad-token_out_of_vocab" in msg[0] and "ok0" in msg[0]
+
+
+def test_a_resumed_checkpoint_holding_a_bad_group_is_rechecked(tiny_model, tmp_path):
+    learner = Learner(_cfg(tiny_model, tmp_path, steps=1), str(tiny_model))
+    asyncio.run(_run(learner, [group(f"ok{i}", seed=i) for i in range(2)]))
+    # Put a bad group (and a good one) into the checkpoint's buffer, as an earlier build that
+    # did not check groups would have stored them.
+    ckpt = latest_checkpoint(tmp_path)
+    cfg = learner.cfg
+    buf = RolloutBuffer.restore((ckpt / "buffer.msgpack").read_bytes(), cfg.buffer_capacity,
+                                cfg.train.max_staleness)
+    buf.put(bad("group_size"))
+    buf.put(group("kept", seed=9))
+    (ckpt / "buffer.msgpack").write_bytes(buf.snapshot())
+
+    resumed = Learner(_cfg(tiny_model, tmp_path, steps=3), str(tiny_model), resume=True)
+    assert len(resumed.buffer) == 1
+    assert resumed.buffer.stats.rejected_groups == {"group_size": 1}
+    asyncio.run(_run(resumed, [group(f"new{i}", seed=20 + i) for i in range(3)]))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["rejected_groups/group_size"] == 1
+    st = resumed.buffer.stats
+    assert st.received == st.served + st.dropped_stale + st.dropped_capacity + st.size + 1
