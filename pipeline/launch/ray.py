@@ -251,12 +251,17 @@ class LearnerActor(_Role):
             insecure=False,
         )
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+        # This actor owns what its learner leaves in /dev/shm (pipeline.owner): the child
+        # inherits the tag, so the snapshot dir's name is known here.
+        from pipeline.owner import OWNER_ENV, owned_name, owner_tag
+
+        os.environ[OWNER_ENV] = owner_tag()
         # Where the learner puts its snapshots (pipeline.learner.loop.snapshot_dir).
         run_key = hashlib.sha1(str(self.workdir.resolve()).encode()).hexdigest()[:12]
         roots = (
             [Path(cfg.sync.snapshot_dir)]
             if cfg.sync.snapshot_dir
-            else [Path("/dev/shm") / f"pipeline-grpo-{run_key}", self.workdir / "snapshots"]
+            else [Path("/dev/shm") / owned_name(run_key), self.workdir / "snapshots"]
         )
         self.server = SnapshotServer(
             f"tcp://{ip}:{ports['stream']}",
@@ -335,6 +340,9 @@ class ProducerActor(_Role):
         from pipeline.launch.shm import list_segments, reclaim_orphans
 
         self.name = f"producer {index}"
+        from pipeline.owner import OWNER_ENV, owner_tag
+
+        os.environ[OWNER_ENV] = owner_tag()  # owns its engines' shared memory (pipeline.owner)
         cfg = load_config(overrides=flatten(cfg_dict))
         same = self.node_id == driver_node or cfg.launch.shared_run_dir
         self.workdir = _workdir(cfg.run_dir, same)
