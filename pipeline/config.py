@@ -305,6 +305,10 @@ class SyncConfig:
                 "GPU broadcast); 'auto' picks per producer from its GPU: file on CPU, ipc on "
                 "the learner's GPU, nccl on another. The file is written every version anyway "
                 "(fallback and catch-up)")
+    stream_from: str = opt("", "producers: tcp://HOST:PORT of the learner node's snapshot "
+                               "server; each version is streamed from it into a directory of "
+                               "this node and checked before the swap (no shared filesystem). "
+                               "The Ray launcher sets it for producers off the learner's node")
     snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run> when "
                                 "keep_snapshots + 1 of them fit there, else run_dir/snapshots)")
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
@@ -327,6 +331,9 @@ class SyncConfig:
                f"unknown mode {self.barrier!r}")
         _check(self.transport in ("auto", "file", "ipc", "nccl"), "sync.transport",
                f"must be auto, file, ipc or nccl, got {self.transport!r}")
+        _check(not self.stream_from or re.fullmatch(r"tcp://[^:/\s]+:\d+", self.stream_from)
+               is not None, "sync.stream_from",
+               f"must look like tcp://HOST:PORT, got {self.stream_from!r}")
         # Only "no GPU at all" is checked here: this also runs in children that launch pinned
         # to one GPU each (CUDA_VISIBLE_DEVICES), where the device count says nothing about
         # placement; see check_placement for that.
@@ -412,6 +419,81 @@ class TrainConfig:
             self.max_staleness = 0  # sync mode is on-policy by definition
 
 
+_PRODUCER_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
+
+
+def _check_resources(value: Any, option: str) -> None:
+    _check(isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+        for k, v in value.items()), option,
+        f"must map resource names to positive amounts, e.g. {{learner_node: 1}}, got {value!r}")
+
+
+def _check_labels(value: Any, option: str) -> None:
+    _check(isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                           for k, v in value.items()), option,
+           f"must map node label names to values (Ray label selector syntax, e.g. "
+           f"{{ray.io/accelerator-type: H100}} or {{zone: !us-east-1a}}), got {value!r}")
+
+
+@dataclass
+class LaunchConfig:
+    """Where the processes run. The same YAML runs under both launchers; only the ``ray``
+    launcher reads the placement options."""
+
+    backend: Literal["local", "ray"] = opt(
+        "local", "local: learner and producers as processes of this machine; ray: as Ray "
+                 "actors placed on a Ray cluster (pip install .[ray])")
+    ray_address: str = opt("", "ray: 'auto' (the cluster this node belongs to), HOST:PORT of a "
+                               "running cluster's head, or '' to start a private single-node "
+                               "Ray instance for this run")
+    ray_object_store_mb: int = opt(512, "ray, private instance: object store size (MB)")
+    ray_timeout_s: float = opt(20.0, "ray: max wait to connect to the cluster, and for the "
+                                     "placement groups; then one error naming what is missing")
+    learner_num_cpus: float = opt(1.0, "ray: CPUs reserved for the learner")
+    learner_num_gpus: float = opt(0.0, "ray: GPUs reserved for the learner (all its ranks run "
+                                       "on that one node)")
+    learner_resources: dict = opt({}, "ray: custom resources of the learner's bundle, e.g. "
+                                      "{trainer_node: 1}")
+    learner_labels: dict = opt({}, "ray: node label selector for the learner")
+    producer_num_cpus: float = opt(1.0, "ray: CPUs reserved for each producer")
+    producer_num_gpus: float = opt(0.0, "ray: GPUs reserved for each producer (its engine's "
+                                        "tensor_parallel_size on GPU clusters)")
+    producer_resources: dict = opt({}, "ray: custom resources of each producer's bundle")
+    producer_labels: dict = opt({}, "ray: node label selector for every producer")
+    producer_strategy: Literal["SPREAD", "STRICT_SPREAD", "PACK"] = opt(
+        "SPREAD", "ray: placement of the producers' bundles: SPREAD (over nodes, best effort), "
+                  "STRICT_SPREAD (one per node), PACK")
+    stream_weights: Literal["auto", "always", "never"] = opt(
+        "auto", "ray: how producers get snapshot files: auto streams them to producers on "
+                "another node than the learner (sync.stream_from), always streams to every "
+                "producer, never reads the learner's snapshot_dir (set it to a shared path)")
+    shared_run_dir: bool = opt(False, "ray: run_dir is the same directory on every node (a "
+                                      "network filesystem): actors write there directly instead "
+                                      "of a node-local directory mirrored to the driver")
+
+    def __post_init__(self) -> None:
+        _check(self.backend in ("local", "ray"), "launch.backend",
+               f"must be local or ray, got {self.backend!r}")
+        addr = self.ray_address
+        _check(addr in ("", "auto") or re.fullmatch(r"(ray://)?[^:\s/]+:\d+", addr) is not None,
+               "launch.ray_address", f"must be auto or HOST:PORT, got {addr!r}")
+        _check(self.ray_object_store_mb >= 64, "launch.ray_object_store_mb", "must be >= 64")
+        _check(self.ray_timeout_s > 0, "launch.ray_timeout_s", "must be > 0")
+        for name in ("learner_num_cpus", "learner_num_gpus", "producer_num_cpus",
+                     "producer_num_gpus"):
+            _check(getattr(self, name) >= 0, f"launch.{name}", "must be >= 0")
+        _check_resources(self.learner_resources, "launch.learner_resources")
+        _check_resources(self.producer_resources, "launch.producer_resources")
+        _check_labels(self.learner_labels, "launch.learner_labels")
+        _check_labels(self.producer_labels, "launch.producer_labels")
+        _check(self.producer_strategy in _PRODUCER_STRATEGIES, "launch.producer_strategy",
+               f"must be one of {', '.join(_PRODUCER_STRATEGIES)}, got "
+               f"{self.producer_strategy!r}")
+        _check(self.stream_weights in ("auto", "always", "never"), "launch.stream_weights",
+               f"must be auto, always or never, got {self.stream_weights!r}")
+
+
 @dataclass
 class RunConfig:
     name: str = opt("run", "run name (run_dir defaults to runs/<name>)")
@@ -444,6 +526,7 @@ class RunConfig:
     rewards: RewardsConfig = field(default_factory=RewardsConfig, metadata={"help": "rewards"})
     sync: SyncConfig = field(default_factory=SyncConfig, metadata={"help": "sync"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "train"})
+    launch: LaunchConfig = field(default_factory=LaunchConfig, metadata={"help": "launch"})
 
     def __post_init__(self) -> None:
         _enforce(self)

@@ -29,6 +29,7 @@ ALIASES = {
     "num-producers": "num_producers", "run-dir": "run_dir", "name": "name",
     "insecure": "insecure", "curve-keys": "curve_keys", "barrier": "sync.barrier",
     "sync-every": "sync.sync_every", "allow-untested-vllm": "engine.allow_untested_vllm",
+    "launcher": "launch.backend", "ray-address": "launch.ray_address",
 }
 
 
@@ -186,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
 
     launcher_logging(args.verbose)
     try:
+        if cfg.launch.backend == "ray":
+            if args.role != "all":
+                raise ConfigError("--role: the Ray launcher places every role itself; use "
+                                  "--role all (the default)")
+            from pipeline.launch.ray import run as run_ray
+
+            return run_ray(cfg, resume=args.resume,
+                           max_producer_restarts=args.max_producer_restarts,
+                           max_learner_restarts=args.max_learner_restarts)
         return run(cfg, role=args.role, resume=args.resume, producer_index=args.producer_index,
                    max_producer_restarts=args.max_producer_restarts,
                    max_learner_restarts=args.max_learner_restarts, verbose=args.verbose)

@@ -92,7 +92,7 @@ class Producer:
                                    load_timeout_s=s.load_timeout_s)
         self.budget = producer_budget(cfg.train.batch_groups, cfg.train.max_staleness,
                                       cfg.num_producers, index)
-        self.transport = FileTransport(engine)
+        self.transport = file_transport(engine, cfg, self.producer_id)
         self.ipc = IpcTransport(engine, self.producer_id)
         self.nccl = NcclTransport(engine, self._send_ready, s.nccl_timeout_s)
         self.devices: list[str] = []  # GPU UUID per worker, from sync_device_info
@@ -501,11 +501,32 @@ class Producer:
             log.info("%s: %s; stopping", self.producer_id, eg.exceptions[0])
         finally:
             self.outbox.close()
+            if hasattr(self.transport, "close"):
+                self.transport.close()
             for t in list(self._group_tasks):
                 t.cancel()
             for rid in list(self.tracker.in_flight):
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
+
+
+def file_transport(engine: Any, cfg: RunConfig, producer_id: str) -> FileTransport:
+    """The file route's transport: snapshot files read where the learner wrote them, or, with
+    ``sync.stream_from`` set (a producer on another machine), streamed into a directory of this
+    node first (``sync.stream``)."""
+    if not cfg.sync.stream_from:
+        return FileTransport(engine)
+    import tempfile
+
+    from sync.stream import StreamedFileTransport, StreamKeys
+
+    curve = curve_keys(cfg, "producer")
+    keys = StreamKeys(curve.server_public, None, curve.client_public, curve.client_secret) \
+        if curve is not None else None
+    local = Path(tempfile.gettempdir()) / f"pipeline-grpo-stream-{producer_id}-{os.getpid()}"
+    log.info("%s: weights streamed from %s into %s", producer_id, cfg.sync.stream_from, local)
+    return StreamedFileTransport(engine, cfg.sync.stream_from, keys, local,
+                                 timeout_s=cfg.sync.load_timeout_s)
 
 
 async def engine_devices(engine: Any) -> list[str]:

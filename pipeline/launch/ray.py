@@ -1,0 +1,815 @@
+"""The Ray launcher (``pipeline-train --launcher ray``): the learner and every producer as Ray
+actors placed on a cluster, with ZeroMQ still carrying rollout groups, control and weights.
+
+What runs where:
+- the driver (this process) connects to the cluster (``launch.ray_address``) or starts a private
+  single-node instance; makes the run's CurveZMQ keys in memory; reserves a placement group for
+  the learner (one bundle: all its ranks on one node) and one for the producers (a bundle each,
+  ``launch.producer_strategy``, SPREAD by default); then starts the actors and watches them;
+- ``LearnerActor`` binds the learner's sockets on its node's address (ports picked there, found by
+  the driver through the actor, never typed), serves the snapshot files to other nodes
+  (``sync.stream.SnapshotServer``) and runs the learner as its child process;
+- ``ProducerActor`` k runs producer k as its child process, connected to the learner's address;
+  off the learner's node it streams each version into its own node (``sync.stream_from``).
+
+Each actor runs its role as a child in its own process group (the same entry points as the local
+launcher), so stopping it stops vLLM's engine cores too. The child watches its parent: if the actor
+process dies (kill -9, node loss) the child kills its whole group, so no engine outlives its actor.
+If the child dies, the actor process exits, and Ray restarts the actor (``max_restarts`` from
+``--max-producer-restarts`` / ``--max-learner-restarts``): Ray does the supervision. A restarted
+producer resends what its outbox holds; a restarted learner resumes from its last checkpoint on the
+same ports, so producers reconnect by themselves.
+
+Files: actors on the driver's node (or with ``launch.shared_run_dir``) write into ``run_dir``;
+others into a directory of their node, and the driver mirrors the learner's metrics into
+``run_dir`` as they are written and the small files (summary plot, checkpoint state, producers'
+sent logs) at the end. Consoles: the actors' output reaches the driver's console through Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import ConfigError, RunConfig, flatten, load_config, to_dict
+
+log = logging.getLogger("pipeline")
+
+MIN_RAY = (2, 49)  # label selectors on placement-group bundles
+MIRROR_MAX_BYTES = 64 << 20  # files the driver copies back at the end (checkpoint weights stay)
+KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
+PRODUCER_KEY_FILES = ("server.key", "client.key", "client.key_secret")
+
+
+# ---------------------------------------------------------------- shared by both actors
+
+
+def _workdir(run_dir: str, same_as_driver: bool) -> Path:
+    """The role's run_dir on this node: the driver's when it is visible here, else a directory
+    of this node named after it (the same on a restart, so outboxes and checkpoints survive)."""
+    if same_as_driver:
+        return Path(run_dir)
+    key = hashlib.sha1(run_dir.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "pipeline-grpo-ray" / f"{Path(run_dir).name}-{key}"
+
+
+def _write_keys(files: dict[str, bytes]) -> Path:
+    """The run's keys in a private directory of this node (0700, files 0600)."""
+    d = Path(tempfile.mkdtemp(prefix="pipeline-keys-"))
+    for name, data in files.items():
+        fd = os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+    return d
+
+
+def _watch_parent(parent: int, keys_dir: str) -> None:
+    """In the child: when the actor process is gone (kill -9, node loss), remove the key copy
+    and kill this process group (the role and its vLLM engine cores) after a short grace for
+    PDEATHSIG's SIGTERM."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        shutil.rmtree(keys_dir, ignore_errors=True)
+        time.sleep(5.0)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _learner_child(parent: int, cfg_dict: dict, model_path: str, resume: bool) -> None:
+    from pipeline.launch.local import learner_entry
+
+    _watch_parent(parent, cfg_dict["curve_keys"])
+    learner_entry(cfg_dict, model_path, resume)
+
+
+def _producer_child(parent: int, cfg_dict: dict, model_path: str, index: int) -> None:
+    from pipeline.launch.local import producer_entry
+
+    _watch_parent(parent, cfg_dict["curve_keys"])
+    producer_entry(cfg_dict, model_path, index)
+
+
+def _local_model(model_path: str, cfg: RunConfig) -> str:
+    """The driver's model directory when this node sees it, else the model built or converted
+    here ('tiny', 'smollm2-135m'); a plain HF directory must exist on every node."""
+    if (Path(model_path) / "config.json").is_file():
+        return model_path
+    from pipeline.models import resolve_model
+
+    return str(resolve_model(cfg.model.path, Path(tempfile.gettempdir()) / "pipeline-models"))
+
+
+class _Role:
+    """What both actors do: start the child, exit the actor when it dies unexpectedly (Ray then
+    restarts the actor), stop it in order, hand files back to the driver."""
+
+    name = "role"
+
+    def __init__(self) -> None:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
+        with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.restarted = ctx.was_current_actor_reconstructed
+        # This node's address as the cluster knows it (the machine may have several).
+        self.ip: str = next(
+            n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == self.node_id
+        )
+        self.proc: Any = None
+        self.stopping = False
+        self.keys_dir: Path | None = None
+        self.workdir = Path(".")
+
+    def _start(self, proc: Any) -> None:
+        self.proc = proc
+        proc.start()
+        threading.Thread(target=self._monitor, name="child-monitor", daemon=True).start()
+
+    def _monitor(self) -> None:
+        proc = self.proc
+        proc.join()
+        code = proc.exitcode
+        if self.stopping or code == 0:
+            return
+        log.error(
+            "%s exited with code %s; the actor exits so that Ray restarts it", self.name, code
+        )
+        self._cleanup()
+        os._exit(1)
+
+    def _kill(self, sig: int) -> None:
+        if self.proc is None or self.proc.pid is None:
+            return
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(self.proc.pid, sig)
+
+    def _cleanup(self) -> None:
+        if self.keys_dir is not None:
+            shutil.rmtree(self.keys_dir, ignore_errors=True)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "ip": self.ip,
+            "pid": self.proc.pid if self.proc else None,
+            "actor_pid": os.getpid(),
+            "workdir": str(self.workdir),
+        }
+
+    def poll(self) -> dict[str, Any]:
+        return {"pid": self.proc.pid, "exit": self.proc.exitcode}
+
+    def stop(self, sig: int, grace_s: float) -> int | None:
+        """Signal the child (its group), wait ``grace_s``, then kill what is left."""
+        self.stopping = True
+        self._kill(sig)
+        self.proc.join(grace_s)
+        self._kill(signal.SIGKILL)
+        self.proc.join(5)
+        from pipeline.procs import wait_group_gone
+
+        wait_group_gone(self.proc.pid)
+        self._cleanup()
+        return self.proc.exitcode
+
+    def files(self, under: str = "") -> list[tuple[str, int]]:
+        """Files of this role's workdir (relative paths and sizes), for the driver's mirror."""
+        root = self.workdir / under
+        if not root.is_dir():
+            return []
+        return sorted(
+            (str(p.relative_to(self.workdir)), p.stat().st_size)
+            for p in root.rglob("*")
+            if p.is_file() and not p.name.endswith(".sock")
+        )
+
+    def read(self, rel: str, offset: int = 0, size: int = -1) -> bytes:
+        path = (self.workdir / rel).resolve()
+        if self.workdir.resolve() not in path.parents:
+            raise PermissionError(f"{rel} is outside the run's directory")
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read(size)
+
+
+class LearnerActor(_Role):
+    name = "learner"
+
+    def __init__(
+        self,
+        cfg_dict: dict,
+        model_path: str,
+        keys: dict[str, bytes],
+        resume: bool,
+        driver_node: str,
+    ):
+        super().__init__()
+        from buffer.transport import free_tcp_port_pair
+        from pipeline.launch.ray_node import free_port
+        from sync.stream import SnapshotServer, StreamKeys
+
+        cfg = load_config(overrides=flatten(cfg_dict))
+        same = self.node_id == driver_node or cfg.launch.shared_run_dir
+        self.workdir = _workdir(cfg.run_dir, same)
+        ports_file = self.workdir / ".ray-learner.json"
+        if not same and not resume and not self.restarted:
+            shutil.rmtree(self.workdir, ignore_errors=True)  # an earlier run of this run_dir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        ip = self.ip
+        if self.restarted and ports_file.is_file():  # same ports: producers reconnect alone
+            ports = json.loads(ports_file.read_text())
+        else:
+            ports = {"learner": free_tcp_port_pair(ip), "stream": free_port(ip)}
+            ports_file.write_text(json.dumps(ports))
+        self.keys_dir = _write_keys({k: keys[k] for k in KEY_FILES})
+        self.same = same
+        cfg_dict = dict(
+            cfg_dict,
+            run_dir=str(self.workdir),
+            addr=f"tcp://{ip}:{ports['learner']}",
+            curve_keys=str(self.keys_dir),
+            insecure=False,
+        )
+        (self.workdir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+        # This actor owns what its learner leaves in /dev/shm (pipeline.owner): the child
+        # inherits the tag, so the snapshot dir's name is known here.
+        from pipeline.owner import OWNER_ENV, owned_name, owner_tag
+
+        os.environ[OWNER_ENV] = owner_tag()
+        # Where the learner puts its snapshots (pipeline.learner.loop.snapshot_dir).
+        run_key = hashlib.sha1(str(self.workdir.resolve()).encode()).hexdigest()[:12]
+        roots = (
+            [Path(cfg.sync.snapshot_dir)]
+            if cfg.sync.snapshot_dir
+            else [Path("/dev/shm") / owned_name(run_key), self.workdir / "snapshots"]
+        )
+        self.server = SnapshotServer(
+            f"tcp://{ip}:{ports['stream']}",
+            roots,
+            StreamKeys(
+                keys["server.key_public"], keys["server.key_secret_z85"], keys["client.key_public"]
+            ),
+        )
+        self.endpoints = {"addr": cfg_dict["addr"], "stream": self.server.addr, "ip": ip}
+        model_path = _local_model(model_path, cfg)
+        from pipeline.learner.checkpoint import latest_checkpoint
+
+        resume = resume or (self.restarted and latest_checkpoint(self.workdir) is not None)
+        if self.restarted:
+            log.warning(
+                "learner actor restarted by Ray%s", " from its last checkpoint" if resume else ""
+            )
+        ctx = mp.get_context("spawn")
+        if cfg.train.learner_processes > 1 or cfg.train.accelerate_config:
+            from pipeline.launch.local import LaunchedLearner
+
+            run_cfg = load_config(overrides=flatten(cfg_dict))
+            # accelerate's launcher has PDEATHSIG set: it stops its ranks when the actor dies.
+            self._start(_PopenProc(LaunchedLearner(run_cfg, model_path, resume)))
+        else:
+            self._start(
+                ctx.Process(
+                    target=_learner_child,
+                    name="learner",
+                    args=(os.getpid(), cfg_dict, model_path, resume),
+                )
+            )
+
+    def get_endpoints(self) -> dict[str, Any]:
+        return self.info() | self.endpoints | {"same_dir": self.same}
+
+    def _cleanup(self) -> None:
+        super()._cleanup()
+        with contextlib.suppress(Exception):
+            self.server.close()
+
+
+class _PopenProc:
+    """``LaunchedLearner`` (accelerate launch) behind the slice of ``mp.Process`` _Role uses."""
+
+    def __init__(self, learner: Any):
+        self.learner = learner
+
+    def start(self) -> None:
+        self.learner.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.learner.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.learner.exitcode
+
+    def join(self, timeout: float | None = None) -> None:
+        self.learner.join(timeout)
+
+
+class ProducerActor(_Role):
+    def __init__(
+        self,
+        cfg_dict: dict,
+        model_path: str,
+        index: int,
+        keys: dict[str, bytes],
+        learner: dict[str, Any],
+        driver_node: str,
+        resume: bool,
+    ):
+        super().__init__()
+        from pipeline.launch.shm import list_segments, reclaim_orphans
+
+        self.name = f"producer {index}"
+        from pipeline.owner import OWNER_ENV, owner_tag
+
+        os.environ[OWNER_ENV] = owner_tag()  # owns its engines' shared memory (pipeline.owner)
+        cfg = load_config(overrides=flatten(cfg_dict))
+        same = self.node_id == driver_node or cfg.launch.shared_run_dir
+        self.workdir = _workdir(cfg.run_dir, same)
+        out = self.workdir / "producers"
+        out.mkdir(parents=True, exist_ok=True)
+        # Segments a killed engine of an earlier incarnation left: reclaimed against what
+        # existed before the first incarnation started (recorded on this node).
+        shm_file = out / f".shm-before-p{index}.json"
+        if self.restarted and shm_file.is_file():
+            reclaim_orphans(set(json.loads(shm_file.read_text())))
+            log.warning("producer %d actor restarted by Ray", index)
+        else:
+            shm_file.write_text(json.dumps(sorted(list_segments())))
+            if not resume:  # a fresh run must not resend an earlier run's outbox
+                for stale in out.glob(f"p{index}-*.wal"):
+                    stale.unlink()
+        self.shm_before = set(json.loads(shm_file.read_text()))
+        self.keys_dir = _write_keys(keys)
+        stream = cfg.launch.stream_weights == "always" or (
+            cfg.launch.stream_weights == "auto" and self.node_id != learner["node_id"]
+        )
+        sync = dict(cfg_dict["sync"], stream_from=learner["stream"] if stream else "")
+        cfg_dict = dict(
+            cfg_dict,
+            run_dir=str(self.workdir),
+            addr=learner["addr"],
+            curve_keys=str(self.keys_dir),
+            insecure=False,
+            sync=sync,
+        )
+        model_path = _local_model(model_path, cfg)
+        self._start(
+            mp.get_context("spawn").Process(
+                target=_producer_child,
+                name=f"producer{index}",
+                args=(os.getpid(), cfg_dict, model_path, index),
+            )
+        )
+
+    def _cleanup(self) -> None:
+        super()._cleanup()
+        from pipeline.launch.shm import reclaim_orphans
+
+        with contextlib.suppress(Exception):
+            reclaim_orphans(self.shm_before)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "launch.backend: 'ray' needs Ray: pip install 'pipeline-grpo[ray]' (or ray[default])"
+        ) from None
+    got = tuple(int(x) for x in ray.__version__.split(".")[:2] if x.isdigit())
+    if got < MIN_RAY:
+        raise ConfigError(
+            f"launch.backend: Ray {ray.__version__} is too old; need "
+            f">= {'.'.join(map(str, MIN_RAY))} (pip install 'pipeline-grpo[ray]')"
+        )
+    return ray
+
+
+def make_keys() -> dict[str, bytes]:
+    """The run's CurveZMQ keys, made by the driver: certificate files (for the roles'
+    ``curve_keys`` directory) and the raw Z85 keys (for the snapshot server)."""
+    from buffer.transport import generate_curve_keys
+
+    with tempfile.TemporaryDirectory(prefix="pipeline-keys-") as d:  # 0700, removed at once
+        k = generate_curve_keys(d)
+        files = {name: (Path(d) / name).read_bytes() for name in KEY_FILES}
+    return files | {
+        "server.key_public": k.server_public,
+        "server.key_secret_z85": k.server_secret,
+        "client.key_public": k.client_public,
+    }
+
+
+def _bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, float]:
+    b = {"CPU": float(cpus), "GPU": float(gpus)} | {k: float(v) for k, v in resources.items()}
+    return {k: v for k, v in b.items() if v > 0}
+
+
+def _missing(ray: Any, bundle: dict[str, float], labels: dict[str, str]) -> str:
+    """Why no node fits ``bundle``: what the cluster lacks, in one phrase."""
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    total = ray.cluster_resources()
+    for name, amount in bundle.items():
+        if total.get(name, 0) < amount:
+            have = total.get(name, 0)
+            return (
+                f"the cluster has {have:g} {name} in all"
+                if have
+                else f"no node has resource {name!r}"
+            ) + f" (needs {amount:g})"
+    fits = [n for n in nodes if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
+    if not fits:
+        return f"no single node has all of {bundle}"
+    if labels:
+        return f"no node with {bundle} matches the labels {labels}"
+    return f"the nodes with {bundle} are busy (resources held by other jobs)"
+
+
+def _place(
+    ray: Any,
+    name: str,
+    bundles: list[dict[str, float]],
+    strategy: str,
+    labels: dict[str, str],
+    timeout_s: float,
+) -> Any:
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    if not all(bundles):
+        raise ConfigError(
+            f"launch: the {name}'s bundle reserves nothing (set "
+            f"launch.{name}_num_cpus > 0 or a resource)"
+        )
+    selector = [dict(labels) for _ in bundles] if labels else None
+    pg = placement_group(bundles, strategy=strategy, bundle_label_selector=selector)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        why = _missing(ray, bundles[0], labels)
+        if strategy == "STRICT_SPREAD" and len(bundles) > 1:
+            why += f"; STRICT_SPREAD needs {len(bundles)} nodes that fit it"
+        raise ConfigError(
+            f"launch: cannot place the {name} within {timeout_s:.0f}s: {why} "
+            f"(launch.{name}_num_cpus/_num_gpus/_resources/_labels)"
+        ) from None
+    return pg
+
+
+def _probe(address: str, timeout_s: float) -> str:
+    """'' when something listens at the head's address, else why not (fails in seconds where
+    ray.init would retry for minutes)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)):
+            return ""
+    except OSError as e:
+        return f"nothing answers there ({e.strerror or e})"
+
+
+def _connect(ray: Any, cfg: RunConfig) -> Any:
+    """Connect to ``launch.ray_address`` (or start a private node); a cluster that does not
+    answer within ``launch.ray_timeout_s`` is a ConfigError, never a hang."""
+    from pipeline.launch.ray_node import RayNode
+
+    lc = cfg.launch
+    node = None
+    address = lc.ray_address
+    if not address:
+        need = lc.learner_num_cpus + cfg.num_producers * lc.producer_num_cpus
+        # 127.0.0.2: Ray rewrites 127.0.0.1 to the machine's network address; any other
+        # loopback address stays as given, so a private run's traffic stays on loopback.
+        node = RayNode(
+            "127.0.0.2",
+            num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+            resources={
+                **lc.learner_resources,
+                **{k: v * cfg.num_producers for k, v in lc.producer_resources.items()},
+            },
+            object_store_mb=lc.ray_object_store_mb,
+        )
+        try:
+            node.wait_ready(max(lc.ray_timeout_s, 120.0))
+        except (RuntimeError, TimeoutError):
+            node.stop()
+            raise
+        address = node.address
+    kw: dict[str, Any] = {"log_to_driver": True, "configure_logging": False}
+    host = address.removeprefix("ray://").rsplit(":", 1)[0]
+    if host.startswith("127."):  # a loopback cluster: this machine's node is on that address
+        kw["_node_ip_address"] = host
+    why = _probe(address, lc.ray_timeout_s) if address != "auto" else ""
+    if not why:
+        try:
+            ray.init(address=address, **kw)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+    if why:
+        if node is not None:
+            node.stop()
+        raise ConfigError(
+            f"launch.ray_address: cannot connect to a Ray cluster at {address!r}: {why}"
+        )
+    return node
+
+
+class _Mirror:
+    """Copies the learner's files from its node into the driver's run_dir."""
+
+    def __init__(self, ray: Any, learner: Any, run_dir: Path):
+        self.ray, self.learner, self.run_dir = ray, learner, run_dir
+        self.offset = 0
+
+    def metrics(self) -> None:
+        with contextlib.suppress(Exception):
+            data = self.ray.get(self.learner.read.remote("metrics.jsonl", self.offset), timeout=10)
+            if data:
+                with open(self.run_dir / "metrics.jsonl", "ab") as fh:
+                    fh.write(data)
+                self.offset += len(data)
+
+    def final(self) -> None:
+        self.metrics()
+        files = self.ray.get(self.learner.files.remote(), timeout=30)
+        left = []
+        for rel, size in files:
+            if rel in ("metrics.jsonl", "config.yaml", ".ray-learner.json"):
+                continue
+            if size > MIRROR_MAX_BYTES or rel.startswith("snapshots/"):
+                left.append(rel)
+                continue
+            dest = self.run_dir / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(self.ray.get(self.learner.read.remote(rel), timeout=60))
+        if left:
+            log.info("left on the learner's node: %d large file(s), e.g. %s", len(left), left[0])
+
+
+def run(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    max_producer_restarts: int = 0,
+    max_learner_restarts: int = 0,
+) -> int:
+    """Run the whole job on Ray; returns an exit code (like ``pipeline.launch.local.run``)."""
+    from pipeline.launch.local import prepare, set_aside_previous_run
+
+    # Every actor's lines on the console, as with the local launcher (Ray folds similar lines
+    # of different actors into one by default).
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray = _import_ray()
+    if cfg.addr:
+        raise ConfigError(
+            "addr: the Ray launcher binds the learner on its node's address "
+            "itself; leave addr empty"
+        )
+    if cfg.producer_gpus or cfg.learner_gpus:
+        raise ConfigError(
+            "producer_gpus/learner_gpus: Ray assigns GPUs; use "
+            "launch.producer_num_gpus / launch.learner_num_gpus"
+        )
+    model_path = prepare(cfg, "all")
+    run_dir = Path(cfg.run_dir).resolve()
+    cfg.run_dir = str(run_dir)
+    if not resume:
+        set_aside_previous_run(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for stale in (run_dir / "producers").glob("*.wal"):
+            stale.unlink()
+    cfg_dict = to_dict(cfg)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    lc = cfg.launch
+    t0 = time.monotonic()
+    node = _connect(ray, cfg)
+    pgs: list[Any] = []
+    actors: list[Any] = []
+    learner = None
+    producers: dict[int, Any] = {}
+    code = 0
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        driver_node = ray.get_runtime_context().get_node_id()
+        log.info(
+            "ray: connected in %.1fs (%d nodes)",
+            time.monotonic() - t0,
+            sum(1 for n in ray.nodes() if n.get("Alive")),
+        )
+        lb = _bundle(lc.learner_num_cpus, lc.learner_num_gpus, lc.learner_resources)
+        pb = _bundle(lc.producer_num_cpus, lc.producer_num_gpus, lc.producer_resources)
+        pgs.append(_place(ray, "learner", [lb], "STRICT_PACK", lc.learner_labels, lc.ray_timeout_s))
+        pgs.append(
+            _place(
+                ray,
+                "producer",
+                [pb] * cfg.num_producers,
+                lc.producer_strategy,
+                lc.producer_labels,
+                lc.ray_timeout_s,
+            )
+        )
+        keys = make_keys()
+        producer_keys = {k: keys[k] for k in PRODUCER_KEY_FILES}
+        env = {
+            "env_vars": {
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith(("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_"))
+            }
+        }
+
+        def opts(pg: Any, i: int, cpus: float, gpus: float, res: dict, restarts: int) -> dict:
+            return {
+                "num_cpus": cpus,
+                "num_gpus": gpus,
+                "resources": dict(res),
+                "max_restarts": restarts,
+                "max_task_retries": 0,
+                "runtime_env": env,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i
+                ),
+            }
+
+        learner = (
+            ray.remote(LearnerActor)
+            .options(
+                name=None,
+                **opts(
+                    pgs[0],
+                    0,
+                    lc.learner_num_cpus,
+                    lc.learner_num_gpus,
+                    lc.learner_resources,
+                    max_learner_restarts,
+                ),
+            )
+            .remote(cfg_dict, model_path, keys, resume, driver_node)
+        )
+        actors.append(learner)
+        ep = ray.get(learner.get_endpoints.remote())
+        log.info(
+            "ray: learner on node %s (%s), rollouts at %s, snapshots streamed from %s",
+            ep["node_id"][:12],
+            ep["ip"],
+            ep["addr"],
+            ep["stream"],
+        )
+        for i in range(cfg.num_producers):
+            producers[i] = (
+                ray.remote(ProducerActor)
+                .options(
+                    **opts(
+                        pgs[1],
+                        i,
+                        lc.producer_num_cpus,
+                        lc.producer_num_gpus,
+                        lc.producer_resources,
+                        max_producer_restarts,
+                    )
+                )
+                .remote(cfg_dict, model_path, i, producer_keys, ep, driver_node, resume)
+            )
+            actors.append(producers[i])
+        infos = ray.get([p.info.remote() for p in producers.values()])
+        placement = {"learner": ep["node_id"]} | {
+            f"producer{i}": info["node_id"] for i, info in zip(producers, infos, strict=True)
+        }
+        (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
+        for i, info in zip(producers, infos, strict=True):
+            log.info(
+                "ray: producer %d on node %s (%s), actor pid %d, producer pid %d",
+                i,
+                info["node_id"][:12],
+                info["ip"],
+                info["actor_pid"],
+                info["pid"],
+            )
+        mirror = None if ep["same_dir"] else _Mirror(ray, learner, run_dir)
+        code = _watch(ray, learner, producers, mirror, infos)
+        if code == 0 and mirror is not None:
+            mirror.final()
+    except KeyboardInterrupt:
+        code = code or 130
+        log.warning("stopping: learner saves a checkpoint, producers shut down")
+    finally:
+        _teardown(ray, learner, producers, pgs, run_dir, code)
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        if node is not None:
+            node.stop()
+    return code
+
+
+def _watch(
+    ray: Any, learner: Any, producers: dict[int, Any], mirror: _Mirror | None, infos: list[dict]
+) -> int:
+    """Until the learner's child exits: mirror metrics, report producer restarts, fail when Ray
+    gives up on an actor."""
+    pids = {i: info["pid"] for i, info in zip(producers, infos, strict=True)}
+    while True:
+        try:
+            st = ray.get(learner.poll.remote(), timeout=30)
+        except ray.exceptions.ActorUnavailableError:
+            time.sleep(1.0)  # being restarted by Ray
+            continue
+        except ray.exceptions.RayActorError as e:
+            log.error(
+                "the learner actor died and Ray will not restart it: %s", str(e).splitlines()[0]
+            )
+            return 1
+        except ray.exceptions.GetTimeoutError:
+            continue
+        if mirror is not None:
+            mirror.metrics()
+        if st["exit"] is not None:
+            if st["exit"]:
+                log.error("learner exited with code %d", st["exit"])
+            return 1 if st["exit"] else 0
+        for i, actor in producers.items():
+            try:
+                pst = ray.get(actor.poll.remote(), timeout=30)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                continue
+            except ray.exceptions.RayActorError as e:
+                log.error(
+                    "producer %d died and Ray will not restart it (launch restarts exhausted): %s",
+                    i,
+                    str(e).splitlines()[0],
+                )
+                return 1
+            if pst["pid"] != pids[i]:
+                log.warning("producer %d restarted by Ray (pid %s -> %s)", i, pids[i], pst["pid"])
+                pids[i] = pst["pid"]
+        time.sleep(0.5)
+
+
+def _teardown(
+    ray: Any, learner: Any, producers: dict[int, Any], pgs: list[Any], run_dir: Path, code: int
+) -> None:
+    """Learner first (SIGINT: its final checkpoint), then producers (their sent logs come back
+    to run_dir/producers), then the actors and placement groups."""
+    from ray.util.placement_group import remove_placement_group
+
+    if learner is not None:
+        with contextlib.suppress(Exception):
+            ray.get(learner.stop.remote(signal.SIGINT, 120.0), timeout=150)
+    waits = []
+    for actor in producers.values():
+        with contextlib.suppress(Exception):
+            waits.append((actor, actor.stop.remote(signal.SIGTERM, 20.0)))
+    for actor, ref in waits:
+        with contextlib.suppress(Exception):
+            ray.get(ref, timeout=40)
+            if run_dir is not None:
+                _copy_sent_logs(ray, actor, run_dir)
+    for actor in [learner, *producers.values()]:
+        if actor is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+    for pg in pgs:
+        with contextlib.suppress(Exception):
+            remove_placement_group(pg)
+
+
+def _copy_sent_logs(ray: Any, actor: Any, run_dir: Path) -> None:
+    """A producer's records of what it sent (and its outbox) into run_dir/producers: the
+    conservation check's producer side (bench/soak.py tally)."""
+    info = ray.get(actor.info.remote(), timeout=10)
+    if Path(info["workdir"]) == run_dir:
+        return
+    for rel, size in ray.get(actor.files.remote("producers"), timeout=10):
+        if rel.endswith((".jsonl", ".wal")) and size <= MIRROR_MAX_BYTES:
+            dest = run_dir / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(ray.get(actor.read.remote(rel), timeout=30))

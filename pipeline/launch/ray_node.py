@@ -1,0 +1,169 @@
+"""One Ray node that this process owns: ``ray start --block`` in its own session, with every port
+chosen free, its own temp dir and a capped object store.
+
+Used for the Ray launcher's private instance (no ``--ray-address``) and by the tests' loopback
+clusters. ``ray stop`` would stop every Ray process of the machine (other users' clusters too);
+``RayNode.stop`` stops only this node: SIGTERM to its ``ray start`` (which drains and stops the
+node's processes), then SIGKILL to whatever is left of its session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+PORT_OPTIONS = (
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--metrics-export-port",
+    "--runtime-env-agent-port",
+    "--node-manager-port",
+    "--object-manager-port",
+)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def ray_executable() -> str:
+    """The ``ray`` CLI of this interpreter's environment."""
+    exe = Path(sys.executable).with_name("ray")
+    return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
+
+
+class RayNode:
+    """A head (``head_address`` None) or a worker joining ``head_address``, on ``ip``."""
+
+    def __init__(
+        self,
+        ip: str = "127.0.0.1",
+        *,
+        head_address: str | None = None,
+        num_cpus: float | None = None,
+        resources: dict[str, float] | None = None,
+        labels: dict[str, str] | None = None,
+        object_store_mb: int = 256,
+        temp_dir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        self.ip = ip
+        self.own_temp = temp_dir is None
+        # Ray's socket paths must stay short (AF_UNIX limit): a short name under /tmp.
+        self.temp_dir = Path(temp_dir or tempfile.mkdtemp(prefix="pgray", dir="/tmp"))
+        self.port = free_port(ip) if head_address is None else None
+        self.address = f"{ip}:{self.port}" if head_address is None else head_address
+        cmd = [
+            ray_executable(),
+            "start",
+            "--block",
+            "--node-ip-address",
+            ip,
+            "--temp-dir",
+            str(self.temp_dir),
+            "--object-store-memory",
+            str(object_store_mb << 20),
+            "--disable-usage-stats",
+        ]
+        if head_address is None:
+            cmd += [
+                "--head",
+                "--port",
+                str(self.port),
+                "--include-dashboard",
+                "false",
+                "--ray-client-server-port",
+                str(free_port(ip)),
+            ]
+        else:
+            cmd += ["--address", head_address]
+        for opt in PORT_OPTIONS:
+            cmd += [opt, str(free_port(ip))]
+        worker = free_port(ip)  # a small range of its own for the workers' ports
+        cmd += [
+            "--min-worker-port",
+            str(max(worker - 50, 10002)),
+            "--max-worker-port",
+            str(max(worker - 50, 10002) + 100),
+        ]
+        if num_cpus is not None:
+            cmd += ["--num-cpus", str(num_cpus)]
+        if resources:
+            cmd += ["--resources", json.dumps(resources)]
+        if labels:
+            cmd += ["--labels", ",".join(f"{k}={v}" for k, v in labels.items())]
+        self.log_path = self.temp_dir / "ray-start.log"
+        node_env = os.environ | {"RAY_TMPDIR": str(self.temp_dir)} | (env or {})
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=node_env, start_new_session=True
+            )
+        self.session = self.proc.pid  # start_new_session: the session id is its pid
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until the node runs its raylet (the log says the node started)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"ray start on {self.ip} exited ({self.proc.returncode}):\n{self.log_tail()}"
+                )
+            if "Ray runtime started" in self.log_path.read_text(errors="replace"):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(
+            f"ray node on {self.ip} not up within {timeout_s:.0f}s:\n{self.log_tail()}"
+        )
+
+    @property
+    def node_id(self) -> str:
+        """The raylet's node id (hex), as Ray's APIs report it ('' before the node is up)."""
+        for f in self.temp_dir.glob("session_*/logs/raylet.out"):
+            with contextlib.suppress(OSError):
+                m = re.search(r"Setting node ID node_id=([0-9a-f]+)", f.read_text(errors="replace"))
+                if m:
+                    return m.group(1)
+        return ""
+
+    def log_tail(self, n: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of this node (its session: gcs, raylet, agents, workers)."""
+        out = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(p.pid) == self.session:
+                    out.append(p)
+        return out
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        left = self.processes()
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(left, timeout=10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        if self.own_temp:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -1,0 +1,225 @@
+"""`pipeline-train --launcher ray` on a real three-node Ray cluster on loopback.
+
+Nodes (each its own `ray start`, temp dir, TMPDIR and custom resource): 127.0.0.2 (head,
+`producer_node`), 127.0.0.3 (`learner_node`), 127.0.0.4 (`producer_node`). The driver runs beside
+the head. The learner must land on .3 and one producer on each of the others; neither producer
+shares the learner's node, so every version reaches them through the streamed transport into
+their own node's temp dir (no shared snapshot directory). Mid-run one producer actor's process is
+killed with SIGKILL: Ray restarts it and nothing is lost (conservation from the run's records).
+Bad input (an unreachable address, resources no node has) fails in seconds with one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import assert_no_process_left
+from test_faults import REPO, Launcher, _assert_gone, _metrics
+
+from bench.soak import tally
+from pipeline.launch.ray_node import RayNode
+from pipeline.launch.shm import list_segments, segments_in_use
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+NODES = {"127.0.0.2": "producer_node", "127.0.0.3": "learner_node", "127.0.0.4": "producer_node"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ray")
+    nodes: dict[str, RayNode] = {}
+    try:
+        for ip, resource in NODES.items():
+            d = Path(f"/tmp/pgt-{os.getpid()}-{ip.rsplit('.', 1)[1]}")  # short: socket paths
+            (d / "tmp").mkdir(parents=True, exist_ok=True)
+            head = nodes.get("127.0.0.2")
+            nodes[ip] = RayNode(
+                ip,
+                head_address=head.address if head else None,
+                num_cpus=2,
+                resources={resource: 1},
+                object_store_mb=128,
+                temp_dir=d,
+                env={"TMPDIR": str(d / "tmp"), "PYTHONPATH": str(REPO)},
+            )
+            nodes[ip].wait_ready(180)
+        yield nodes
+    finally:
+        for node in reversed(list(nodes.values())):
+            node.stop()
+        for node in nodes.values():
+            assert node.processes() == [], f"Ray processes of {node.ip} left behind"
+            subprocess.run(["rm", "-rf", str(node.temp_dir)], check=False)
+        del base
+
+
+def _ray_args(cluster, *extra: str) -> tuple[str, ...]:
+    return (
+        "--launcher",
+        "ray",
+        "--ray-address",
+        cluster["127.0.0.2"].address,
+        "--set",
+        "launch.learner_resources={learner_node: 1}",
+        "--set",
+        "launch.producer_resources={producer_node: 1}",
+        "--set",
+        "launch.producer_strategy=STRICT_SPREAD",
+        *extra,
+    )
+
+
+def test_three_nodes_placement_streamed_weights_and_producer_kill(
+    cluster, tiny_model, tmp_path, monkeypatch
+):
+    tag = f"ray{time.time_ns()}"
+    monkeypatch.setenv("PIPELINE_TEST_RUN", tag)  # forwarded to the actors (runtime_env)
+    shm_before = list_segments()
+    run_dir = tmp_path / "run"
+    # Sync mode: every step needs both producers' groups, so the learner waits for the killed
+    # one's successor (in async mode the other producer could fill every step alone).
+    steps = 4
+    la = Launcher(
+        tiny_model,
+        run_dir,
+        *_ray_args(
+            cluster,
+            "--mode",
+            "sync",
+            "--steps",
+            str(steps),
+            "--max-producer-restarts",
+            "1",
+        ),
+    )
+    placed = r"ray: producer (\d) on node \w+ \(([\d.]+)\), actor pid (\d+), producer pid (\d+)"
+    try:
+        la.wait_for(
+            lambda: len([ln for ln in la.lines if re.search(placed, ln)]) == 2,
+            300,
+            "both producers placed",
+        )
+        actors = {
+            int(m[1]): (m[2], int(m[3]), int(m[4]))
+            for ln in la.lines
+            if (m := re.search(placed, ln))
+        }
+        la.wait_for(lambda: la.steps_done() >= 1, 400, "the first trained step")
+        _ip, actor_pid, child_pid = actors[1]
+        victims = [child_pid] + [c.pid for c in psutil.Process(child_pid).children(True)]
+        os.kill(actor_pid, signal.SIGKILL)  # the producer actor's process, as an OOM kill
+        assert la.steps_done() < steps, "run finished before the kill"
+        la.wait_for(
+            lambda: any("producer 1 restarted by Ray" in ln for ln in la.lines),
+            300,
+            "Ray to restart producer 1",
+        )
+        _assert_gone(victims, "the killed actor's producer and engine")
+        code = la.wait(600)
+    finally:
+        la.stop()
+    log = "\n".join(la.lines)
+    (run_dir / "driver.log").write_text(log)  # for a failure's post-mortem
+    assert code == 0, la.tail(80)
+
+    # Placement, from node ids: the learner on .3, one producer on each other node.
+    node_ids = {ip: n.node_id for ip, n in cluster.items()}
+    placement = json.loads((run_dir / "placement.json").read_text())
+    assert placement["learner"] == node_ids["127.0.0.3"]
+    assert {placement["producer0"], placement["producer1"]} == {
+        node_ids["127.0.0.2"],
+        node_ids["127.0.0.4"],
+    }
+    assert {actors[0][0], actors[1][0]} == {"127.0.0.2", "127.0.0.4"}
+
+    # Every step trained, reward logged; metrics came back from the learner's node.
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all("reward_mean" in r for r in rows)
+    assert rows[-1]["version"] == steps - 1 and all(r["staleness_max"] == 0 for r in rows)
+    # No shared snapshot directory: both producers streamed every version into their node.
+    assert log.count("weights streamed from tcp://127.0.0.3:") >= 3  # p0, p1 and p1's successor
+    assert "refused" not in log and "checksum" not in log
+    assert "swap_load_s" in {k for r in rows for k in r}
+    learner_dir = next((cluster["127.0.0.3"].temp_dir / "tmp" / "pipeline-grpo-ray").iterdir())
+    assert (learner_dir / "checkpoints").is_dir()  # checkpoints stay on the learner's node
+    assert (run_dir / "checkpoints" / f"step_{steps}" / "state.json").is_file()  # mirrored
+
+    # Conservation, exact: what the producers (the killed one too) sent = trained + dropped +
+    # held, nothing lost.
+    t = tally(run_dir)
+    assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
+    assert t["incarnations"] == 3, t  # p0, p1 and p1 restarted by Ray
+    assert t["trained"] == 2 * steps, t
+
+    # Teardown: no process of the run, no shared-memory segment left.
+    # (A killed actor's multiprocessing resource tracker prints its own KeyError tracebacks.)
+    assert f'File "{REPO}/' not in log, log[-3000:]
+    _assert_gone(la.descendants, "driver children")
+    assert_no_process_left(tag)
+    assert (list_segments() - shm_before) - segments_in_use() == set()
+    key = hashlib.sha1(str(learner_dir.resolve()).encode()).hexdigest()[:12]
+    assert not list(Path("/dev/shm").glob(f"pipeline-grpo-{key}*"))  # the learner's snapshots
+    for node in cluster.values():
+        assert not list((node.temp_dir / "tmp").glob("pipeline-grpo-stream-*")), node.ip
+        assert not list((node.temp_dir / "tmp").glob("pipeline-keys-*")), node.ip
+
+
+def _bad(*args: str) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline.launch.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return p.returncode, p.stderr, time.monotonic() - t0
+
+
+def test_unreachable_address_is_one_line(tiny_model, tmp_path):
+    code, err, took = _bad(
+        "--launcher",
+        "ray",
+        "--ray-address",
+        "127.0.0.9:1",
+        "--model",
+        str(tiny_model),
+        "--run-dir",
+        str(tmp_path / "r"),
+    )
+    assert code == 2 and took < 30, (code, took, err)
+    assert err.strip().splitlines() == [err.strip().splitlines()[-1]], err
+    assert "launch.ray_address" in err and "127.0.0.9:1" in err
+
+
+def test_missing_resource_is_named_within_30s(cluster, tiny_model, tmp_path):
+    code, err, took = _bad(
+        *_ray_args(
+            cluster,
+            "--set",
+            "launch.learner_resources={gpu_node: 1}",
+            "--set",
+            "launch.ray_timeout_s=10",
+            "--model",
+            str(tiny_model),
+            "--run-dir",
+            str(tmp_path / "r"),
+        )
+    )
+    assert code == 2 and took < 30, (code, took, err)
+    last = err.strip().splitlines()[-1]
+    assert "cannot place the learner" in last and "'gpu_node'" in last, err
+    assert "Traceback" not in err

@@ -1,0 +1,100 @@
+"""The Ray launcher's pure parts: launch options, bundles, the "what is missing" message (with a
+fake of ray's cluster queries), key material, and the CLI's one-line errors (no cluster needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.config import ConfigError, flatten, load_config, to_dict
+from pipeline.launch.cli import main, parse
+from pipeline.launch.ray import KEY_FILES, _bundle, _missing, _workdir, make_keys
+
+
+def test_flags_and_yaml_reach_the_launch_section():
+    cfg, _ = parse(
+        [
+            "--launcher",
+            "ray",
+            "--ray-address",
+            "10.0.0.1:6380",
+            "--set",
+            "launch.producer_resources={producer_node: 1}",
+        ]
+    )
+    assert cfg.launch.backend == "ray" and cfg.launch.ray_address == "10.0.0.1:6380"
+    # Mapping options survive the child's rebuild from a flat dict.
+    again = load_config(overrides=flatten(to_dict(cfg)))
+    assert again.launch.producer_resources == {"producer_node": 1}
+
+
+@pytest.mark.parametrize(
+    "key,value,option",
+    [
+        ("launch.backend", "slurm", "launch.backend"),
+        ("launch.ray_address", "not an address", "launch.ray_address"),
+        ("launch.learner_resources", {"x": -1}, "launch.learner_resources"),
+        ("launch.producer_labels", {"zone": 3}, "launch.producer_labels"),
+        ("launch.producer_strategy", "RANDOM", "launch.producer_strategy"),
+        ("launch.stream_weights", "sometimes", "launch.stream_weights"),
+        ("sync.stream_from", "http://x", "sync.stream_from"),
+    ],
+)
+def test_bad_launch_values_name_the_option(key, value, option):
+    with pytest.raises(ConfigError, match=option):
+        load_config(overrides={key: value})
+
+
+def test_cli_bad_input_is_one_line_exit_2(capsys):
+    assert main(["--launcher", "ray", "--role", "producer"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--role" in err[0]
+    assert main(["--launcher", "nope"]) == 2
+    assert "launch.backend" in capsys.readouterr().err
+
+
+def test_bundles_drop_zero_amounts():
+    assert _bundle(1, 0, {"learner_node": 1}) == {"CPU": 1.0, "learner_node": 1.0}
+    assert _bundle(0, 0, {}) == {}
+
+
+class FakeRay:
+    """Answers the two cluster queries _missing makes, from a fixed node table."""
+
+    def __init__(self, nodes):
+        self._nodes = nodes
+
+    def nodes(self):
+        return [{"Alive": True, "Resources": r} for r in self._nodes]
+
+    def cluster_resources(self):
+        total: dict[str, float] = {}
+        for r in self._nodes:
+            for k, v in r.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+
+def test_missing_names_the_resource():
+    ray = FakeRay([{"CPU": 2, "producer_node": 1}, {"CPU": 2, "learner_node": 1}])
+    assert "no node has resource 'GPU'" in _missing(ray, {"CPU": 1, "GPU": 1}, {})
+    assert "has 4 CPU in all" in _missing(ray, {"CPU": 8}, {})
+    assert "no single node" in _missing(ray, {"CPU": 1, "producer_node": 1, "learner_node": 1}, {})
+    assert "labels" in _missing(ray, {"CPU": 1}, {"zone": "a"})
+
+
+def test_keys_are_certificate_files_and_raw_keys():
+    keys = make_keys()
+    assert set(KEY_FILES) <= set(keys)
+    assert b"secret-key" in keys["server.key_secret"] and b"secret-key" not in keys["server.key"]
+    assert len(keys["server.key_public"]) == 40 and len(keys["client.key_public"]) == 40
+
+
+def test_workdir_is_run_dir_on_the_driver_node_else_node_local(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert _workdir("/runs/a", True).as_posix() == "/runs/a"
+    local = _workdir("/runs/a", False)
+    assert local.parent == tmp_path / "pipeline-grpo-ray" and local.name.startswith("a-")
+    assert _workdir("/runs/a", False) == local and _workdir("/other/a", False) != local
