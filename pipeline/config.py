@@ -947,8 +947,11 @@ def parse_value(text: str, tp: Any, option: str) -> Any:
         raise ConfigError(f"{option}: cannot parse {_short(text)}: {what}") from None
     members = set(typing.get_args(tp)) if typing.get_origin(tp) in (
         typing.Union, types.UnionType) else {tp}
-    if str in members and not isinstance(value, str) and value is not None:
-        value = text  # a string option keeps what was typed (`--name 007`, `--data.path 1.5`)
+    if str in members and not isinstance(value, str) and (
+            value is not None or type(None) not in members):
+        # A string option keeps what was typed (`--name 007`, `--data.path 1.5`, and `''` or
+        # nothing for an empty one such as `--learner_gpus ''`); null only unsets an optional one.
+        value = text
     if typing.get_origin(tp) is Literal:
         value = text
     return value

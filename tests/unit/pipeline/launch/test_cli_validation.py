@@ -313,3 +313,11 @@ def test_every_option_type_is_one_the_checker_knows():
     for name, tp in OPTIONS:
         assert ok(tp), f"{name}: {tp}"
     assert sys.modules["pipeline.config"]
+
+
+def test_an_empty_string_option_stays_empty(fake_run, capsys):
+    """`--learner_gpus ''` (what the CPU benchmark layout passes) means "no GPU", not null."""
+    code, err = _main(["--learner_gpus", "", "--producer_gpus", "[]"], capsys)
+    assert code == 0, err
+    (cfg,) = fake_run
+    assert cfg.learner_gpus == "" and cfg.producer_gpus == []
