@@ -68,7 +68,7 @@ def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
         "--eval.every",
         "2",
         "--eval.samples_per_prompt",
-        "2",
+        "3",
         "--eval.max_prompts",
         "3",
         "--eval.pass_threshold",
@@ -86,7 +86,7 @@ def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
     assert sorted(int(r["eval/version"]) for r in evals) == [0, 2, 3], evals
     for r in evals:
         assert r["eval/prompts"] == 3.0
-        assert r["eval/pass@2"] == 1.0  # threshold 0: every exact_match score (0 or 1) passes
+        assert r["eval/pass@3"] == 1.0  # threshold 0: every exact_match score (0 or 1) passes
         assert 0.0 <= r["eval/reward_mean"] <= 1.0
         assert r["eval/exact_match"] == pytest.approx(r["eval/reward_mean"])
         assert r["eval/tokens"] > 0
@@ -95,16 +95,19 @@ def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert "eval v3: reward" in proc.stdout + proc.stderr
 
-    # Conservation: the learner received exactly the groups the producer sent as groups.
+    # Conservation: evaluation completions never reach the buffer. 3 samples per held-out
+    # prompt, not the group size 2, so one sent as a group would be rejected (and counted).
+    last = train[-1]
+    assert all(r.get("rejected_groups", 0) == 0 for r in train)
+    assert last["received"] == 4 * 2 + last["dropped_stale"] + last["buffer_size"]
     sent = [
         json.loads(line)
         for f in (run_dir / "producers").glob("*.jsonl")
         for line in f.read_text().splitlines()
         if line.strip()
     ]
-    sent_groups = [s for s in sent if "seq" in s]
-    assert train[-1]["received"] == len(sent_groups)
-    assert len(sent_groups) >= 4 * 2
+    seqs = sorted(s["seq"] for s in sent if "seq" in s)
+    assert seqs == list(range(len(seqs))) and len(seqs) >= last["received"]
 
     # The final checkpoint alone: same figures, through `pipeline-train eval`.
     out = tmp_path / "ckpt_eval.json"
@@ -129,7 +132,7 @@ def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
     assert_no_process_left(env["PIPELINE_TEST_RUN"])
     result = json.loads(out.read_text())
     assert result["step"] == 4 and result["version"] == 3
-    assert result["eval/prompts"] == 3.0 and result["eval/pass@2"] == 1.0
+    assert result["eval/prompts"] == 3.0 and result["eval/pass@3"] == 1.0
     assert "reward_mean" in proc.stdout and str(out) in proc.stdout
 
     bad = subprocess.run(
