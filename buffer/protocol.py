@@ -7,7 +7,7 @@ encoder or validator to keep in step. Rollout groups, the bulk data, have their 
 
 Channels (``buffer.transport``):
 
-    producer DEALER ──(Hello, Heartbeat, Ack, SyncReady)──► learner ROUTER  control, request/reply
+    producer DEALER ──(Hello, Heartbeat, Ack, SyncReady, EvalResult)──► learner ROUTER  control
     producer DEALER ◄──────────(Welcome, Reply)──────────── learner ROUTER
     producer SUB    ◄──────────────(Announce)────────────── learner PUB     broadcast
 
@@ -111,6 +111,17 @@ class SyncReady(_Message, tag="sync_ready"):
     version: Count = 0
 
 
+class EvalResult(_Message, tag="eval_result"):
+    """The figures of one evaluation on held-out prompts (``pipeline.producer.evaluate``), run
+    on weights ``version``. Evaluation completions never travel: they are not rollout groups."""
+
+    producer_id: Name
+    incarnation: Name
+    version: Count
+    stats: Stats
+    """``eval/reward_mean``, ``eval/pass@k``, ``eval/<reward>`` and the like."""
+
+
 # ---- learner -> producer (control channel replies) ------------------------------------------
 class Welcome(_Message, tag="welcome"):
     """The answer to a Hello: the learner has recorded this incarnation."""
@@ -189,7 +200,7 @@ class Announce(_Message, tag="announce"):
         _plain(self.transfer, "announce.transfer")
 
 
-ControlMessage = Hello | Heartbeat | Ack | SyncReady
+ControlMessage = Hello | Heartbeat | Ack | SyncReady | EvalResult
 """What producers send on the control channel."""
 Message = ControlMessage | Welcome | Reply | Announce
 

@@ -272,6 +272,28 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    data: str = opt("", "held-out prompts, in the formats of data.path (records read with "
+                        "data.prompt_field / data.answer_field); '' = no evaluation")
+    every: int = opt(0, "evaluate every k-th weights version (0: off); the last version is "
+                        "always evaluated; producer 0 runs it", ge=0)
+    samples_per_prompt: int = opt(4, "completions per held-out prompt (the k of eval/pass@k)",
+                                  ge=1)
+    temperature: float = opt(1.0, "sampling temperature of evaluation completions", ge=0)
+    max_prompts: int = opt(64, "held-out prompts used, first in file order (0: all)", ge=0)
+    pass_threshold: float = opt(1.0, "a completion passes when its total reward is >= this "
+                                     "(eval/pass@k)")
+    timeout_s: float = opt(600.0, "at the end the learner waits this long for the last "
+                                  "version's evaluation, then stops without it", gt=0)
+
+    def __post_init__(self) -> None:
+        _enforce(self)
+        _check(not self.every or bool(self.data), "eval.data",
+               "must name the held-out prompts when eval.every > 0")
+        _check(math.isfinite(self.pass_threshold), "eval.pass_threshold", "must be finite")
+
+
+@dataclass
 class RewardsConfig:
     specs: list[RewardSpec] = opt([{"fn": "pipeline.tasks.rewards:exact_match"}],
                       "list of reward specs {fn, weight, name, kwargs, batched, timeout_s, "
@@ -524,6 +546,8 @@ class RunConfig:
                                          metadata={"help": "generation"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data"})
     rewards: RewardsConfig = field(default_factory=RewardsConfig, metadata={"help": "rewards"})
+    eval: EvalConfig = field(default_factory=EvalConfig,
+                             metadata={"help": "evaluation on held-out prompts"})
     sync: SyncConfig = field(default_factory=SyncConfig, metadata={"help": "sync"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "train"})
     launch: LaunchConfig = field(default_factory=LaunchConfig, metadata={"help": "launch"})

@@ -79,7 +79,8 @@ def _count(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pipeline-train",
-        usage="%(prog)s [--config FILE] [--OPTION VALUE ...] [--set KEY=VALUE ...]",
+        usage="%(prog)s [--config FILE] [--OPTION VALUE ...] [--set KEY=VALUE ...]\n"
+              "       %(prog)s eval --checkpoint DIR [--config FILE] [--set KEY=VALUE ...]",
         description="Asynchronous pipelined GRPO: vLLM producers -> ZeroMQ rollout buffer -> "
                     "learner, with versioned weight sync. Options come from a YAML --config "
                     "and/or flags (flags win).",
@@ -174,6 +175,11 @@ def parse(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["eval"]:  # `pipeline-train eval --checkpoint DIR`: one checkpoint alone
+        from pipeline.launch.evaluate import main as eval_main
+
+        return eval_main(argv[1:])
     try:
         cfg, args = parse(argv)
         # A pinned placement that rules out an explicit transport fails here, in one line,

@@ -42,6 +42,7 @@ from buffer.protocol import (
     Ack,
     Announce,
     ControlMessage,
+    EvalResult,
     Heartbeat,
     Hello,
     Reply,
@@ -64,6 +65,7 @@ from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
 from pipeline.owner import owned_name
 from pipeline.procs import LOGS_DIR, ConsoleStream
+from pipeline.producer.evaluate import is_due, last_version
 from sync.packing import Layout, pack, plan_layout
 from sync.snapshot import SnapshotRef
 from sync.transfer import TransportChoiceError, choose_transport
@@ -160,6 +162,7 @@ class Learner:
         self._rejects_logged: dict[tuple[str, str], int] = {}
         self._vocab_size = self.trainer.vocab_size
         self._failed_steps = 0  # consecutive training steps that raised
+        self.evaluated: dict[int, dict[str, float]] = {}  # version -> its eval/* figures
         if resume:  # a checkpoint may hold groups that this run would reject now
             limits = self.limits()
             for g, bad in self.buffer.recheck(lambda g: check_group(g, limits)):
@@ -223,6 +226,8 @@ class Learner:
             info.stats = msg.stats
         elif isinstance(msg, SyncReady):
             self._on_sync_ready(msg)
+        elif isinstance(msg, EvalResult):
+            self._on_eval(msg)
         elif isinstance(msg, Ack):
             self.acks.setdefault(msg.version if msg.ok else -1, {})[msg.producer_id] = msg
             if msg.ok:
@@ -235,6 +240,36 @@ class Learner:
             else:
                 self.counters["sync_failures"] = self.counters.get("sync_failures", 0) + 1
                 log.error("producer %s failed to sync: %s", msg.producer_id, msg.error)
+
+    def _on_eval(self, msg: EvalResult) -> None:
+        """An evaluation's figures: one metrics row (at the current step) tagged with the
+        version they measure, and one console line."""
+        self.evaluated[msg.version] = dict(msg.stats)
+        self.metrics.log(self.state.step, {"eval/version": float(msg.version), **msg.stats},
+                         progress=False)
+        k = self.cfg.eval.samples_per_prompt
+        print(f"eval v{msg.version}: reward {msg.stats.get('eval/reward_mean', 0.0):.3f}, "
+              f"pass@{k} {msg.stats.get(f'eval/pass@{k}', 0.0):.3f} "
+              f"({int(msg.stats.get('eval/prompts', 0))} prompts, "
+              f"{msg.stats.get('eval/seconds', 0.0):.1f} s)", file=ConsoleStream(), flush=True)
+
+    async def _await_last_eval(self) -> None:
+        """Training is over: wait (``eval.timeout_s``) for the evaluation of the last version,
+        which producer 0 may still be running."""
+        ev, v = self.cfg.eval, self.state.version
+        if not ev.every or v in self.evaluated:
+            return
+        if not is_due(v, ev.every, last_version(self.cfg.train.steps, self.cfg.sync.sync_every)):
+            # A skipped (non-finite) update published fewer versions than the producers expect.
+            log.warning("the last version, %d, is not one the producers evaluate; no final "
+                        "evaluation", v)
+            return
+        deadline = time.monotonic() + ev.timeout_s
+        while v not in self.evaluated and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if v not in self.evaluated:
+            log.warning("no evaluation of the last version %d within eval.timeout_s (%.0f s)",
+                        v, ev.timeout_s)
 
     def _answer(self, msg: ControlMessage) -> Welcome | Reply:
         """Check and apply one control message; the answer goes back to its sender."""
@@ -503,6 +538,7 @@ class Learner:
             ce = t.checkpoint_every
             if ce and st.step % ce == 0 and st.step < t.steps:
                 await self.checkpoint()
+        await self._await_last_eval()
         await self.writer.flush()  # a failed write raises here, not silently
 
     def _producer_metrics(self) -> dict[str, float]:

@@ -122,8 +122,9 @@ class MetricsLogger:
             self._file.write("\n")
         self._start = time.monotonic()
 
-    def log(self, step: int, metrics: Mapping[str, float | int]) -> None:
-        """Record ``metrics`` for learner ``step`` (the number of completed steps)."""
+    def log(self, step: int, metrics: Mapping[str, float | int], progress: bool = True) -> None:
+        """Record ``metrics`` for learner ``step`` (the number of completed steps); ``progress``
+        False: no progress line for this row (a row that is not a training step's)."""
         if self._file is None:
             raise RuntimeError("MetricsLogger is closed")
         clash = [k for k in _RESERVED if k in metrics]
@@ -145,7 +146,7 @@ class MetricsLogger:
             self._write_tensorboard(int(step), values)
         if self._trackers is not None:
             self._trackers.log(int(step), values)
-        if self._progress:
+        if self._progress and progress:
             line = format_progress(step, self.total_steps, record, first_reward=self.first_reward)
             print(line, file=self._stream, flush=True)
 

@@ -9,6 +9,9 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
   The weights come by the route the learner names for us (file, ipc or nccl; see
   ``sync.transfer``); a GPU route that fails is followed by a file swap to the same version;
 - ``_heartbeat``: liveness and stats for the learner.
+Producer 0 also evaluates (``eval.every``): on each due version, once loaded and before new
+admissions, it runs the held-out prompts and sends their figures in an EvalResult (never as
+groups: ``pipeline.producer.evaluate``).
 Control messages (Hello, Heartbeat, Ack, SyncReady) go on the control channel and each gets an
 answer (``buffer.protocol``); groups go on the data channel only after the learner has welcomed
 this incarnation, and a learner that no longer knows us (restarted) gets a new Hello.
@@ -38,6 +41,7 @@ from buffer.protocol import (
     Ack,
     Announce,
     ControlMessage,
+    EvalResult,
     Heartbeat,
     Hello,
     Reply,
@@ -49,6 +53,7 @@ from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig, curve_keys, may_admit, producer_budget
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
+from pipeline.producer.evaluate import eval_records, generate_and_score, is_due, last_version
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
 from pipeline.producer.stats import ProducerStats
@@ -118,6 +123,11 @@ class Producer:
         self._asleep = False
         self.learner_heading_to = 0  # Announce.heading_to: see pipeline.config.may_admit
         self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
+        # Only producer 0 evaluates: one evaluation per version, whatever the producer count.
+        ev = cfg.eval
+        self.eval_records = eval_records(cfg.data, ev) if ev.every and index == 0 else []
+        self.eval_last = last_version(cfg.train.steps, cfg.sync.sync_every)
+        self._evaluated: set[int] = set()
 
     # ------------------------------------------------------------------ admission
     def outstanding(self) -> int:
@@ -349,8 +359,32 @@ class Producer:
         if ref is None and self._loaded_session != ann.learner_session:
             self.tracker.version = ann.version  # the learner's base weights: nothing to load
         if ref is None or self.tracker.version == ref.version:
+            await self._evaluate_if_due()
             self._synced.set()
         self._budget_changed.set()
+
+    async def _evaluate_if_due(self) -> None:
+        """Evaluate the version just loaded, if due, before admitting on it. Groups already
+        generating go on meanwhile; no swap can start, as this runs inside the announce
+        handler, so every evaluation completion comes from this one version."""
+        v = self.tracker.version
+        if not self.eval_records or v in self._evaluated or \
+                not is_due(v, self.cfg.eval.every, self.eval_last):
+            return
+        self._evaluated.add(v)
+        await self._wake()
+        stats = await generate_and_score(
+            self.engine, self.tokenizer, self.cfg.data, self.cfg.eval,
+            self.cfg.generation.max_tokens, self.cfg.engine.max_model_len, self.eval_records,
+            self.rewards, v)
+        log.info("%s: eval v%d: %s", self.producer_id, v,
+                 ", ".join(f"{k.removeprefix('eval/')} {x:.3g}" for k, x in stats.items()))
+        answer = await self._control(EvalResult(producer_id=self.producer_id,
+                                                incarnation=self.incarnation, version=v,
+                                                stats=stats))
+        if answer is None or not answer.ok:
+            log.warning("%s: the learner did not take the evaluation of v%d: %s",
+                        self.producer_id, v, answer.reason if answer else "no answer")
 
     def _target(self, ann: Announce, route: str) -> SnapshotRef | None:
         """The version to run next, or None when there is nothing to load.

@@ -1,0 +1,181 @@
+"""``pipeline-train eval --checkpoint DIR``: evaluate one checkpoint's weights on held-out prompts.
+
+The figures are the ones a run logs during training (``pipeline.producer.evaluate``), computed
+the same way: the checkpoint's model is loaded into a learner-side trainer on the CPU, its
+weights go into one vLLM engine as a snapshot (the producers' load path), and the ``eval.*``
+options of the run's config (or ``--config``/``--set``) choose prompts, samples and threshold.
+A checkpoint holds the weights after its step: for the final one, newer than the last version
+the producers ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError, RunConfig, flatten, iter_options, load_config, parse_value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pipeline-train eval",
+        description="Evaluate a checkpoint on held-out prompts (eval.data) and print/write "
+        "eval/reward_mean, eval/pass@k and each reward's mean.",
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a checkpoint dir (run_dir/checkpoints/step_N) or a run_dir (its latest)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="config YAML (default: the run's config.yaml next to its checkpoints)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any option by dotted name, e.g. --set eval.data=heldout.jsonl",
+    )
+    p.add_argument(
+        "--out", metavar="FILE", help="write the figures as JSON here (default: DIR/eval.json)"
+    )
+    return p
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint dir itself, or a run_dir's latest; ConfigError naming --checkpoint."""
+    from pipeline.learner.checkpoint import latest_checkpoint
+
+    if (path / "state.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ConfigError(
+            f"--checkpoint: {path} is neither a checkpoint (no state.json) nor a "
+            f"run_dir with checkpoints"
+        )
+    return latest
+
+
+def config_for(ckpt: Path, config: str | None, sets: list[str]) -> RunConfig:
+    """The run's config (``run_dir/config.yaml``) or ``--config``, with ``--set`` overrides."""
+    import yaml
+
+    types = {name: tp for name, _f, tp in iter_options(RunConfig)}
+    overrides: dict[str, Any] = {}
+    for item in sets:
+        key, eq, text = item.partition("=")
+        if not eq or key not in types:
+            raise ConfigError(f"--set: expected KEY=VALUE with a known option, got {item!r}")
+        overrides[key] = parse_value(text, types[key], key)
+    if config is not None:
+        return load_config(config, overrides)
+    run_cfg = ckpt.parent.parent / "config.yaml"
+    if not run_cfg.is_file():
+        raise ConfigError(f"--config: {run_cfg} not found; name the run's config with --config")
+    try:
+        data = flatten(yaml.safe_load(run_cfg.read_text()))
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config: cannot read {run_cfg}: {e}") from None
+    return load_config(None, {**data, **overrides})
+
+
+def checkpoint_snapshot(cfg: RunConfig, model_path: str, ckpt: Path, directory: Path) -> Any:
+    """The checkpoint's weights as a snapshot file in ``directory`` (LoRA merged, as the
+    learner publishes them) and the learner state: ``(SnapshotRef, LearnerState)``."""
+    from pipeline.learner.checkpoint import load_checkpoint
+    from pipeline.learner.trainer import PolicyTrainer
+    from sync.snapshot import write_snapshot
+
+    state, tensors, _buffer = load_checkpoint(ckpt)
+    trainer = PolicyTrainer(cfg, model_path, device="cpu")
+    trainer.load_state(tensors, ckpt)
+    # One past the run's last version: a version the freshly started engine has not run.
+    ref = write_snapshot(trainer.snapshot_tensors(), state.version + 1, directory)
+    del trainer, tensors
+    gc.collect()
+    return ref, state
+
+
+async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    from pipeline.producer.engine import build_engine
+    from pipeline.producer.evaluate import eval_records, generate_and_score
+    from pipeline.producer.rewards import RewardSet
+    from sync.barrier import RequestTracker, SwapBarrier
+    from sync.transfer import FileTransport, swap_with_fallback
+
+    records = eval_records(cfg.data, cfg.eval)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rewards = RewardSet(
+        cfg.rewards.specs, on_failure=cfg.rewards.on_failure, pool_workers=cfg.rewards.pool_workers
+    )
+    engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed)
+    try:
+        barrier = SwapBarrier(
+            engine, RequestTracker(), mode="keep", load_timeout_s=cfg.sync.load_timeout_s
+        )
+        report = await swap_with_fallback(barrier, "file", ref, FileTransport(engine))
+        if not report.ok:
+            raise RuntimeError(f"loading the checkpoint's weights failed: {report.error}")
+        return await generate_and_score(
+            engine,
+            tokenizer,
+            cfg.data,
+            cfg.eval,
+            cfg.generation.max_tokens,
+            cfg.engine.max_model_len,
+            records,
+            rewards,
+            ref.version,
+        )
+    finally:
+        rewards.close()
+        engine.shutdown()
+        del engine
+        gc.collect()
+
+
+def main(argv: list[str]) -> int:
+    """Run the subcommand; bad input exits 2 with one line naming the option."""
+    args = build_parser().parse_args(argv)
+    try:
+        ckpt = resolve_checkpoint(Path(args.checkpoint))
+        cfg = config_for(ckpt, args.config, args.set)
+        if not cfg.eval.data:
+            raise ConfigError("eval.data: name the held-out prompts (--set eval.data=FILE)")
+        from pipeline.launch.local import prepare
+        from pipeline.producer.evaluate import eval_records
+
+        model_path = prepare(cfg, role="producer")
+        eval_records(cfg.data, cfg.eval)  # a bad eval.data fails here, before any engine
+    except ConfigError as e:
+        print(f"pipeline-train eval: config error: {e}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pipeline-eval-") as tmp:
+        ref, state = checkpoint_snapshot(cfg, model_path, ckpt, Path(tmp))
+        stats = asyncio.run(_evaluate(cfg, model_path, ref))
+    result = {"checkpoint": str(ckpt), "step": state.step, "version": state.version, **stats}
+    out = Path(args.out) if args.out else ckpt / "eval.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    k = cfg.eval.samples_per_prompt
+    print(
+        f"eval {ckpt} (step {state.step}): reward_mean {stats['eval/reward_mean']:.4f}, "
+        f"pass@{k} {stats[f'eval/pass@{k}']:.4f} over {int(stats['eval/prompts'])} prompts "
+        f"x {k} samples"
+    )
+    for key, value in stats.items():
+        print(f"  {key}: {value:.6g}")
+    print(f"written: {out}")
+    return 0

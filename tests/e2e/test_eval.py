@@ -1,0 +1,156 @@
+"""End to end: evaluation during training and of a checkpoint, through the real launcher with a
+real vLLM CPU engine on the tiny model.
+
+Checks: eval rows appear for the due versions (every 2nd, and the last), with the version they
+measure; evaluation completions never reach the rollout buffer (the learner received exactly the
+groups the producer sent); ``pipeline-train eval --checkpoint`` evaluates the final checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import assert_no_process_left
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(
+        "".join(
+            json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "prompt_id": f"heldout-{a}"})
+            + "\n"
+            for a in range(5)
+        )
+    )
+    run_dir = tmp_path / "run"
+    common = ["--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.launch.cli",
+        "--model",
+        str(tiny_model),
+        "--data",
+        "arithmetic:64",
+        "--mode",
+        "async",
+        "--max-staleness",
+        "1",
+        "--steps",
+        "4",
+        "--num-producers",
+        "1",
+        "--batch-groups",
+        "2",
+        "--group-size",
+        "2",
+        "--max-tokens",
+        "8",
+        "--run-dir",
+        str(run_dir),
+        "--name",
+        "eval-e2e",
+        "--eval.data",
+        str(heldout),
+        "--eval.every",
+        "2",
+        "--eval.samples_per_prompt",
+        "3",
+        "--eval.max_prompts",
+        "3",
+        "--eval.pass_threshold",
+        "0.0",
+        *common,
+    ]
+    env = dict(os.environ, PIPELINE_TEST_RUN="eval" + str(os.getpid()))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_no_process_left(env["PIPELINE_TEST_RUN"])
+
+    rows = _rows(run_dir / "metrics.jsonl")
+    evals = [r for r in rows if "eval/version" in r]
+    # steps 1..3 publish v1..v3 (none after step 4): due are v0, v2 and the last, v3.
+    assert sorted(int(r["eval/version"]) for r in evals) == [0, 2, 3], evals
+    for r in evals:
+        assert r["eval/prompts"] == 3.0
+        assert r["eval/pass@3"] == 1.0  # threshold 0: every exact_match score (0 or 1) passes
+        assert 0.0 <= r["eval/reward_mean"] <= 1.0
+        assert r["eval/exact_match"] == pytest.approx(r["eval/reward_mean"])
+        assert r["eval/tokens"] > 0
+        assert "reward_mean" not in r  # an eval row is not a training step's row
+    train = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert "eval v3: reward" in proc.stdout + proc.stderr
+
+    # Conservation: evaluation completions never reach the buffer. 3 samples per held-out
+    # prompt, not the group size 2, so one sent as a group would be rejected (and counted).
+    last = train[-1]
+    assert all(r.get("rejected_groups", 0) == 0 for r in train)
+    assert last["received"] == 4 * 2 + last["dropped_stale"] + last["buffer_size"]
+    sent = [
+        json.loads(line)
+        for f in (run_dir / "producers").glob("*.jsonl")
+        for line in f.read_text().splitlines()
+        if line.strip()
+    ]
+    seqs = sorted(s["seq"] for s in sent if "seq" in s)
+    assert seqs == list(range(len(seqs))) and len(seqs) >= last["received"]
+
+    # The final checkpoint alone: same figures, through `pipeline-train eval`.
+    out = tmp_path / "ckpt_eval.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.launch.cli",
+            "eval",
+            "--checkpoint",
+            str(run_dir),
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_no_process_left(env["PIPELINE_TEST_RUN"])
+    result = json.loads(out.read_text())
+    assert result["step"] == 4 and result["version"] == 3
+    assert result["eval/prompts"] == 3.0 and result["eval/pass@3"] == 1.0
+    assert "reward_mean" in proc.stdout and str(out) in proc.stdout
+
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.launch.cli",
+            "eval",
+            "--checkpoint",
+            str(run_dir),
+            "--set",
+            "eval.data=" + str(tmp_path / "missing.jsonl"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
+    assert "eval.data" in bad.stderr

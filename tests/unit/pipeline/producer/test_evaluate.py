@@ -1,0 +1,94 @@
+"""Pure parts of evaluation: which versions are due, pass@k, aggregation, held-out records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from buffer.protocol import EvalResult, decode, encode
+from pipeline.config import ConfigError, DataConfig, EvalConfig, load_config
+from pipeline.producer.evaluate import aggregate, eval_records, is_due, last_version, pass_at_k
+
+
+def test_last_version_counts_publishes_before_the_final_step():
+    assert last_version(6, 1) == 5  # steps 1..5 publish v1..v5; step 6 ends the run
+    assert last_version(6, 2) == 2  # steps 2 and 4 publish
+    assert last_version(1, 1) == 0  # nothing published: the base weights are the last
+
+
+def test_due_every_kth_and_always_the_last():
+    due = [v for v in range(8) if is_due(v, 3, 7)]
+    assert due == [0, 3, 6, 7]
+    assert not any(is_due(v, 0, 7) for v in range(8))  # off
+
+
+def test_pass_at_k_counts_prompts_with_any_pass():
+    assert pass_at_k([[False, True], [False, False], [True, True], [False, False]]) == 0.5
+    assert pass_at_k([]) == 0.0
+
+
+def test_aggregate_means_pass_at_k_and_each_reward():
+    totals = [[1.0, 0.0], [0.5, 0.5]]
+    breakdowns = [
+        [{"acc": 1.0, "len": 0.0}, {"acc": 0.0, "len": 0.0}],
+        [{"acc": 0.5}, {"acc": 0.5, "len": 1.0}],
+    ]
+    out = aggregate(totals, breakdowns, k=2, threshold=1.0)
+    assert out["eval/reward_mean"] == pytest.approx(0.5)
+    assert out["eval/pass@2"] == 0.5
+    assert out["eval/acc"] == pytest.approx(0.5)
+    assert out["eval/len"] == pytest.approx(1 / 3)  # over the completions it scored
+    assert out["eval/prompts"] == 2.0
+    assert aggregate(totals, breakdowns, k=2, threshold=0.5)["eval/pass@2"] == 1.0
+
+
+def test_eval_records_use_the_data_fields_in_file_order(tmp_path):
+    path = tmp_path / "heldout.jsonl"
+    path.write_text(
+        "".join(json.dumps({"q": f"{i}+1=", "sol": str(i + 1)}) + "\n" for i in range(5))
+    )
+    data = DataConfig(prompt_field="q", answer_field="sol", seed=7)
+    recs = eval_records(data, EvalConfig(data=str(path), every=1, max_prompts=3))
+    assert [r.prompt for r in recs] == ["0+1=", "1+1=", "2+1="]
+    assert [r.meta["answer"] for r in recs] == ["1", "2", "3"]
+    assert len(eval_records(data, EvalConfig(data=str(path), every=1, max_prompts=0))) == 5
+
+
+def test_eval_records_errors_name_eval_data(tmp_path):
+    with pytest.raises(ConfigError, match=r"^eval\.data: .* does not exist"):
+        eval_records(DataConfig(), EvalConfig(data=str(tmp_path / "nope.jsonl"), every=1))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"other": 1}) + "\n")
+    with pytest.raises(ConfigError, match="prompt"):
+        eval_records(DataConfig(), EvalConfig(data=str(bad), every=1))
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match=r"^eval\.data: must name"):
+        load_config(None, {"eval.every": 2})
+    with pytest.raises(ConfigError, match=r"^eval\.every"):
+        load_config(None, {"eval.every": -1, "eval.data": "x"})
+    with pytest.raises(ConfigError, match=r"^eval\.samples_per_prompt"):
+        load_config(None, {"eval.samples_per_prompt": 0})
+    cfg = load_config(None, {"eval.every": 2, "eval.data": "arithmetic:8"})
+    assert cfg.eval.every == 2 and cfg.eval.samples_per_prompt == 4
+
+
+def test_eval_result_round_trips_and_refuses_non_finite():
+    msg = EvalResult(
+        producer_id="p0",
+        incarnation="p0-1",
+        version=3,
+        stats={"eval/reward_mean": 0.25, "eval/pass@4": 0.5},
+    )
+    assert decode(encode(msg, rid=7)) == (7, msg)
+    with pytest.raises(ValueError):
+        encode(
+            EvalResult(
+                producer_id="p0",
+                incarnation="p0-1",
+                version=3,
+                stats={"eval/reward_mean": float("nan")},
+            )
+        )
