@@ -525,8 +525,6 @@ class Learner:
                 **self._producer_metrics(),
                 **{k: float(v) for k, v in self.counters.items()},
                 "snapshot_files_skipped": float(self.writer.skipped),
-                **{f"engine_{k}": sum(i.stats.get(k, 0.0) for i in self.producers.values())
-                   for k in ("sleeps", "sleep_s", "wake_s") if self.cfg.engine.sleep_when_idle},
                 "duplicates_ignored": float(self.ledger.duplicates),
                 **self.registry.metrics(),
                 **self._take_sync(),
