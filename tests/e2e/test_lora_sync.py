@@ -64,7 +64,7 @@ def test_adapter_versions_change_engine_logprobs(tiny_model, tmp_path):
     from vllm import SamplingParams
 
     from pipeline.config import EngineConfig, ModelConfig, load_config
-    from pipeline.learner.trainer import PolicyTrainer
+    from pipeline.learner.trainer import PolicyTrainer, token_logprobs
     from pipeline.producer.adapters import AdapterSet
     from pipeline.producer.engine import build_engine
     from sync.lora import adapter_config
@@ -81,8 +81,7 @@ def test_adapter_versions_change_engine_logprobs(tiny_model, tmp_path):
 
     def trainer_lps() -> np.ndarray:
         with torch.no_grad():
-            return __import__("pipeline.learner.trainer", fromlist=["x"]).token_logprobs(
-                tr.model, ids, torch.ones_like(ids), mask)[0].numpy()
+            return token_logprobs(tr.model, ids, torch.ones_like(ids), mask)[0].numpy()
 
     snaps, want = {}, {0: trainer_lps()}
     g = torch.Generator().manual_seed(0)

@@ -172,5 +172,5 @@ def test_unservable_targets_fall_back_to_merged_with_one_warning(tiny_model, tmp
 
 
 def test_lora_adapters_option_is_validated(tiny_model, tmp_path):
-    with pytest.raises(ConfigError, match="sync.lora_adapters"):
+    with pytest.raises(ConfigError, match=r"sync\.lora_adapters"):
         _cfg(tiny_model, tmp_path, **{"sync.lora_adapters": "maybe"})
