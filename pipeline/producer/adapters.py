@@ -33,7 +33,7 @@ class AdapterSet:
         self.config = config  # peft adapter_config.json contents (sync.lora.adapter_config)
         self.current = 0
         self.requests: dict[int, Any] = {}  # version -> LoRARequest, staged or in use
-        self.users: dict[int, int] = {}     # version -> requests in flight on it
+        self.users: dict[int, int] = {}  # version -> requests in flight on it
 
     def request_for(self, version: int) -> Any:
         """The LoRARequest of ``version`` (None for the base weights); count one user."""
@@ -60,8 +60,11 @@ class AdapterSet:
         if not await self.engine.add_lora(req):
             raise RuntimeError(f"vLLM refused LoRA adapter v{ref.version} ({path})")
         self.requests[ref.version] = req
-        return {"write_s": t1 - t0, "add_lora_s": time.perf_counter() - t1,
-                "bytes": float((path / "adapter_model.safetensors").stat().st_size)}
+        return {
+            "write_s": t1 - t0,
+            "add_lora_s": time.perf_counter() - t1,
+            "bytes": float((path / "adapter_model.safetensors").stat().st_size),
+        }
 
     async def switch(self, version: int) -> dict[str, float]:
         """New requests use ``version``'s adapter from now on (the barrier's load step)."""

@@ -29,22 +29,58 @@ PROBE = [ord(c) for c in "The quick brown fox jumps over the lazy dog."]
 
 def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
     run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
-    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
-           "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
-           "--num-producers", "1", "--batch-groups", "2", "--group-size", "4",
-           "--max-tokens", "8", "--run-dir", str(run_dir), "--mode", "async",
-           "--max-staleness", "1", "--steps", "4", "--train.lora_rank", "8",
-           "--train.lr", "0.01", "--sync.snapshot_dir", str(snaps), "--sync.keep_snapshots", "4",
-           "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
-           "--tensorboard", "false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.launch.cli",
+        "--model",
+        str(tiny_model),
+        "--data",
+        "arithmetic:200",
+        "--reward",
+        "pipeline.tasks.rewards:length_reward",
+        "--num-producers",
+        "1",
+        "--batch-groups",
+        "2",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "8",
+        "--run-dir",
+        str(run_dir),
+        "--mode",
+        "async",
+        "--max-staleness",
+        "1",
+        "--steps",
+        "4",
+        "--train.lora_rank",
+        "8",
+        "--train.lr",
+        "0.01",
+        "--sync.snapshot_dir",
+        str(snaps),
+        "--sync.keep_snapshots",
+        "4",
+        "--engine.max_model_len",
+        "256",
+        "--engine.cpu_kvcache_space_gib",
+        "1",
+        "--tensorboard",
+        "false",
+    ]
     env = dict(os.environ, PIPELINE_TEST_RUN="lora" + str(os.getpid()))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_no_process_left(env["PIPELINE_TEST_RUN"])
     logs = proc.stdout + proc.stderr
     assert "merged full weights" not in logs
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # Groups of later versions were generated under adapters: the producer swapped to them.
     assert max(r.get("version", 0) for r in rows) >= 3
@@ -70,10 +106,17 @@ def test_adapter_versions_change_engine_logprobs(tiny_model, tmp_path):
     from sync.lora import adapter_config
     from sync.snapshot import write_snapshot
 
-    cfg = load_config(overrides={
-        "model.path": str(tiny_model), "data.path": "arithmetic:10", "run_dir": str(tmp_path),
-        "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward", "weight": 1.0}],
-        "model.dtype": "float32", "train.lora_rank": 8, "train.lora_alpha": 16.0})
+    cfg = load_config(
+        overrides={
+            "model.path": str(tiny_model),
+            "data.path": "arithmetic:10",
+            "run_dir": str(tmp_path),
+            "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward", "weight": 1.0}],
+            "model.dtype": "float32",
+            "train.lora_rank": 8,
+            "train.lora_alpha": 16.0,
+        }
+    )
     tr = PolicyTrainer(cfg, str(tiny_model), device="cpu")
     assert tr.adapter_sync
     ids = torch.tensor([PROBE])
@@ -94,12 +137,18 @@ def test_adapter_versions_change_engine_logprobs(tiny_model, tmp_path):
         want[v] = trainer_lps()
 
     async def main() -> dict[int, np.ndarray]:
-        engine = build_engine(ModelConfig(dtype="float32"),
-                              EngineConfig(max_model_len=256, cpu_kvcache_space_gib=1),
-                              str(tiny_model), seed=0, lora_rank=8, max_loras=2)
+        engine = build_engine(
+            ModelConfig(dtype="float32"),
+            EngineConfig(max_model_len=256, cpu_kvcache_space_gib=1),
+            str(tiny_model),
+            seed=0,
+            lora_rank=8,
+            max_loras=2,
+        )
         try:
-            ad = AdapterSet(engine, "lora-test", adapter_config(8, 16.0, list(
-                cfg.train.lora_target_modules)))
+            ad = AdapterSet(
+                engine, "lora-test", adapter_config(8, 16.0, list(cfg.train.lora_target_modules))
+            )
             sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
             got = {}
             for v in (0, 1, 2):
@@ -108,8 +157,9 @@ def test_adapter_versions_change_engine_logprobs(tiny_model, tmp_path):
                     await ad.switch(v)
                 lora = ad.request_for(v)
                 final = None
-                async for out in engine.generate({"prompt_token_ids": PROBE}, sp, f"r{v}",
-                                                 lora_request=lora):
+                async for out in engine.generate(
+                    {"prompt_token_ids": PROBE}, sp, f"r{v}", lora_request=lora
+                ):
                     final = out
                 await ad.release(v)
                 got[v] = _prompt_logprobs(final)

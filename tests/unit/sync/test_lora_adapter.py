@@ -43,9 +43,11 @@ def test_max_lora_rank_rounds_up_to_a_value_vllm_accepts():
 
 
 def test_adapter_tensors_take_peft_saved_names_and_dtype():
-    state = {f"{PREFIX}.base_layer.weight": torch.zeros(4, 4),
-             f"{PREFIX}.lora_A.default.weight": torch.ones(2, 4),
-             f"{PREFIX}.lora_B.default.weight": torch.full((4, 2), 2.0)}
+    state = {
+        f"{PREFIX}.base_layer.weight": torch.zeros(4, 4),
+        f"{PREFIX}.lora_A.default.weight": torch.ones(2, 4),
+        f"{PREFIX}.lora_B.default.weight": torch.full((4, 2), 2.0),
+    }
     out = adapter_tensors(state, [PREFIX], torch.bfloat16)
     assert set(out) == {f"{PREFIX}.lora_A.weight", f"{PREFIX}.lora_B.weight"}
     assert all(t.dtype == torch.bfloat16 for t in out.values())
@@ -53,8 +55,10 @@ def test_adapter_tensors_take_peft_saved_names_and_dtype():
 
 
 def test_stage_writes_peft_layout_from_a_verified_snapshot(tmp_path):
-    tensors = {f"{PREFIX}.lora_A.weight": torch.randn(2, 8),
-               f"{PREFIX}.lora_B.weight": torch.randn(8, 2)}
+    tensors = {
+        f"{PREFIX}.lora_A.weight": torch.randn(2, 8),
+        f"{PREFIX}.lora_B.weight": torch.randn(8, 2),
+    }
     ref = write_snapshot(tensors, 3, tmp_path / "snaps")
     cfg = adapter_config(2, 4.0, ["v_proj", "q_proj"], base_model="tiny")
     d = stage_adapter(ref, cfg, tmp_path / "snaps" / "lora-p0" / "v3")
@@ -74,8 +78,9 @@ def test_stage_writes_peft_layout_from_a_verified_snapshot(tmp_path):
 
 
 def test_stage_refuses_merged_weights_and_bad_checksums(tmp_path):
-    merged = write_snapshot({"model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2)}, 1,
-                            tmp_path)
+    merged = write_snapshot(
+        {"model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2)}, 1, tmp_path
+    )
     with pytest.raises(SnapshotError, match="not a LoRA adapter"):
         stage_adapter(merged, adapter_config(2, 4.0, ["q_proj"]), tmp_path / "a")
     good = write_snapshot({f"{PREFIX}.lora_A.weight": torch.zeros(2, 2)}, 2, tmp_path)

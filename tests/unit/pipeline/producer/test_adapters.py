@@ -30,9 +30,17 @@ class FakeLoraEngine:
 
 def test_adapters_follow_requests_and_are_removed_when_unused(tmp_path):
     snaps = tmp_path / "snaps"
-    refs = {v: write_snapshot({f"{P}.lora_A.weight": torch.full((2, 4), float(v)),
-                               f"{P}.lora_B.weight": torch.zeros(4, 2)}, v, snaps)
-            for v in (1, 2, 3)}
+    refs = {
+        v: write_snapshot(
+            {
+                f"{P}.lora_A.weight": torch.full((2, 4), float(v)),
+                f"{P}.lora_B.weight": torch.zeros(4, 2),
+            },
+            v,
+            snaps,
+        )
+        for v in (1, 2, 3)
+    }
     eng = FakeLoraEngine()
     ad = AdapterSet(eng, "lora-p0", adapter_config(2, 4.0, ["q_proj"]))
 
