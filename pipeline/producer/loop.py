@@ -110,6 +110,8 @@ class Producer:
             self.adapters = AdapterSet(
                 engine, f"lora-{self.producer_id}-{os.getpid()}",
                 adapter_config(t.lora_rank, t.lora_alpha, list(t.lora_target_modules)))
+            log.info("%s: serves each version as a LoRA adapter (rank %d, sync.lora_adapters)",
+                     self.producer_id, t.lora_rank)
         self.stats = ProducerStats()
         self.in_flight_groups = 0
         self.held = 0            # our groups in the learner's buffer (from announces)
