@@ -75,6 +75,7 @@ def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_no_process_left(env["PIPELINE_TEST_RUN"])
     logs = proc.stdout + proc.stderr
+    logs += "".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs").glob("*.log")))
     assert "merged full weights" not in logs
     rows = [
         json.loads(line)
