@@ -333,6 +333,11 @@ class SyncConfig:
                                "The Ray launcher sets it for producers off the learner's node")
     snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run> when "
                                 "keep_snapshots + 1 of them fit there, else run_dir/snapshots)")
+    lora_adapters: Literal["auto", "off"] = opt(
+        "auto", "with train.lora_rank > 0: 'auto' ships each version as the LoRA adapter alone "
+                "(peft format) and producers serve it through vLLM's LoRA support, falling back "
+                "to merged full weights (one warning naming why) where vLLM cannot serve the "
+                "targeted modules; 'off' always ships merged weights (docs/lora.md)")
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
     keep_snapshots: int = opt(2, "snapshot files kept on disk")
     retain_groups: int = opt(4096, "groups a producer keeps until the learner has checkpointed "
@@ -363,6 +368,8 @@ class SyncConfig:
                "sync.transport", f"{self.transport!r} needs NVIDIA GPUs and none is visible "
                                  f"(CPU build?); use 'file' or 'auto'")
         _check(self.nccl_timeout_s > 0, "sync.nccl_timeout_s", "must be > 0")
+        _check(self.lora_adapters in ("auto", "off"), "sync.lora_adapters",
+               "must be 'auto' or 'off'")
         _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
         _check(self.keep_snapshots >= 2, "sync.keep_snapshots",
                "must be >= 2 (the previous snapshot is the rollback target)")
@@ -405,7 +412,7 @@ class TrainConfig:
                                  gt=0)
     seed: int = opt(0, "learner seed")
     lora_rank: int = opt(0, "LoRA rank through peft (0: full fine-tune); snapshots carry the "
-                            "targeted weights with the adapter merged in")
+                            "adapter alone or the merged weights (sync.lora_adapters)")
     lora_alpha: float = opt(16.0, "LoRA alpha (scale = alpha / rank)")
     lora_target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                      "up_proj", "down_proj"], "module names LoRA adapts")

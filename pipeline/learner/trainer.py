@@ -41,6 +41,7 @@ from pipeline.config import RunConfig
 from pipeline.learner import distributed as D
 from pipeline.learner.checkpoint import CheckpointError
 from pipeline.learner.loss import group_advantages, grpo_loss
+from sync.lora import adapter_sync_plan, adapter_tensors
 
 log = logging.getLogger(__name__)
 DEEPSPEED_DIR = "deepspeed"  # inside a checkpoint dir: DeepSpeed's files, every rank's partitions
@@ -218,6 +219,12 @@ class PolicyTrainer:
                 r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout,
                 target_modules=list(t.lora_target_modules), bias="none"))
             self._lora = lora_modules(model)
+        # Adapter sync: each version ships the LoRA tensors alone (sync.lora); producers decide
+        # with the same function, so both sides agree on what a snapshot holds.
+        self.adapter_sync, why = adapter_sync_plan(
+            cfg.sync.lora_adapters, t.lora_rank, list(t.lora_target_modules))
+        if why and self.rank == 0:
+            log.warning("LoRA versions ship as merged full weights: %s", why)
         model.train()
         self.model = model
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -473,8 +480,9 @@ class PolicyTrainer:
     def snapshot_tensors(self) -> dict[str, torch.Tensor]:
         """Weights for producers, in the engines' dtype, HF names (tied lm_head left out).
 
-        Only tensors that can change travel: trainable ones, or under LoRA the targeted
-        modules' weights with the adapter merged in (W + scale * B @ A).
+        Only tensors that can change travel: trainable ones, or under LoRA the adapter alone
+        (peft's saved names, ``sync.lora``) or, without adapter sync, the targeted modules'
+        weights with the adapter merged in (W + scale * B @ A).
         """
         with self._lock:
             self._lead("snapshot")
@@ -484,6 +492,8 @@ class PolicyTrainer:
         sd = self._model_state()
         if not sd:  # a follower rank: rank 0 alone holds (and sends) the full weights
             return {}
+        if self._lora and self.adapter_sync:
+            return adapter_tensors(sd, list(self._lora), self.snapshot_dtype)
         if self._lora:
             merged = merge_lora(sd, self._lora, self.snapshot_dtype)
         else:

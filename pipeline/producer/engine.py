@@ -17,6 +17,7 @@ from typing import Any
 from pipeline.config import EngineConfig, ModelConfig
 from pipeline.producer.vllm_version import VllmVersionError, check_vllm_version
 from sync.barrier import WORKER_EXTENSION
+from sync.lora import vllm_max_lora_rank
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +26,11 @@ class EngineSetupError(RuntimeError):
 
 
 def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int,
-                  platform: Any) -> dict[str, Any]:
-    """AsyncEngineArgs keyword arguments (pure: the platform is passed in, for tests)."""
+                  platform: Any, lora_rank: int = 0, max_loras: int = 2) -> dict[str, Any]:
+    """AsyncEngineArgs keyword arguments (pure: the platform is passed in, for tests).
+
+    ``lora_rank`` > 0: the engine serves LoRA adapters (adapter-only sync, ``sync.lora``), up
+    to ``max_loras`` of them in one batch (requests of older versions still in flight)."""
     kw: dict[str, Any] = {
         "model": model_path,
         "dtype": model.dtype,
@@ -38,6 +42,9 @@ def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: 
         "worker_extension_cls": WORKER_EXTENSION,
         "disable_log_stats": True,
     }
+    if lora_rank > 0:
+        kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank),
+                  max_loras=max_loras, max_cpu_loras=max_loras + 1)
     for name in ("enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens",
                  "max_num_seqs"):
         value = getattr(eng, name)
@@ -96,8 +103,10 @@ def check_extra(extra: dict[str, Any]) -> None:
             "vLLM's AsyncEngineArgs has no such field)")
 
 
-def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int) -> Any:
-    """Start an AsyncLLM (imports vLLM lazily: the CLI and unit tests must not pay for it)."""
+def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int,
+                 lora_rank: int = 0, max_loras: int = 2) -> Any:
+    """Start an AsyncLLM (imports vLLM lazily: the CLI and unit tests must not pay for it);
+    ``lora_rank`` > 0 enables vLLM's LoRA support (see ``engine_kwargs``)."""
     try:
         import vllm
     except ImportError as e:
@@ -121,7 +130,7 @@ def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: i
     if current_platform.is_cpu():
         # The CPU backend sizes its KV cache from this variable (GiB), not from memory fraction.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.cpu_kvcache_space_gib))
-    kw = engine_kwargs(model, eng, model_path, seed, current_platform)
+    kw = engine_kwargs(model, eng, model_path, seed, current_platform, lora_rank, max_loras)
     log.info("starting vLLM %s AsyncLLM: %s", vllm.__version__, kw)
     # The producer is a batch generator, not a latency-bound server: take the batch defaults vLLM
     # gives offline ``LLM`` (max_num_seqs 1024 on a big GPU). AsyncLLM's own default context gets

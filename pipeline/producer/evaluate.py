@@ -105,11 +105,13 @@ async def generate_and_score(
     records: Sequence[PromptRecord],
     rewards: Any,
     version: int,
+    lora_request: Any = None,
 ) -> dict[str, float]:
     """Run every held-out prompt ``samples_per_prompt`` times on the engine's current weights
     (tagged ``version``), score with ``rewards`` (a ``RewardSet``) and aggregate. Prompts the
     rewards drop (``on_failure: drop``) are left out and counted in ``eval/prompts_dropped``,
-    prompts too long for the engine in ``eval/prompts_skipped``."""
+    prompts too long for the engine in ``eval/prompts_skipped``. ``lora_request``: the
+    version's LoRA adapter under adapter-only sync (``pipeline.producer.adapters``)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -127,7 +129,8 @@ async def generate_and_score(
             return None  # as in training: too long for the engine
         final = None
         prompt = {"prompt_token_ids": ids, "cache_salt": f"v{version}"}
-        async for out in engine.generate(prompt, sp, f"eval-v{version}-{i}-{time.time_ns()}"):
+        async for out in engine.generate(prompt, sp, f"eval-v{version}-{i}-{time.time_ns()}",
+                                         lora_request=lora_request):
             final = out
         outs = final.outputs if final is not None else []
         return rec, [list(c.token_ids) for c in outs], [c.text for c in outs]

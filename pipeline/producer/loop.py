@@ -51,6 +51,7 @@ from buffer.protocol import (
 from buffer.schema import Completion, RolloutGroup
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig, curve_keys, may_admit, producer_budget
+from pipeline.producer.adapters import AdapterSet
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
 from pipeline.producer.evaluate import eval_records, generate_and_score, is_due, last_version
@@ -58,6 +59,7 @@ from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
 from pipeline.producer.stats import ProducerStats
 from sync.barrier import RequestTracker, SwapBarrier
+from sync.lora import adapter_config, adapter_sync_plan
 from sync.snapshot import SnapshotRef
 from sync.transfer import (
     FileTransport,
@@ -101,6 +103,13 @@ class Producer:
         self.ipc = IpcTransport(engine, self.producer_id)
         self.nccl = NcclTransport(engine, self._send_ready, s.nccl_timeout_s)
         self.devices: list[str] = []  # GPU UUID per worker, from sync_device_info
+        # Adapter-only LoRA sync (sync.lora): versions are LoRARequests, not weight loads.
+        self.adapters: AdapterSet | None = None
+        t = cfg.train
+        if adapter_sync_plan(s.lora_adapters, t.lora_rank, list(t.lora_target_modules))[0]:
+            self.adapters = AdapterSet(
+                engine, f"lora-{self.producer_id}-{os.getpid()}",
+                adapter_config(t.lora_rank, t.lora_alpha, list(t.lora_target_modules)))
         self.stats = ProducerStats()
         self.in_flight_groups = 0
         self.held = 0            # our groups in the learner's buffer (from announces)
@@ -275,13 +284,19 @@ class Producer:
             prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
             finish = ""
             self.stats.busy.enter()
+            # Adapter sync: the request keeps its version's adapter to the end, so every token
+            # is that version's (no swap boundary falls inside it).
+            lora = self.adapters.request_for(version) if self.adapters is not None else None
             try:
-                async for out in self.engine.generate(prompt, sp, request_id):
+                async for out in self.engine.generate(prompt, sp, request_id,
+                                                      lora_request=lora):
                     c = out.outputs[0]
                     new = list(c.token_ids)
                     v = self.tracker.on_output(request_id, len(new))
                     if new:
-                        if self.final:  # the one output: versions from the swap boundaries
+                        if self.adapters is not None:
+                            segments = [(0, version)]
+                        elif self.final:  # the one output: versions from the swap boundaries
                             segments = self.tracker.segments(request_id, version, len(new))
                         elif not segments or segments[-1][1] != v:
                             segments.append((len(tokens), v))
@@ -293,6 +308,8 @@ class Producer:
             finally:
                 self.tracker.finish(request_id)
                 self.stats.busy.exit()
+                if self.adapters is not None:
+                    await self.adapters.release(version)
             if finish == "abort" and attempt < 100:
                 # Aborted by a swap (abort mode, or not yet started at a drain_prefill swap):
                 # regenerate from scratch under the new weights and their cache salt.
@@ -376,7 +393,8 @@ class Producer:
         stats = await generate_and_score(
             self.engine, self.tokenizer, self.cfg.data, self.cfg.eval,
             self.cfg.generation.max_tokens, self.cfg.engine.max_model_len, self.eval_records,
-            self.rewards, v)
+            self.rewards, v,
+            lora_request=self.adapters.requests.get(v) if self.adapters is not None else None)
         log.info("%s: eval v%d: %s", self.producer_id, v,
                  ", ".join(f"{k.removeprefix('eval/')} {x:.3g}" for k, x in stats.items()))
         answer = await self._control(EvalResult(producer_id=self.producer_id,
@@ -427,6 +445,15 @@ class Producer:
         used, why = plan_route(route, transfer, self.producer_id, self.devices, self.nccl.joined)
         if used != "file" and transfer.get("version") != ref.version:
             used, why = "file", f"the GPU copy on offer is v{transfer.get('version')}"
+        if self.adapters is not None:
+            # The adapter comes from its file; the barrier still gates admission so a new
+            # request and its version tag switch together, and its load step only switches
+            # the LoRARequest new requests get (docs/lora.md).
+            if not ref.uri:
+                return None
+            return await self.barrier.swap(ref.version, partial(self.adapters.switch,
+                                                                ref.version),
+                                           prepare=partial(self.adapters.stage, ref))
         if used == "file" and not ref.uri:
             log.debug("%s: v%d waits for its file (%s)", self.producer_id, ref.version, why)
             return None
@@ -537,6 +564,8 @@ class Producer:
             self.outbox.close()
             if hasattr(self.transport, "close"):
                 self.transport.close()
+            if self.adapters is not None:
+                self.adapters.close()
             for t in list(self._group_tasks):
                 t.cancel()
             for rid in list(self.tracker.in_flight):
@@ -600,7 +629,16 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     rewards = RewardSet(cfg.rewards.specs, on_failure=cfg.rewards.on_failure,
                         pool_workers=cfg.rewards.pool_workers)
     endpoint = ProducerEndpoint(cfg.bind_addr, curve=curve_keys(cfg, "producer"))
-    engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index)
+    t = cfg.train
+    adapters = adapter_sync_plan(cfg.sync.lora_adapters, t.lora_rank,
+                                 list(t.lora_target_modules))[0]
+    if adapters and cfg.sync.stream_from:
+        raise ValueError("sync.lora_adapters: adapter sync reads the snapshot files on the "
+                         "learner's host; set it to 'off' for producers with sync.stream_from")
+    # Requests of up to max_staleness + 1 older versions may still run beside the newest.
+    engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
+                          lora_rank=t.lora_rank if adapters else 0,
+                          max_loras=cfg.train.max_staleness + 2)
     try:
         await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,
                        stop_when_learner_done).run()

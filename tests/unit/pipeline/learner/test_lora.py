@@ -23,7 +23,7 @@ def _cfg(tiny_model, tmp_path, **over):
             "run_dir": str(tmp_path), "train.lr": 1e-2, "train.micro_batch": 3,
             "generation.group_size": 4, "model.dtype": "float32",
             "train.lora_rank": 4, "train.lora_alpha": 8.0,
-            "train.lora_target_modules": TARGETS}
+            "train.lora_target_modules": TARGETS, "sync.lora_adapters": "off"}
     base.update(over)
     return load_config(overrides=base)
 
@@ -140,3 +140,37 @@ def test_merge_casts_each_module_to_the_snapshot_dtype(trainer):
     full = merge_lora(sd, trainer._lora)
     for k, t in merged.items():
         torch.testing.assert_close(t, full[k].to(torch.bfloat16))
+
+
+def test_adapter_sync_snapshot_is_the_peft_adapter(tiny_model, tmp_path):
+    tr = PolicyTrainer(_cfg(tiny_model, tmp_path, **{"sync.lora_adapters": "auto"}),
+                       str(tiny_model), device="cpu")
+    assert tr.adapter_sync
+    _perturb_lora(tr)
+    snap = tr.snapshot_tensors()
+    from peft import get_peft_model_state_dict
+
+    want = get_peft_model_state_dict(tr.model)  # what peft's save_pretrained writes
+    assert set(snap) == set(want)
+    for k, v in snap.items():
+        torch.testing.assert_close(v, want[k].to(v.dtype))
+    full = sum(t.numel() for t in tr.model.state_dict().values())
+    assert sum(t.numel() for t in snap.values()) < full / 10
+
+
+def test_unservable_targets_fall_back_to_merged_with_one_warning(tiny_model, tmp_path, caplog):
+    caplog.set_level("WARNING")
+    tr = PolicyTrainer(_cfg(tiny_model, tmp_path, **{"sync.lora_adapters": "auto",
+                                                     "train.lora_target_modules":
+                                                         ["q_proj", "lm_head"]}),
+                       str(tiny_model), device="cpu")
+    assert not tr.adapter_sync
+    warned = [r.getMessage() for r in caplog.records if "merged full weights" in r.getMessage()]
+    assert len(warned) == 1 and "lm_head" in warned[0]
+    snap = tr.snapshot_tensors()
+    assert snap and not any("lora" in k for k in snap)
+
+
+def test_lora_adapters_option_is_validated(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match=r"sync\.lora_adapters"):
+        _cfg(tiny_model, tmp_path, **{"sync.lora_adapters": "maybe"})

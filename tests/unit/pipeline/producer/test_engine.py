@@ -141,3 +141,12 @@ def test_unknown_engine_extra_is_refused_before_any_engine_starts():
         r"\(s\) swap_spce, zzz ",
     ):
         check_extra({"swap_spce": 1, "zzz": 2, "max_logprobs": 5})
+
+
+def test_lora_rank_enables_vllm_lora_with_an_accepted_max_rank():
+    kw = engine_kwargs(ModelConfig(), EngineConfig(), "/m", 0, _FakePlatform(cpu=True),
+                       lora_rank=4, max_loras=3)
+    assert kw["enable_lora"] is True and kw["max_lora_rank"] == 8
+    assert kw["max_loras"] == 3 and kw["max_cpu_loras"] == 4
+    assert "enable_lora" not in engine_kwargs(ModelConfig(), EngineConfig(), "/m", 0,
+                                              _FakePlatform(cpu=True))

@@ -1,0 +1,95 @@
+"""The producer's LoRA adapters under adapter-only sync: one ``LoRARequest`` per version.
+
+Owns: the adapter directory of each version this producer serves, the engine's loaded
+adapters, and which version new requests use. A swap is ``stage`` (verify the snapshot, write
+the adapter directory, ``add_lora`` it: no pause needed) then ``switch`` (inside the barrier:
+new requests get the new version's adapter). Invariants:
+- a request keeps the adapter of the version it was admitted under until it finishes, so all
+  its tokens come from that version (per-token tags need no swap boundaries);
+- an adapter is removed from the engine (``remove_lora``) and its directory deleted once it is
+  neither the current version nor used by any request in flight;
+- version 0 (the learner's base weights; peft initialises B to zero) runs without an adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from sync.lora import stage_adapter
+from sync.snapshot import SnapshotRef
+
+log = logging.getLogger(__name__)
+
+
+class AdapterSet:
+    def __init__(self, engine: Any, subdir: str, config: dict[str, Any]):
+        self.engine = engine
+        self.subdir = subdir  # our folder beside the snapshot files (one per producer process)
+        self.directory: Path | None = None
+        self.config = config  # peft adapter_config.json contents (sync.lora.adapter_config)
+        self.current = 0
+        self.requests: dict[int, Any] = {}  # version -> LoRARequest, staged or in use
+        self.users: dict[int, int] = {}  # version -> requests in flight on it
+
+    def request_for(self, version: int) -> Any:
+        """The LoRARequest of ``version`` (None for the base weights); count one user."""
+        self.users[version] = self.users.get(version, 0) + 1
+        return self.requests.get(version)
+
+    async def release(self, version: int) -> None:
+        """A request on ``version`` finished: drop adapters nobody uses any more."""
+        self.users[version] = self.users.get(version, 1) - 1
+        if self.users[version] <= 0:
+            del self.users[version]
+        await self._collect()
+
+    async def stage(self, ref: SnapshotRef) -> dict[str, float]:
+        """Verify ``ref``, write its adapter directory and load it into the engine (the engine
+        keeps serving: nothing of the running requests changes)."""
+        from vllm.lora.request import LoRARequest
+
+        t0 = time.perf_counter()
+        self.directory = Path(ref.uri).parent / self.subdir
+        path = stage_adapter(ref, self.config, self.directory / f"v{ref.version}")
+        t1 = time.perf_counter()
+        req = LoRARequest(f"v{ref.version}", ref.version, str(path))
+        if not await self.engine.add_lora(req):
+            raise RuntimeError(f"vLLM refused LoRA adapter v{ref.version} ({path})")
+        self.requests[ref.version] = req
+        return {
+            "write_s": t1 - t0,
+            "add_lora_s": time.perf_counter() - t1,
+            "bytes": float((path / "adapter_model.safetensors").stat().st_size),
+        }
+
+    async def switch(self, version: int) -> dict[str, float]:
+        """New requests use ``version``'s adapter from now on (the barrier's load step)."""
+        if version not in self.requests:
+            raise RuntimeError(f"LoRA adapter v{version} was not staged")
+        self.current = version
+        await self._collect()
+        return {}
+
+    def unused(self) -> list[int]:
+        """Staged versions that are not current and have no request in flight."""
+        return [v for v in self.requests if v != self.current and not self.users.get(v)]
+
+    async def _collect(self) -> None:
+        for v in self.unused():
+            if v > self.current:
+                continue  # staged for a swap that has not switched yet
+            req = self.requests.pop(v)
+            try:
+                await self.engine.remove_lora(req.lora_int_id)
+            except Exception as e:  # a leftover adapter costs a slot, never the run
+                log.warning("removing LoRA adapter v%d failed: %r", v, e)
+            if self.directory is not None:
+                shutil.rmtree(self.directory / f"v{v}", ignore_errors=True)
+
+    def close(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)

@@ -1,0 +1,179 @@
+"""LoRA adapter-only sync on real vLLM CPU engines (tiny model), checked by effect.
+
+1. A LoRA run through the real launcher trains several steps with adapter sync: every snapshot
+   holds the adapter alone, and the producer served each version as a LoRARequest (its acks).
+2. The producer's AdapterSet on a real engine: prompt logprobs of a fixed prompt change with the
+   version, and follow the trainer's own (peft) logprobs of that version, not the base's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_no_process_left
+from safetensors import safe_open
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = [ord(c) for c in "The quick brown fox jumps over the lazy dog."]
+
+
+def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
+    run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.launch.cli",
+        "--model",
+        str(tiny_model),
+        "--data",
+        "arithmetic:200",
+        "--reward",
+        "pipeline.tasks.rewards:length_reward",
+        "--num-producers",
+        "1",
+        "--batch-groups",
+        "2",
+        "--group-size",
+        "4",
+        "--max-tokens",
+        "8",
+        "--run-dir",
+        str(run_dir),
+        "--mode",
+        "async",
+        "--max-staleness",
+        "1",
+        "--steps",
+        "4",
+        "--train.lora_rank",
+        "8",
+        "--train.lr",
+        "0.01",
+        "--sync.snapshot_dir",
+        str(snaps),
+        "--sync.keep_snapshots",
+        "4",
+        "--engine.max_model_len",
+        "256",
+        "--engine.cpu_kvcache_space_gib",
+        "1",
+        "--tensorboard",
+        "false",
+    ]
+    env = dict(os.environ, PIPELINE_TEST_RUN="lora" + str(os.getpid()))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_no_process_left(env["PIPELINE_TEST_RUN"])
+    logs = proc.stdout + proc.stderr
+    assert "merged full weights" not in logs
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    # Groups of later versions were generated under adapters: the producer swapped to them.
+    assert max(r.get("version", 0) for r in rows) >= 3
+    files = sorted(snaps.glob("policy_v*.safetensors"))
+    if files:  # the learner may clean its snapshot dir at exit
+        with safe_open(str(files[-1]), framework="pt") as st:
+            names = list(st.keys())
+        assert names and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in names)
+
+
+def _prompt_logprobs(out) -> np.ndarray:
+    lps = out.prompt_logprobs[1:]
+    return np.array([d[t].logprob for d, t in zip(lps, PROBE[1:], strict=True)])
+
+
+def test_adapter_versions_change_engine_logprobs(tiny_model, tmp_path):
+    from vllm import SamplingParams
+
+    from pipeline.config import EngineConfig, ModelConfig, load_config
+    from pipeline.learner.trainer import PolicyTrainer, token_logprobs
+    from pipeline.producer.adapters import AdapterSet
+    from pipeline.producer.engine import build_engine
+    from sync.lora import adapter_config
+    from sync.snapshot import write_snapshot
+
+    cfg = load_config(
+        overrides={
+            "model.path": str(tiny_model),
+            "data.path": "arithmetic:10",
+            "run_dir": str(tmp_path),
+            "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward", "weight": 1.0}],
+            "model.dtype": "float32",
+            "train.lora_rank": 8,
+            "train.lora_alpha": 16.0,
+        }
+    )
+    tr = PolicyTrainer(cfg, str(tiny_model), device="cpu")
+    assert tr.adapter_sync
+    ids = torch.tensor([PROBE])
+    mask = torch.ones(1, len(PROBE) - 1, dtype=torch.bool)
+
+    def trainer_lps() -> np.ndarray:
+        with torch.no_grad():
+            return token_logprobs(tr.model, ids, torch.ones_like(ids), mask)[0].numpy()
+
+    snaps, want = {}, {0: trainer_lps()}
+    g = torch.Generator().manual_seed(0)
+    for v in (1, 2):  # two versions: distinct adapters (as training steps would give)
+        with torch.no_grad():
+            for n, p in tr.model.named_parameters():
+                if "lora_" in n:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        snaps[v] = write_snapshot(tr.snapshot_tensors(), v, tmp_path / "snaps")
+        want[v] = trainer_lps()
+
+    async def main() -> dict[int, np.ndarray]:
+        engine = build_engine(
+            ModelConfig(dtype="float32"),
+            EngineConfig(max_model_len=256, cpu_kvcache_space_gib=1),
+            str(tiny_model),
+            seed=0,
+            lora_rank=8,
+            max_loras=2,
+        )
+        try:
+            ad = AdapterSet(
+                engine, "lora-test", adapter_config(8, 16.0, list(cfg.train.lora_target_modules))
+            )
+            sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            got = {}
+            for v in (0, 1, 2):
+                if v:
+                    await ad.stage(snaps[v])
+                    await ad.switch(v)
+                lora = ad.request_for(v)
+                final = None
+                async for out in engine.generate(
+                    {"prompt_token_ids": PROBE}, sp, f"r{v}", lora_request=lora
+                ):
+                    final = out
+                await ad.release(v)
+                got[v] = _prompt_logprobs(final)
+            # Only the current adapter is left loaded; the older one was removed.
+            assert sorted(ad.requests) == [2]
+            assert sorted(await engine.list_loras()) == [2]
+            return got
+        finally:
+            engine.shutdown()
+
+    got = asyncio.run(main())
+    for v in (1, 2):
+        assert np.abs(got[v] - got[0]).max() > 0.05, f"v{v}: adapter had no effect"
+        # The engine follows this version's trainer logprobs far closer than the base's.
+        err = np.abs(got[v] - want[v]).mean()
+        assert err < 0.2 * np.abs(want[v] - want[0]).mean(), (v, err)
+    assert np.abs(got[2] - got[1]).max() > 0.05
