@@ -3,7 +3,7 @@
 For each path: a LoRA PolicyTrainer (peft) gives a version's snapshot (``sync.lora_adapters``
 auto: the adapter; off: the targeted weights merged), written as a snapshot file; a real vLLM
 engine then swaps to it through the producer's own code (merged: FileTransport in the sync
-barrier; adapter: AdapterSet.stage + switch in the barrier) while requests run.
+barrier; adapter: AdapterSet.swap, no pause) while requests run.
 
     python -m bench.lora_sync --model smollm2-135m --rank 16 --versions 3
 """
@@ -58,11 +58,7 @@ async def _swaps(engine, refs, adapters) -> list[dict[str, float]]:
                 ref.version, partial(ft.apply, ref.version), prepare=partial(ft.stage, ref)
             )
         else:
-            rep = await barrier.swap(
-                ref.version,
-                partial(adapters.switch, ref.version),
-                prepare=partial(adapters.stage, ref),
-            )
+            rep = await adapters.swap(ref, tracker)
         await work
         assert rep.ok, rep.error
         out.append(rep.timings)

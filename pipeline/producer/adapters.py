@@ -2,8 +2,8 @@
 
 Owns: the adapter directory of each version this producer serves, the engine's loaded
 adapters, and which version new requests use. A swap is ``stage`` (verify the snapshot, write
-the adapter directory, ``add_lora`` it: no pause needed) then ``switch`` (inside the barrier:
-new requests get the new version's adapter). Invariants:
+the adapter directory, ``add_lora`` it, while the engine serves) then ``switch`` (new requests
+get the new version's adapter); ``swap`` does both with no engine pause. Invariants:
 - a request keeps the adapter of the version it was admitted under until it finishes, so all
   its tokens come from that version (per-token tags need no swap boundaries);
 - an adapter is removed from the engine (``remove_lora``) and its directory deleted once it is
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sync.barrier import RequestTracker, SwapReport
 from sync.lora import stage_adapter
 from sync.snapshot import SnapshotRef
 
@@ -67,12 +68,43 @@ class AdapterSet:
         }
 
     async def switch(self, version: int) -> dict[str, float]:
-        """New requests use ``version``'s adapter from now on (the barrier's load step)."""
+        """New requests use ``version``'s adapter from now on."""
         if version not in self.requests:
             raise RuntimeError(f"LoRA adapter v{version} was not staged")
         self.current = version
         await self._collect()
         return {}
+
+    async def swap(self, ref: SnapshotRef, tracker: RequestTracker) -> SwapReport:
+        """Swap to ``ref.version`` with no pause: stage its adapter while the engine serves,
+        then switch the adapter and the tracker's version in one step of the event loop.
+
+        No barrier is needed: running requests keep their adapter, so nothing they compute
+        changes (and vLLM keys prefix-cache blocks by adapter); a request admitted before the
+        switch runs the old version and is tagged with it, one admitted after it the new one,
+        as ``admit`` and ``request_for`` run with no await between them. Never raises: a
+        failed stage leaves the current version in place (see ``report.ok``)."""
+        t0 = time.perf_counter()
+        try:
+            staged = await self.stage(ref)
+        except Exception as e:
+            return SwapReport(
+                version=tracker.version,
+                ok=False,
+                error=f"swap to v{ref.version} failed: LoRA adapter: {e}",
+                timings={"total_s": time.perf_counter() - t0},
+            )
+        t1 = time.perf_counter()
+        tracker.set_version(ref.version)
+        await self.switch(ref.version)  # sets ``current`` before its first await
+        timings = {f"prepare_{k}": v for k, v in staged.items()}
+        timings |= {
+            "prepare_s": t1 - t0,
+            "idle_s": 0.0,
+            "load_s": time.perf_counter() - t1,
+            "total_s": time.perf_counter() - t0,
+        }
+        return SwapReport(version=tracker.version, ok=True, timings=timings)
 
     def unused(self) -> list[int]:
         """Staged versions that are not current and have no request in flight."""

@@ -110,6 +110,8 @@ class Producer:
             self.adapters = AdapterSet(
                 engine, f"lora-{self.producer_id}-{os.getpid()}",
                 adapter_config(t.lora_rank, t.lora_alpha, list(t.lora_target_modules)))
+            log.info("%s: serves each version as a LoRA adapter (rank %d, sync.lora_adapters)",
+                     self.producer_id, t.lora_rank)
         self.stats = ProducerStats()
         self.in_flight_groups = 0
         self.held = 0            # our groups in the learner's buffer (from announces)
@@ -446,14 +448,15 @@ class Producer:
         if used != "file" and transfer.get("version") != ref.version:
             used, why = "file", f"the GPU copy on offer is v{transfer.get('version')}"
         if self.adapters is not None:
-            # The adapter comes from its file; the barrier still gates admission so a new
-            # request and its version tag switch together, and its load step only switches
-            # the LoRARequest new requests get (docs/lora.md).
+            # A new adapter for new requests, no pause (AdapterSet.swap says why that is safe).
             if not ref.uri:
                 return None
-            return await self.barrier.swap(ref.version, partial(self.adapters.switch,
-                                                                ref.version),
-                                           prepare=partial(self.adapters.stage, ref))
+            report = await self.adapters.swap(ref, self.tracker)
+            if report.ok:
+                self.barrier.swaps += 1
+            else:
+                self.barrier.failures += 1
+            return report
         if used == "file" and not ref.uri:
             log.debug("%s: v%d waits for its file (%s)", self.producer_id, ref.version, why)
             return None

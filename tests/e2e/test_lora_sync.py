@@ -75,6 +75,7 @@ def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_no_process_left(env["PIPELINE_TEST_RUN"])
     logs = proc.stdout + proc.stderr
+    logs += "".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs").glob("*.log")))
     assert "merged full weights" not in logs
     rows = [
         json.loads(line)
@@ -82,8 +83,11 @@ def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
         if line.strip()
     ]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    # Groups of later versions were generated under adapters: the producer swapped to them.
     assert max(r.get("version", 0) for r in rows) >= 3
+    # The producer acked versions it swapped to as adapters, and no swap failed.
+    assert any(r.get("producers_acked", 0) >= 1 for r in rows), rows
+    assert "serves each version as a LoRA adapter" in logs
+    assert "swap to v" not in logs, logs[-4000:]
     files = sorted(snaps.glob("policy_v*.safetensors"))
     if files:  # the learner may clean its snapshot dir at exit
         with safe_open(str(files[-1]), framework="pt") as st:

@@ -9,6 +9,7 @@ import asyncio
 import torch
 
 from pipeline.producer.adapters import AdapterSet
+from sync.barrier import RequestTracker
 from sync.lora import adapter_config
 from sync.snapshot import write_snapshot
 
@@ -63,5 +64,28 @@ def test_adapters_follow_requests_and_are_removed_when_unused(tmp_path):
         assert eng.loaded == {3}  # v2 had no request left
         ad.close()
         assert not (snaps / "lora-p0").exists()
+
+    asyncio.run(main())
+
+
+def test_swap_switches_version_and_adapter_together_without_pausing(tmp_path):
+    ref = write_snapshot(
+        {f"{P}.lora_A.weight": torch.ones(2, 4), f"{P}.lora_B.weight": torch.zeros(4, 2)},
+        1,
+        tmp_path,
+    )
+    eng = FakeLoraEngine()  # has no pause_generation: a pause would raise
+    ad = AdapterSet(eng, "lora-p0", adapter_config(2, 4.0, ["q_proj"]))
+    tracker = RequestTracker()
+
+    async def main():
+        rep = await ad.swap(ref, tracker)
+        assert rep.ok and rep.version == 1 and tracker.version == 1 and ad.current == 1
+        assert rep.timings["idle_s"] == 0.0 and rep.timings["prepare_bytes"] > 0
+        v = await tracker.admit("r")
+        assert ad.request_for(v).lora_int_id == 1
+        bad = type(ref)(2, ref.uri, "blake3:" + "0" * 32)
+        rep = await ad.swap(bad, tracker)
+        assert not rep.ok and "checksum" in rep.error and tracker.version == 1
 
     asyncio.run(main())
