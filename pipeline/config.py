@@ -916,15 +916,21 @@ def to_dict(cfg: Any) -> Any:
     return cfg
 
 
-def iter_options(cls: type = RunConfig, prefix: str = ""):
-    """Yield (dotted_name, field, type) for every leaf option: the CLI's source of flags."""
+def _leaves(cls: type, prefix: str = ""):
+    """Yield (dotted_name, owning dataclass, field, type) for every leaf option."""
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
         name = f"{prefix}{f.name}"
         if _is_dataclass_type(hints[f.name]):
-            yield from iter_options(hints[f.name], name + ".")
+            yield from _leaves(hints[f.name], name + ".")
         else:
-            yield name, f, hints[f.name]
+            yield name, cls, f, hints[f.name]
+
+
+def iter_options(cls: type = RunConfig, prefix: str = ""):
+    """Yield (dotted_name, field, type) for every leaf option: the CLI's source of flags."""
+    for name, _owner, f, tp in _leaves(cls, prefix):
+        yield name, f, tp
 
 
 @functools.cache
@@ -952,15 +958,10 @@ def field_help(cls: type, f: dataclasses.Field) -> str:
 
 def iter_help(cls: type = RunConfig, prefix: str = ""):
     """Yield (dotted_name, type, default, help) for every leaf option, for ``--help``."""
-    hints = _hints(cls)
-    for f in dataclasses.fields(cls):
-        name = f"{prefix}{f.name}"
-        if _is_dataclass_type(hints[f.name]):
-            yield from iter_help(hints[f.name], name + ".")
-        else:
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-            yield name, hints[f.name], default, field_help(cls, f)
+    for name, owner, f, tp in _leaves(cls, prefix):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        yield name, tp, default, field_help(owner, f)
 
 
 def describe_type(tp: Any) -> str:

@@ -5,8 +5,13 @@ It listens to the learner's announcements like a producer, takes the identity of
 ``--min-version``, sends ``--count`` rollout groups to the learner's data socket. Each group is
 well-formed (it decodes) but wrong for the run in one way drawn at random from
 ``buffer.checks.REASONS``; its seqs are far above any real one, so no real group is displaced.
-Writes ``{"sent": {reason: n}, "version": v, "incarnation": inc}`` to ``--out`` once all are
-sent, then stays connected until its stdin is closed.
+It also sends ``--forge`` control messages on the learner's control socket, each forged in one
+way drawn from ``FORGERIES`` (a Hello from a producer id the run does not have, an Ack, a
+Heartbeat or a SyncReady in a real producer's name but from an incarnation the learner never
+welcomed, or in the name of a producer that never said Hello), and reads the learner's answer to
+each. Writes ``{"sent": {reason: n}, "forged": {reason: n}, "refused": {reason: n}, "version": v,
+"incarnation": inc}`` to ``--out`` once all are sent and answered, then stays connected until its
+stdin is closed.
 
     python tests/e2e/rogue.py --addr ipc://RUN/learner.sock --count 3000 --out sent.json \
         --group-size 4 --vocab 262 --max-tokens 8 --max-model-len 256 --window 2
@@ -28,9 +33,29 @@ import zmq
 from buffer import protocol
 from buffer.checks import REASONS
 from buffer.schema import Completion, RolloutGroup, encode
-from buffer.transport import derive_pub_addr
+from buffer.transport import derive_ctl_addr, derive_pub_addr
 
 SEQ_BASE = 10**9  # far above the seqs of the real p0
+# Forged control messages, by the rejection reason the learner must count (rejected/<reason>).
+FORGERIES = ("unexpected_producer", "stale_incarnation", "unknown_producer")
+
+
+def forged_message(rng: random.Random, reason: str, i: int, version: int) -> protocol.Message:
+    """A control message that decodes but that the learner must refuse for ``reason``."""
+    if reason == "unexpected_producer":  # a Hello that would add a producer to wait for
+        return protocol.Hello(producer_id=f"evil-{i}", incarnation=f"evil-{i}-inc",
+                              policy_version=version, pid=1)
+    who, inc = ("p0", f"p0-forged-{i}") if reason == "stale_incarnation" else \
+        (f"p{rng.randrange(50, 99)}", f"ghost-{i}")
+    kind = rng.randrange(3)
+    if kind == 0:  # a negative ack would count a sync failure in a real producer's name
+        return protocol.Ack(producer_id=who, incarnation=inc, version=version, ok=False,
+                            error="forged")
+    if kind == 1:
+        return protocol.Heartbeat(producer_id=who, incarnation=inc, policy_version=version,
+                                  stats={})
+    return protocol.SyncReady(producer_id=who, incarnation=inc, purpose="weights", epoch=0,
+                              version=version)
 
 
 def wrong_group(rng: random.Random, reason: str, i: int, a: argparse.Namespace, version: int,
@@ -83,14 +108,34 @@ def wrong_group(rng: random.Random, reason: str, i: int, a: argparse.Namespace, 
                         metadata={"incarnation": incarnation, "seq": SEQ_BASE + i})
 
 
+def forge(ctl: zmq.Socket, rng: random.Random, count: int, version: int,
+          wait_s: float) -> tuple[Counter[str], Counter[str]]:
+    """Send ``count`` forged control messages; return them by reason, and the learner's
+    refusals (``Reply.reason``) of them. Every one must be answered: a refusal each."""
+    forged: Counter[str] = Counter()
+    for i in range(count):
+        reason = rng.choice(FORGERIES)
+        ctl.send(protocol.encode(forged_message(rng, reason, i, version), rid=i + 1))
+        forged[reason] += 1
+    refused: Counter[str] = Counter()
+    deadline = time.monotonic() + wait_s
+    while sum(refused.values()) < count and time.monotonic() < deadline:
+        if ctl.poll(1000):
+            _rid, reply = protocol.decode(ctl.recv())
+            if isinstance(reply, protocol.Reply):
+                refused[reply.reason if not reply.ok else "accepted"] += 1
+    return forged, refused
+
+
 def main(a: argparse.Namespace) -> dict:
     rng = random.Random(a.seed)
     ctx = zmq.Context()
-    sub, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    sub, push, ctl = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH), ctx.socket(zmq.DEALER)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(derive_pub_addr(a.addr))
         push.connect(a.addr)
+        ctl.connect(derive_ctl_addr(a.addr))
         deadline = time.monotonic() + a.wait_s
         version, incarnation = -1, None
         while version < a.min_version or incarnation is None:
@@ -108,13 +153,16 @@ def main(a: argparse.Namespace) -> dict:
             reason = rng.choice(reasons)
             push.send(encode(wrong_group(rng, reason, i, a, version, incarnation)))
             sent[reason] += 1
-        result = {"sent": dict(sent), "version": version, "incarnation": incarnation}
+        forged, refused = forge(ctl, rng, a.forge, version, a.wait_s)
+        result = {"sent": dict(sent), "forged": dict(forged), "refused": dict(refused),
+                  "version": version, "incarnation": incarnation}
         Path(a.out).write_text(json.dumps(result))
         # Stay connected until told (stdin closes): libzmq drops the frames still waiting in
         # the learner's receive queue when their sender disconnects.
         sys.stdin.read()
     finally:
         sub.close(linger=0)
+        ctl.close(linger=0)
         push.close(linger=120_000)  # every group queued reaches the learner's socket
         ctx.term()
     return result
@@ -131,6 +179,7 @@ if __name__ == "__main__":
     ap.add_argument("--max-model-len", type=int, required=True)
     ap.add_argument("--window", type=int, required=True,
                     help="train.max_staleness + sync.keep_snapshots of the run")
+    ap.add_argument("--forge", type=int, default=0, help="forged control messages to send")
     ap.add_argument("--min-version", type=int, default=0)
     ap.add_argument("--wait-s", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from rogue import FORGERIES  # tests/e2e/rogue.py, the process the fuzz test runs
 
 from bench.soak import tally
 from buffer.checks import REASONS
@@ -239,11 +240,14 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
                                                                            tmp_path):
     """A rogue process poses as producer p0 (its incarnation, from the announcements) and sends
     thousands of well-formed groups, each wrong for the run in one way drawn at random from
-    buffer.checks, while the real producers and the learner run. Every step finishes, nothing
-    is dropped in training, every rogue group is rejected and counted under its reason, and the
-    real producers' groups are all placed: produced = trained + dropped + held."""
+    buffer.checks, and hundreds of forged control messages (a Hello of a producer the run does
+    not have, acks, heartbeats and SyncReady from incarnations or producers never welcomed),
+    while the real producers and the learner run. Every step finishes, nothing is dropped in
+    training, every rogue group and forgery is rejected and counted under its reason (none is
+    acted on: no sync failure in p0's name, no wait for a forged producer), and the real
+    producers' groups are all placed: produced = trained + dropped + held."""
     run_dir = tmp_path / "rogue"
-    steps, count = 20, 3000
+    steps, count, forge = 20, 3000, 600
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
     # Admissions throttled to one group per producer every 2 s: a step takes about 2 s, so the
     # run outlasts the flood even when a busy machine starves the learner's event loop.
@@ -254,7 +258,8 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
         [sys.executable, str(REPO / "tests" / "e2e" / "rogue.py"),
          "--addr", f"ipc://{run_dir.resolve()}/learner.sock", "--count", str(count),
          "--out", str(out), "--group-size", "4", "--vocab", str(vocab), "--max-tokens", "8",
-         "--max-model-len", "256", "--window", "2", "--min-version", "3"],
+         "--max-model-len", "256", "--window", "2", "--min-version", "3",
+         "--forge", str(forge)],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True)
     try:
@@ -271,8 +276,11 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
             rogue.kill()
         la.stop()
     assert code == 0, la.tail()
-    sent = json.loads(out.read_text())["sent"]
+    result = json.loads(out.read_text())
+    sent, forged = result["sent"], result["forged"]
     assert sum(sent.values()) == count and set(sent) == set(REASONS), sent
+    assert sum(forged.values()) == forge and set(forged) == set(FORGERIES), forged
+    assert result["refused"] == forged  # each forgery answered with a refusal naming why
 
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -282,6 +290,9 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
     st = RolloutBuffer.restore(buf, capacity=10**9, max_staleness=None).stats
     assert st.rejected_groups == sent
     last = rows[-1]
+    assert {r: last.get(f"rejected/{r}") for r in FORGERIES} == forged
+    assert not [ln for ln in la.lines if "failed to sync" in ln or "no ack from" in ln]
+    assert last.get("sync_failures", 0) == 0
     assert last["rejected_groups"] == sum(last.get(f"rejected_groups/{r}", 0) for r in REASONS)
     assert 0 < last["rejected_groups"] <= count
     t = tally(run_dir)
