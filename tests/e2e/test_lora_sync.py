@@ -2,6 +2,7 @@
 
 1. A LoRA run through the real launcher trains several steps with adapter sync: every snapshot
    holds the adapter alone, and the producer served each version as a LoRARequest (its acks).
+   A rank vLLM cannot serve falls back to merged weights with one warning.
 2. The producer's AdapterSet on a real engine: prompt logprobs of a fixed prompt change with the
    version, and follow the trainer's own (peft) logprobs of that version, not the base's.
 """
@@ -27,7 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = [ord(c) for c in "The quick brown fox jumps over the lazy dog."]
 
 
-def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
+def _lora_run(tiny_model: Path, tmp_path: Path, *extra: str) -> tuple[Path, Path, str]:
+    """A LoRA run through the real launcher; returns (run dir, snapshot dir, all its logs)."""
     run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
     cmd = [
         sys.executable,
@@ -55,8 +57,6 @@ def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
         "1",
         "--steps",
         "4",
-        "--train.lora_rank",
-        "8",
         "--train.lr",
         "0.01",
         "--sync.snapshot_dir",
@@ -69,6 +69,7 @@ def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
         "1",
         "--tensorboard",
         "false",
+        *extra,
     ]
     env = dict(os.environ, PIPELINE_TEST_RUN="lora" + str(os.getpid()))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -76,6 +77,19 @@ def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
     assert_no_process_left(env["PIPELINE_TEST_RUN"])
     logs = proc.stdout + proc.stderr
     logs += "".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs").glob("*.log")))
+    return run_dir, snaps, logs
+
+
+def _snapshot_names(snaps: Path) -> list[str] | None:
+    files = sorted(snaps.glob("policy_v*.safetensors"))
+    if not files:  # the learner may clean its snapshot dir at exit
+        return None
+    with safe_open(str(files[-1]), framework="pt") as st:
+        return list(st.keys())
+
+
+def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
+    run_dir, snaps, logs = _lora_run(tiny_model, tmp_path, "--train.lora_rank", "8")
     assert "merged full weights" not in logs
     rows = [
         json.loads(line)
@@ -88,11 +102,26 @@ def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
     assert any(r.get("producers_acked", 0) >= 1 for r in rows), rows
     assert "serves each version as a LoRA adapter" in logs
     assert "swap to v" not in logs, logs[-4000:]
-    files = sorted(snaps.glob("policy_v*.safetensors"))
-    if files:  # the learner may clean its snapshot dir at exit
-        with safe_open(str(files[-1]), framework="pt") as st:
-            names = list(st.keys())
+    names = _snapshot_names(snaps)
+    if names is not None:
         assert names and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in names)
+
+
+def test_lora_rank_vllm_cannot_serve_falls_back_to_merged_with_a_warning(tiny_model, tmp_path):
+    run_dir, snaps, logs = _lora_run(tiny_model, tmp_path, "--train.lora_rank", "1024")
+    warned = [line for line in logs.splitlines() if "merged full weights" in line]
+    assert len(warned) == 1 and "train.lora_rank 1024" in warned[0], warned
+    assert "serves each version as a LoRA adapter" not in logs
+    assert "swap to v" not in logs, logs[-4000:]
+    rows = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    names = _snapshot_names(snaps)
+    if names is not None:
+        assert names and not any("lora" in n for n in names)
 
 
 def _prompt_logprobs(out) -> np.ndarray:
