@@ -590,6 +590,19 @@ class RunConfig:
                    f"got {value!r}")
         _check(not self.engine.sleep_when_idle or self.train.mode == "sync",
                "engine.sleep_when_idle", "needs train.mode sync (an async producer is never idle)")
+        if self.train.lora_rank and self.sync.lora_adapters == "auto":
+            from sync.lora import adapter_sync_plan
+
+            # Adapter-only versions are read from the learner host's snapshot files; a producer
+            # that streams weights from another node (Ray, or sync.stream_from) has no such file.
+            streams = bool(self.sync.stream_from) or (
+                self.launch.backend == "ray" and self.launch.stream_weights != "never")
+            _check(not streams or not adapter_sync_plan(
+                       "auto", self.train.lora_rank, list(self.train.lora_target_modules))[0],
+                   "sync.lora_adapters", "adapter-only versions need the learner host's snapshot "
+                   "files: set sync.lora_adapters=off (merged versions) when weights are streamed "
+                   "(sync.stream_from, or --launcher ray with launch.stream_weights other than "
+                   "never)")
         if self.train.mode == "sync":
             _check(self.train.batch_groups % self.num_producers == 0, "train.batch_groups",
                    f"sync mode needs batch_groups ({self.train.batch_groups}) divisible by "

@@ -635,9 +635,6 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     t = cfg.train
     adapters = adapter_sync_plan(cfg.sync.lora_adapters, t.lora_rank,
                                  list(t.lora_target_modules))[0]
-    if adapters and cfg.sync.stream_from:
-        raise ValueError("sync.lora_adapters: adapter sync reads the snapshot files on the "
-                         "learner's host; set it to 'off' for producers with sync.stream_from")
     # Requests of up to max_staleness + 1 older versions may still run beside the newest.
     engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
                           lora_rank=t.lora_rank if adapters else 0,

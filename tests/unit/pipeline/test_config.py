@@ -269,3 +269,13 @@ def test_sleep_when_idle_needs_sync_mode():
         load_config(overrides={"engine.sleep_when_idle": True})
     cfg = load_config(overrides={"engine.sleep_when_idle": True, "train.mode": "sync"})
     assert cfg.engine.sleep_when_idle
+
+
+def test_adapter_only_versions_are_refused_where_weights_are_streamed():
+    lora = {"train.lora_rank": 8}
+    assert load_config(None, lora).sync.lora_adapters == "auto"
+    for extra in ({"sync.stream_from": "tcp://10.0.0.1:5000"}, {"launch.backend": "ray"}):
+        with pytest.raises(ConfigError, match=r"sync\.lora_adapters"):
+            load_config(None, {**lora, **extra})
+        load_config(None, {**lora, **extra, "sync.lora_adapters": "off"})
+    load_config(None, {**lora, "launch.backend": "ray", "launch.stream_weights": "never"})
