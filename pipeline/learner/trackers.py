@@ -123,7 +123,8 @@ class _Mlflow:
         # MLFLOW_TRACKING_URI wins; otherwise a file store inside the run directory, so a run
         # needs no server and its numbers stay next to metrics.jsonl.
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (run_dir / "mlruns").resolve().as_uri()
-        if uri.startswith("file:") or "://" not in uri:
+        self.file_store = uri.startswith("file:") or "://" not in uri
+        if self.file_store:
             # MLflow 3 refuses its file store unless told that it is wanted.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = mlflow.MlflowClient(tracking_uri=uri)
@@ -139,9 +140,16 @@ class _Mlflow:
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         ts = int(time.time() * 1000)
-        metrics = [self.mlflow.entities.Metric(k, v, ts, step) for k, v in scalars.items()]
+        metrics = [self.mlflow.entities.Metric(self.key(k), v, ts, step)
+                   for k, v in scalars.items()]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def key(self, name: str) -> str:
+        """The file store keeps a metric as a file named by its path, so ``reward/x`` and
+        ``reward/x/failures`` cannot both exist there: it gets ``reward.x``, ``reward.x.failures``
+        (a tracking server keeps the names as they are)."""
+        return name.replace("/", ".") if self.file_store else name
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

@@ -161,7 +161,7 @@ def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path, monkeypatch
         (run,) = client.search_runs([client.get_experiment_by_name("pipeline-grpo").experiment_id])
         assert run.info.run_name == "trl-e2e" and run.data.params["train.steps"] == "2"
         for key in ("reward_mean", "reward/accuracy_reward", "grad_norm"):
-            hist = client.get_metric_history(run.info.run_id, key)
+            hist = client.get_metric_history(run.info.run_id, key.replace("/", "."))
             assert sorted(m.step for m in hist) == [1, 2], key
             assert [m.value for m in sorted(hist, key=lambda m: m.step)] == [
                 row[key] for row in metrics

@@ -19,7 +19,8 @@ from pipeline.learner.metrics import MetricsLogger
 from pipeline.learner.trackers import Trackers, flat_config, missing_packages, numeric
 
 STEPS = [
-    {"reward_mean": 0.25, "reward/accuracy": 0.5, "loss": -0.125, "staleness_hist/0": 4.0},
+    {"reward_mean": 0.25, "reward/accuracy": 0.5, "loss": -0.125, "staleness_hist/0": 4.0,
+     "reward/accuracy/failures": 1.0},  # a name that is also the folder of another
     {"reward_mean": 0.5, "reward/accuracy": 0.75, "loss": -0.25, "staleness_hist/0": 4.0},
     {"reward_mean": 0.75, "reward/accuracy": 1.0, "loss": -0.5, "staleness_hist/1": 4.0},
 ]
@@ -203,7 +204,9 @@ def test_mlflow_file_store_scalars_land(tmp_path, monkeypatch):
     assert run.info.run_name == "trk-run" and run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == "3e-06" and run.data.params["name"] == "trk-run"
     for key in {k for s in STEPS for k in s}:
-        hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+        # The file store's names: "/" -> "." (reward/accuracy is also a folder there)
+        mkey = key.replace("/", ".")
+        hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, mkey)}
         assert hist == {i: s[key] for i, s in enumerate(STEPS, 1) if key in s}, key
     assert "not_a_number" not in run.data.metrics
     art = tmp_path / "run" / "mlruns" / exp.experiment_id / run.info.run_id / "artifacts"
