@@ -75,7 +75,9 @@ def test_leftovers_of_a_killed_launcher_are_reclaimed_by_the_next_run(tiny_model
         log,
     )
     assert m, log[-3000:]
-    assert int(m[2]) >= len(snapshot_dirs) and int(m[3]) >= len(segments)
+    # Every run reclaims what any dead run left, so a run of another test suite on this machine
+    # may take some of these first: what must hold is that the next run reclaims and all is gone.
+    assert int(m[2]) >= 1 and int(m[3]) >= 1
     assert float(m[1]) > 0
     assert _owned_by(tag) == []
     assert not segments & list_segments()

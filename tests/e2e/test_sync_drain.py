@@ -103,7 +103,8 @@ async def scenario(engine, ref_v1):
             start(f"follow{g}-{k}", g)
     t0 = time.monotonic()
     while not all(tracker.in_flight.get(f"lead{g}-a0") for g in range(GROUPS)):
-        assert time.monotonic() - t0 < 120, "the leaders produced no token in 120 s"
+        # Generous: on a machine whose cores other jobs keep busy the first tokens come late.
+        assert time.monotonic() - t0 < 300, "the leaders produced no token in 300 s"
         await asyncio.sleep(0.005)
     in_flight, pending = len(tracker.in_flight), tracker.pending_prefills()
     report = await barrier.swap(1, load_via_worker_ext(engine, ref_v1))
