@@ -1,9 +1,9 @@
 """A drain_prefill swap behind a long prefill backlog, on a real vLLM CPU engine (tiny model).
 
 Requests reach the scheduler in three waves, the way GRPO groups can: one member of each group
-(a "leader"), then a backlog of long distinct prompts, then the groups' other members
-("followers") at the back of the queue. The swap comes as soon as every leader decodes, so the
-backlog and the followers are queued, not started. The drain must wait only for the prefills
+(a "leader"), then, once every leader decodes, a backlog of long distinct prompts, then the
+groups' other members ("followers") at the back of the queue. The swap comes as soon as all are
+submitted, so the backlog and the followers are queued, not started. The drain must wait only for the prefills
 under way (not for the backlog), and every request must still complete, tagged by version.
 
 Prompt KV is checked by effect on each request's first token (greedy): its top-5 logprobs must
@@ -42,6 +42,9 @@ pytestmark = pytest.mark.slow
 GROUPS, FOLLOWERS, BACKLOG = 4, 3, 32
 GROUP_LEN, BACKLOG_LEN = 600, (1000, 1400)
 MAX_TOKENS = 64
+# The leaders decode long enough to still be running when the swap comes: a tiny model on an idle
+# CPU finishes 64 tokens before the backlog has even arrived.
+LEADER_TOKENS = 1024
 TOP = 5
 # Largest top-5 logprob difference still counted as "the same KV": bf16 on CPU computes a prompt
 # a little differently alone and inside a batch.
@@ -87,25 +90,40 @@ async def scenario(engine, ref_v1):
     barrier = SwapBarrier(engine, tracker, drain_timeout_s=120, pause_timeout_s=120)
     tasks: dict[str, tuple[int, asyncio.Task[Generation]]] = {}
 
-    def start(name: str, prompt_index: int) -> None:
+    def start(name: str, prompt_index: int, max_tokens: int = MAX_TOKENS) -> None:
         tasks[name] = (prompt_index, asyncio.create_task(generate(
-            engine, tracker, name, prompts[prompt_index], max_tokens=MAX_TOKENS,
+            engine, tracker, name, prompts[prompt_index], max_tokens=max_tokens,
             temperature=0.0, top_logprobs=TOP)))
 
+    async def admitted(names: list[str]) -> None:
+        """Until every named request is registered (each task has reached engine.generate)."""
+        while not all(f"{n}-a0" in tracker.in_flight for n in names):
+            await asyncio.sleep(0.001)
+
     for g in range(GROUPS):
-        start(f"lead{g}", g)
-    await asyncio.sleep(0.2)  # arrival order is vLLM's queue order
-    for b in range(BACKLOG):
-        start(f"backlog{b}", GROUPS + b)
-    await asyncio.sleep(0.2)
-    for g in range(GROUPS):
-        for k in range(FOLLOWERS):
-            start(f"follow{g}-{k}", g)
+        start(f"lead{g}", g, LEADER_TOKENS)
     t0 = time.monotonic()
     while not all(tracker.in_flight.get(f"lead{g}-a0") for g in range(GROUPS)):
+        assert not any(tasks[f"lead{g}"][1].done() for g in range(GROUPS)), \
+            "a leader finished before the swap could come"
         # Generous: on a machine whose cores other jobs keep busy the first tokens come late.
         assert time.monotonic() - t0 < 300, "the leaders produced no token in 300 s"
         await asyncio.sleep(0.005)
+    # The backlog, then the followers, queue behind the decoding leaders while the scheduler is
+    # frozen: a tiny model on an idle CPU would otherwise start much of the backlog before the
+    # followers arrive, and a busy machine slows the submissions more than the engine.
+    await engine.pause_generation(mode="keep", clear_cache=False)
+    backlog = [f"backlog{b}" for b in range(BACKLOG)]
+    for b, name in enumerate(backlog):
+        start(name, GROUPS + b)
+    await admitted(backlog)
+    await asyncio.sleep(0.2)  # arrival order is vLLM's queue order
+    followers = [f"follow{g}-{k}" for g in range(GROUPS) for k in range(FOLLOWERS)]
+    for name in followers:
+        start(name, int(name[6:].split("-")[0]))
+    await admitted(followers)
+    await asyncio.sleep(0.2)
+    await engine.resume_generation()
     in_flight, pending = len(tracker.in_flight), tracker.pending_prefills()
     report = await barrier.swap(1, load_via_worker_ext(engine, ref_v1))
     # How long the queue the drain did not wait for takes to reach its first tokens.
@@ -151,7 +169,8 @@ def test_drain_waits_only_for_prefills_under_way_and_no_kv_crosses_versions(tiny
     # Every request completed, nothing lost; tokens tagged by the weights that sampled them.
     spanning = 0
     for name, (_, g) in gens.items():
-        assert g.finish_reason == "length" and len(g.tokens) == MAX_TOKENS, name
+        want = LEADER_TOKENS if name.startswith("lead") else MAX_TOKENS
+        assert g.finish_reason == "length" and len(g.tokens) == want, name
         assert g.versions == sorted(g.versions) and set(g.versions) <= {0, 1}, name
         if name in resubmitted:  # restarted from nothing on v1, under v1's salt
             assert set(g.versions) == {1} and g.salt_version == 1, name
