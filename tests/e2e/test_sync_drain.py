@@ -3,8 +3,9 @@
 Requests reach the scheduler in three waves, the way GRPO groups can: one member of each group
 (a "leader"), then, once every leader decodes, a backlog of long distinct prompts, then the
 groups' other members ("followers") at the back of the queue. The swap comes as soon as all are
-submitted, so the backlog and the followers are queued, not started. The drain must wait only for the prefills
-under way (not for the backlog), and every request must still complete, tagged by version.
+submitted, so the backlog and the followers are queued, not started. The drain must wait only
+for the prefills under way (not for the backlog), and every request must still complete, tagged
+by version.
 
 Prompt KV is checked by effect on each request's first token (greedy): its top-5 logprobs must
 match a reference computed on the same prompt, alone and under a salt of its own, on the weights
