@@ -52,6 +52,7 @@ log = logging.getLogger("pipeline")
 MIN_RAY = (2, 49)  # label selectors on placement-group bundles
 MIRROR_MAX_BYTES = 64 << 20  # files the driver copies back at the end (checkpoint weights stay)
 KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
+OLD_CHILD_WAIT_S = 30.0  # a dead actor's child kills its group 5 s after noticing
 PRODUCER_KEY_FILES = ("server.key", "client.key", "client.key_secret")
 
 
@@ -138,10 +139,39 @@ class _Role:
         self.stopping = False
         self.keys_dir: Path | None = None
         self.workdir = Path(".")
+        self.tag = "role"
+
+    def _wait_previous(self, tag: str) -> None:
+        """On a restart: wait until the child of the actor's previous incarnation is gone. It may
+        still hold ports, write a checkpoint on its way out (SIGTERM when its actor died), append
+        to the outbox or use shared memory; the new child starts from what it left."""
+        import psutil
+
+        self.tag = tag
+        record = self.workdir / f".ray-child-{tag}.json"
+        if not (self.restarted and record.is_file()):
+            return
+        old = json.loads(record.read_text())
+        with contextlib.suppress(psutil.Error):
+            child = psutil.Process(old["pid"])
+            if abs(child.create_time() - old["created"]) < 0.01:
+                log.warning("%s: waiting for the previous child (pid %d)", self.name, child.pid)
+                try:
+                    child.wait(OLD_CHILD_WAIT_S)
+                except psutil.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(child.pid, signal.SIGKILL)
+                    child.wait(10)
 
     def _start(self, proc: Any) -> None:
+        import psutil
+
         self.proc = proc
         proc.start()
+        with contextlib.suppress(psutil.Error):
+            created = psutil.Process(proc.pid).create_time()
+            record = self.workdir / f".ray-child-{self.tag}.json"
+            record.write_text(json.dumps({"pid": proc.pid, "created": created}))
         threading.Thread(target=self._monitor, name="child-monitor", daemon=True).start()
 
     def _monitor(self) -> None:
@@ -177,7 +207,12 @@ class _Role:
         }
 
     def poll(self) -> dict[str, Any]:
-        return {"pid": self.proc.pid, "exit": self.proc.exitcode}
+        return {
+            "pid": self.proc.pid,
+            "exit": self.proc.exitcode,
+            "node_id": self.node_id,
+            "ip": self.ip,
+        }
 
     def stop(self, sig: int, grace_s: float) -> int | None:
         """Signal the child (its group), wait ``grace_s``, then kill what is left."""
@@ -274,6 +309,7 @@ class LearnerActor(_Role):
         model_path = _local_model(model_path, cfg)
         from pipeline.learner.checkpoint import latest_checkpoint
 
+        self._wait_previous("learner")
         resume = resume or (self.restarted and latest_checkpoint(self.workdir) is not None)
         if self.restarted:
             log.warning(
@@ -351,6 +387,7 @@ class ProducerActor(_Role):
         # Segments a killed engine of an earlier incarnation left: reclaimed against what
         # existed before the first incarnation started (recorded on this node).
         shm_file = out / f".shm-before-p{index}.json"
+        self._wait_previous(f"p{index}")
         if self.restarted and shm_file.is_file():
             reclaim_orphans(set(json.loads(shm_file.read_text())))
             log.warning("producer %d actor restarted by Ray", index)
@@ -559,7 +596,7 @@ class _Mirror:
         files = self.ray.get(self.learner.files.remote(), timeout=30)
         left = []
         for rel, size in files:
-            if rel in ("metrics.jsonl", "config.yaml", ".ray-learner.json"):
+            if rel in ("metrics.jsonl", "config.yaml") or rel.startswith(".ray-"):
                 continue
             if size > MIRROR_MAX_BYTES or rel.startswith("snapshots/"):
                 left.append(rel)
@@ -613,6 +650,7 @@ def run(
     actors: list[Any] = []
     learner = None
     producers: dict[int, Any] = {}
+    watched: _Producers | None = None
     code = 0
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -679,9 +717,12 @@ def run(
         actors.append(learner)
         ep = ray.get(learner.get_endpoints.remote())
         log.info(
-            "ray: learner on node %s (%s), rollouts at %s, snapshots streamed from %s",
+            "ray: learner on node %s (%s), actor pid %d, learner pid %d, rollouts at %s, "
+            "snapshots streamed from %s",
             ep["node_id"][:12],
             ep["ip"],
+            ep["actor_pid"],
+            ep["pid"],
             ep["addr"],
             ep["stream"],
         )
@@ -716,14 +757,17 @@ def run(
                 info["pid"],
             )
         mirror = None if ep["same_dir"] else _Mirror(ray, learner, run_dir)
-        code = _watch(ray, learner, producers, mirror, infos)
+        watched = _Producers(ray, producers, infos)
+        movable = lc.shared_run_dir and max_learner_restarts > 0
+        code = _watch(ray, learner, watched, mirror, ep["pid"], ep["node_id"], movable)
         if code == 0 and mirror is not None:
             mirror.final()
     except KeyboardInterrupt:
         code = code or 130
         log.warning("stopping: learner saves a checkpoint, producers shut down")
     finally:
-        _teardown(ray, learner, producers, pgs, run_dir, code)
+        gone = watched.lost | watched.dead if watched is not None else set()
+        _teardown(ray, learner, producers, pgs, run_dir, code, gone)
         with contextlib.suppress(Exception):
             ray.shutdown()
         if node is not None:
@@ -731,63 +775,176 @@ def run(
     return code
 
 
+DEAD_CONFIRM = 3  # failed calls in a row before an actor counts as dead for good
+
+
+def _dead(ray: Any, call: Any, tries: int = DEAD_CONFIRM) -> bool:
+    """Whether an actor whose call just failed with RayActorError is dead for good: a call in
+    flight when the actor's process dies fails even when Ray restarts the actor, so the call is
+    repeated; one that is answered (or queued for the restarted actor) means it lives."""
+    for _ in range(tries):
+        time.sleep(1.0)
+        try:
+            ray.get(call(), timeout=5)
+            return False
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return False
+        except ray.exceptions.RayActorError:
+            continue
+    return True
+
+
+class _Producers:
+    """The driver's view of the producer actors: one poll in flight each (never blocking the
+    loop on an actor that waits for a node), restarts and lost nodes reported on the console."""
+
+    def __init__(self, ray: Any, actors: dict[int, Any], infos: list[dict]):
+        self.ray, self.actors = ray, actors
+        self.pid = {i: info["pid"] for i, info in zip(actors, infos, strict=True)}
+        self.node = {i: info["node_id"] for i, info in zip(actors, infos, strict=True)}
+        self.ip = {i: info["ip"] for i, info in zip(actors, infos, strict=True)}
+        self.calls: dict[int, Any] = {}
+        self.lost: set[int] = set()  # node gone; Ray restarts it when a node fits its bundle
+        self.dead: set[int] = set()  # for good
+        self.nodes_checked = 0.0
+
+    def check(self) -> bool:
+        """False when the run must stop (a producer died for good other than by node loss, or
+        no producer is left)."""
+        ray = self.ray
+        if time.monotonic() - self.nodes_checked > 1.0:
+            self.nodes_checked = time.monotonic()
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            for i in sorted(set(self.actors) - self.lost - self.dead):
+                if self.node[i] not in alive:
+                    self.lost.add(i)
+                    log.error(
+                        "producer %d lost: its node %s (%s) left the cluster; the run goes on "
+                        "with %d producer(s); Ray restarts it where its bundle fits, if restarts "
+                        "are left (--max-producer-restarts)",
+                        i,
+                        self.node[i][:12],
+                        self.ip[i],
+                        len(self.actors) - len(self.lost) - len(self.dead),
+                    )
+        for i, actor in self.actors.items():
+            if i in self.dead:
+                continue
+            ref = self.calls.get(i) or self.calls.setdefault(i, actor.poll.remote())
+            done, _ = ray.wait([ref], timeout=0)
+            if not done:
+                continue
+            del self.calls[i]
+            try:
+                st = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:
+                continue
+            except ray.exceptions.RayActorError as e:
+                if i not in self.lost and not _dead(ray, actor.poll.remote):
+                    continue
+                self.dead.add(i)
+                left = len(self.actors) - len(self.dead)
+                if i in self.lost and left:
+                    log.error("producer %d is gone for good with its node; %d left", i, left)
+                    continue
+                log.error(
+                    "producer %d died and Ray will not restart it (launch restarts exhausted): %s",
+                    i,
+                    str(e).splitlines()[0],
+                )
+                return False
+            if st["pid"] != self.pid[i]:
+                log.warning(
+                    "producer %d restarted by Ray (pid %s -> %s) on node %s (%s)",
+                    i,
+                    self.pid[i],
+                    st["pid"],
+                    st["node_id"][:12],
+                    st["ip"],
+                )
+                self.pid[i], self.node[i], self.ip[i] = st["pid"], st["node_id"], st["ip"]
+                self.lost.discard(i)
+        return True
+
+
 def _watch(
-    ray: Any, learner: Any, producers: dict[int, Any], mirror: _Mirror | None, infos: list[dict]
+    ray: Any,
+    learner: Any,
+    producers: _Producers,
+    mirror: _Mirror | None,
+    learner_pid: int,
+    learner_node: str,
+    learner_movable: bool,
 ) -> int:
-    """Until the learner's child exits: mirror metrics, report producer restarts, fail when Ray
-    gives up on an actor."""
-    pids = {i: info["pid"] for i, info in zip(producers, infos, strict=True)}
+    """Until the learner's child exits: mirror metrics, report restarts and lost producers, fail
+    when Ray gives up on an actor or the learner's node (with its checkpoints) is gone."""
     while True:
+        if not learner_movable and learner_node not in {
+            n["NodeID"] for n in ray.nodes() if n.get("Alive")
+        }:
+            log.error(
+                "the learner's node %s left the cluster with its checkpoints; stopping "
+                "(--resume continues once the node is back; launch.shared_run_dir lets Ray "
+                "restart the learner elsewhere)",
+                learner_node[:12],
+            )
+            return 1
         try:
             st = ray.get(learner.poll.remote(), timeout=30)
         except ray.exceptions.ActorUnavailableError:
             time.sleep(1.0)  # being restarted by Ray
             continue
         except ray.exceptions.RayActorError as e:
+            if not _dead(ray, learner.poll.remote):
+                continue
             log.error(
                 "the learner actor died and Ray will not restart it: %s", str(e).splitlines()[0]
             )
             return 1
         except ray.exceptions.GetTimeoutError:
             continue
+        if st["pid"] != learner_pid:
+            log.warning(
+                "learner restarted by Ray (pid %s -> %s) on node %s (%s)",
+                learner_pid,
+                st["pid"],
+                st["node_id"][:12],
+                st["ip"],
+            )
+            learner_pid, learner_node = st["pid"], st["node_id"]
         if mirror is not None:
             mirror.metrics()
         if st["exit"] is not None:
             if st["exit"]:
                 log.error("learner exited with code %d", st["exit"])
             return 1 if st["exit"] else 0
-        for i, actor in producers.items():
-            try:
-                pst = ray.get(actor.poll.remote(), timeout=30)
-            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-                continue
-            except ray.exceptions.RayActorError as e:
-                log.error(
-                    "producer %d died and Ray will not restart it (launch restarts exhausted): %s",
-                    i,
-                    str(e).splitlines()[0],
-                )
-                return 1
-            if pst["pid"] != pids[i]:
-                log.warning("producer %d restarted by Ray (pid %s -> %s)", i, pids[i], pst["pid"])
-                pids[i] = pst["pid"]
+        if not producers.check():
+            return 1
         time.sleep(0.5)
 
 
 def _teardown(
-    ray: Any, learner: Any, producers: dict[int, Any], pgs: list[Any], run_dir: Path, code: int
+    ray: Any,
+    learner: Any,
+    producers: dict[int, Any],
+    pgs: list[Any],
+    run_dir: Path,
+    code: int,
+    gone: set[int] = frozenset(),
 ) -> None:
     """Learner first (SIGINT: its final checkpoint), then producers (their sent logs come back
-    to run_dir/producers), then the actors and placement groups."""
+    to run_dir/producers; those whose node is ``gone`` are not waited for), then the actors and
+    placement groups."""
     from ray.util.placement_group import remove_placement_group
 
     if learner is not None:
         with contextlib.suppress(Exception):
             ray.get(learner.stop.remote(signal.SIGINT, 120.0), timeout=150)
     waits = []
-    for actor in producers.values():
-        with contextlib.suppress(Exception):
-            waits.append((actor, actor.stop.remote(signal.SIGTERM, 20.0)))
+    for i, actor in producers.items():
+        if i not in gone:
+            with contextlib.suppress(Exception):
+                waits.append((actor, actor.stop.remote(signal.SIGTERM, 20.0)))
     for actor, ref in waits:
         with contextlib.suppress(Exception):
             ray.get(ref, timeout=40)

@@ -7,14 +7,21 @@ shares the learner's node, so every version reaches them through the streamed tr
 their own node's temp dir (no shared snapshot directory). Mid-run one producer actor's process is
 killed with SIGKILL: Ray restarts it and nothing is lost (conservation from the run's records).
 Bad input (an unreachable address, resources no node has) fails in seconds with one line.
+
+Faults beyond a producer's process: the learner actor's process killed with SIGKILL (Ray restarts
+it from its last checkpoint, the producers rejoin and resend) and a whole worker node lost (every
+process of 127.0.0.4 killed: the run goes on with the other producer). The head's GCS checks its
+raylets every second, so a dead node is seen in a few seconds (Ray's default is ~15 s).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +41,13 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 NODES = {"127.0.0.2": "producer_node", "127.0.0.3": "learner_node", "127.0.0.4": "producer_node"}
+# The head's GCS health-checks every raylet each second and gives up after 3 failures.
+HEALTH_CHECK = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +66,8 @@ def cluster(tmp_path_factory):
                 resources={resource: 1},
                 object_store_mb=128,
                 temp_dir=d,
-                env={"TMPDIR": str(d / "tmp"), "PYTHONPATH": str(REPO)},
+                env={"TMPDIR": str(d / "tmp"), "PYTHONPATH": str(REPO)}
+                | (HEALTH_CHECK if head is None else {}),
             )
             nodes[ip].wait_ready(180)
         yield nodes
@@ -223,3 +238,163 @@ def test_missing_resource_is_named_within_30s(cluster, tiny_model, tmp_path):
     last = err.strip().splitlines()[-1]
     assert "cannot place the learner" in last and "'gpu_node'" in last, err
     assert "Traceback" not in err
+
+
+PLACED = r"ray: producer (\d) on node \w+ \(([\d.]+)\), actor pid (\d+), producer pid (\d+)"
+LEARNER = r"ray: learner on node \w+ \([\d.]+\), actor pid (\d+), learner pid (\d+)"
+
+
+def _node_dir(node: RayNode) -> Path:
+    """The run's directory on a node that is not the driver's (pipeline.launch.ray._workdir)."""
+    return next((node.temp_dir / "tmp" / "pipeline-grpo-ray").iterdir())
+
+
+def _conservation(run_dir: Path, steps: int, incarnations: int) -> dict:
+    t = tally(run_dir)
+    assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
+    assert t["incarnations"] == incarnations, t
+    assert t["steps"] == steps and t["trained"] == 2 * steps, t
+    return t
+
+
+def _clean(la: Launcher, tag: str, shm_before: set[str], log: str) -> None:
+    assert f'File "{REPO}/' not in log, log[-3000:]
+    _assert_gone(la.descendants, "driver children")
+    assert_no_process_left(tag)
+    assert (list_segments() - shm_before) - segments_in_use() == set()
+
+
+def test_learner_killed_is_restarted_from_its_checkpoint(
+    cluster, tiny_model, tmp_path, monkeypatch
+):
+    """kill -9 of the learner actor's process: its child kills its group, Ray restarts the actor
+    on the same node and ports, the learner resumes from its last checkpoint, the producers
+    rejoin at its version and resend what that checkpoint does not hold; every step is trained
+    once in the final lineage and conservation is exact."""
+    tag = f"rayl{time.time_ns()}"
+    monkeypatch.setenv("PIPELINE_TEST_RUN", tag)
+    shm_before = list_segments()
+    run_dir = tmp_path / "run"
+    steps = 24
+    la = Launcher(
+        tiny_model,
+        run_dir,
+        *_ray_args(
+            cluster,
+            "--mode",
+            "async",
+            "--max-staleness",
+            "1",
+            "--steps",
+            str(steps),
+            "--train.checkpoint_every",
+            "1",
+            "--max-learner-restarts",
+            "1",
+        ),
+    )
+    try:
+        m = la.wait_for(
+            lambda: next((m for ln in la.lines if (m := re.search(LEARNER, ln))), None),
+            300,
+            "the learner placed",
+        )
+        actor_pid, child_pid = int(m[1]), int(m[2])
+        la.wait_for(lambda: la.steps_done() >= 2, 400, "two trained steps")
+        victims = [child_pid] + [c.pid for c in psutil.Process(child_pid).children(True)]
+        os.kill(actor_pid, signal.SIGKILL)
+        killed_at = la.steps_done()
+        assert killed_at < steps, "run finished before the kill"
+        la.wait_for(
+            lambda: any("learner restarted by Ray" in ln for ln in la.lines),
+            120,
+            "Ray to restart the learner",
+        )
+        _assert_gone(victims, "the killed actor's learner")
+        code = la.wait(600)
+    finally:
+        la.stop()
+    log = "\n".join(la.lines)
+    (run_dir / "driver.log").write_text(log)
+    assert code == 0, la.tail(80)
+    assert "learner actor restarted by Ray from its last checkpoint" in log, log[-3000:]
+    rows = _metrics(run_dir)
+    # Steps after the resumed checkpoint are trained again: each step is there, in order per
+    # lineage, and the last row is the last step.
+    assert {r["step"] for r in rows} == set(range(1, steps + 1)), [r["step"] for r in rows]
+    assert rows[-1]["step"] == steps
+    # Both producers rejoined the restarted learner: the same processes said Hello to both
+    # learner processes (no producer was restarted).
+    hellos = {p: {pid for q, pid, _v in la.connects() if q == p} for p in ("p0", "p1")}
+    assert all(len(pids) == 1 for pids in hellos.values()), hellos
+    assert all(len([c for c in la.connects() if c[0] == p]) >= 2 for p in hellos), la.connects()
+    assert not re.search(r"producer \d restarted by Ray", log)
+    _conservation(run_dir, steps, incarnations=2)
+    _clean(la, tag, shm_before, log)
+
+
+def test_worker_node_lost_run_goes_on(cluster, tiny_model, tmp_path, monkeypatch):
+    """Every process of 127.0.0.4 killed (the node is gone, its disk stays): Ray sees the node
+    dead within seconds, the driver reports the lost producer, the learner trains every step
+    with the producer left. STRICT_SPREAD leaves no node for the lost bundle, so Ray keeps the
+    actor pending (its restart waits for a node). Last in the module: the node stays dead."""
+    tag = f"rayn{time.time_ns()}"
+    monkeypatch.setenv("PIPELINE_TEST_RUN", tag)
+    shm_before = list_segments()
+    run_dir = tmp_path / "run"
+    steps = 40
+    la = Launcher(
+        tiny_model,
+        run_dir,
+        *_ray_args(
+            cluster,
+            "--mode",
+            "async",
+            "--max-staleness",
+            "1",
+            "--steps",
+            str(steps),
+            "--max-producer-restarts",
+            "1",
+        ),
+    )
+    node = cluster["127.0.0.4"]
+    try:
+        la.wait_for(
+            lambda: len([ln for ln in la.lines if re.search(PLACED, ln)]) == 2,
+            300,
+            "both producers placed",
+        )
+        actors = {m[2]: (int(m[1]), int(m[3])) for ln in la.lines if (m := re.search(PLACED, ln))}
+        lost, actor_pid = actors["127.0.0.4"]
+        la.wait_for(lambda: la.steps_done() >= 2, 400, "two trained steps")
+        procs = node.processes() + psutil.Process(actor_pid).children(True)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        killed = time.monotonic()
+        assert la.steps_done() < steps, "run finished before the node was lost"
+        la.wait_for(
+            lambda: any(f"producer {lost} lost: its node" in ln for ln in la.lines),
+            60,
+            "the driver to report the lost producer",
+        )
+        seen_s = time.monotonic() - killed
+        _assert_gone([p.pid for p in procs], "the lost node's processes")
+        code = la.wait(600)
+    finally:
+        la.stop()
+    log = "\n".join(la.lines)
+    (run_dir / "driver.log").write_text(log)
+    assert code == 0, la.tail(80)
+    assert seen_s < 12, f"node loss seen after {seen_s:.1f}s"
+    rows = _metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert rows[-1]["producers_alive"] == 1.0, rows[-1]
+    # The lost producer's records stay on its node's disk (the driver cannot fetch them):
+    # its sent log and its outbox of groups the learner never made durable.
+    for f in (_node_dir(node) / "producers").glob(f"p{lost}-*"):
+        if f.suffix in (".jsonl", ".wal"):
+            shutil.copy(f, run_dir / "producers" / f.name)
+    _conservation(run_dir, steps, incarnations=2)
+    _clean(la, tag, shm_before, log)
