@@ -789,7 +789,7 @@ def _dead(ray: Any, call: Any, tries: int = DEAD_CONFIRM) -> bool:
             return False
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
             return False
-        except ray.exceptions.RayActorError:
+        except ray.exceptions.RayError:
             continue
     return True
 
@@ -839,7 +839,7 @@ class _Producers:
                 st = ray.get(ref)
             except ray.exceptions.ActorUnavailableError:
                 continue
-            except ray.exceptions.RayActorError as e:
+            except ray.exceptions.RayError as e:  # the actor died (or Ray's OOM killer)
                 if i not in self.lost and not _dead(ray, actor.poll.remote):
                     continue
                 self.dead.add(i)
@@ -894,15 +894,15 @@ def _watch(
         except ray.exceptions.ActorUnavailableError:
             time.sleep(1.0)  # being restarted by Ray
             continue
-        except ray.exceptions.RayActorError as e:
+        except ray.exceptions.GetTimeoutError:
+            continue
+        except ray.exceptions.RayError as e:  # the actor died (or Ray's OOM killer)
             if not _dead(ray, learner.poll.remote):
                 continue
             log.error(
                 "the learner actor died and Ray will not restart it: %s", str(e).splitlines()[0]
             )
             return 1
-        except ray.exceptions.GetTimeoutError:
-            continue
         if st["pid"] != learner_pid:
             log.warning(
                 "learner restarted by Ray (pid %s -> %s) on node %s (%s)",
