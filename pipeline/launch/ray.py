@@ -651,6 +651,7 @@ def run(
     learner = None
     producers: dict[int, Any] = {}
     watched: _Producers | None = None
+    mirror: _Mirror | None = None
     code = 0
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -760,14 +761,12 @@ def run(
         watched = _Producers(ray, producers, infos)
         movable = lc.shared_run_dir and max_learner_restarts > 0
         code = _watch(ray, learner, watched, mirror, ep["pid"], ep["node_id"], movable)
-        if code == 0 and mirror is not None:
-            mirror.final()
     except KeyboardInterrupt:
         code = code or 130
         log.warning("stopping: learner saves a checkpoint, producers shut down")
     finally:
         gone = watched.lost | watched.dead if watched is not None else set()
-        _teardown(ray, learner, producers, pgs, run_dir, code, gone)
+        _teardown(ray, learner, producers, pgs, run_dir, mirror, gone)
         with contextlib.suppress(Exception):
             ray.shutdown()
         if node is not None:
@@ -844,7 +843,8 @@ class _Producers:
                     continue
                 self.dead.add(i)
                 left = len(self.actors) - len(self.dead)
-                if i in self.lost and left:
+                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+                if (i in self.lost or self.node[i] not in alive) and left:
                     log.error("producer %d is gone for good with its node; %d left", i, left)
                     continue
                 log.error(
@@ -929,17 +929,20 @@ def _teardown(
     producers: dict[int, Any],
     pgs: list[Any],
     run_dir: Path,
-    code: int,
+    mirror: _Mirror | None = None,
     gone: set[int] = frozenset(),
 ) -> None:
-    """Learner first (SIGINT: its final checkpoint), then producers (their sent logs come back
-    to run_dir/producers; those whose node is ``gone`` are not waited for), then the actors and
-    placement groups."""
+    """Learner first (SIGINT: its final checkpoint, then its files come back to run_dir, on
+    Ctrl-C too), then producers (their sent logs come back to run_dir/producers; those whose
+    node is ``gone`` are not waited for), then the actors and placement groups."""
     from ray.util.placement_group import remove_placement_group
 
     if learner is not None:
         with contextlib.suppress(Exception):
             ray.get(learner.stop.remote(signal.SIGINT, 120.0), timeout=150)
+        if mirror is not None:
+            with contextlib.suppress(Exception):
+                mirror.final()
     waits = []
     for i, actor in producers.items():
         if i not in gone:
