@@ -366,7 +366,12 @@ def test_worker_node_lost_run_goes_on(cluster, tiny_model, tmp_path, monkeypatch
         actors = {m[2]: (int(m[1]), int(m[3])) for ln in la.lines if (m := re.search(PLACED, ln))}
         lost, actor_pid = actors["127.0.0.4"]
         la.wait_for(lambda: {c[0] for c in la.connects()} == {"p0", "p1"}, 500, "both producers")
-        la.wait_for(lambda: la.steps_done() >= 2, 300, "two trained steps")
+        sent = f"by_producer/p{lost}/groups_sent"
+        la.wait_for(
+            lambda: la.steps_done() >= 2 and _metrics(run_dir)[-1].get(sent, 0) >= 2,
+            300,
+            f"two trained steps and groups from p{lost}",
+        )
         procs = node.processes() + psutil.Process(actor_pid).children(True)
         for p in procs:
             with contextlib.suppress(psutil.Error):
