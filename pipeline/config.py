@@ -58,7 +58,8 @@ def _check(cond: bool, option: str, msg: str) -> None:
         raise ConfigError(f"{option}: {msg}")
 
 
-Executor = Literal["inline", "thread", "process"]
+Executor = Literal["inline", "thread", "process", "ray"]
+RAY_ONLY = ("num_replicas", "num_cpus", "num_gpus", "max_restarts")
 RewardStyle = Literal["auto", "native", "trl"]
 
 
@@ -81,7 +82,9 @@ class RewardSpec:
     """Per-call time limit; a call past it counts as a failure (timeout)."""
     executor: Executor = "inline"
     """inline: on the event loop (async or fast sync rewards); thread: blocking sync rewards;
-    process: CPU-heavy rewards in a spawn ProcessPoolExecutor."""
+    process: CPU-heavy rewards in a spawn ProcessPoolExecutor; ray: a reward class (e.g. a
+    learned reward model) as Ray actors shared by all producers of the run (needs
+    ``--launcher ray``, or ``--ray-address`` with the local launcher)."""
     max_concurrency: int | None = None
     """Upper bound on this reward's concurrent calls (None: unbounded)."""
     rate_per_s: float | None = None
@@ -92,9 +95,28 @@ class RewardSpec:
     group with ``prompts``, ``completion_ids`` and the dataset's columns as lists; auto: trl
     when the signature names ``completions``/``completion_ids`` and not ``completion``/``metas``
     (and ``batched`` is not set), else native."""
+    num_replicas: int | None = None
+    """executor ray: actors serving this reward, shared by every producer (None: 1)."""
+    num_cpus: float | None = None
+    """executor ray: CPUs each replica reserves on the cluster (None: 1)."""
+    num_gpus: float | None = None
+    """executor ray: GPUs each replica reserves, e.g. 1 for a learned reward model (None: 0)."""
+    max_restarts: int | None = None
+    """executor ray: how often Ray restarts a replica that dies (-1: without limit; None: 3)."""
 
     def __post_init__(self) -> None:
         _enforce(self)
+        for name in RAY_ONLY:
+            _check(getattr(self, name) is None or self.executor == "ray", name,
+                   f"applies only to executor: ray (this reward's executor is {self.executor})")
+        _check(self.num_replicas is None or self.num_replicas >= 1, "num_replicas",
+               f"must be >= 1, got {self.num_replicas}")
+        for name in ("num_cpus", "num_gpus"):
+            value = getattr(self, name)
+            _check(value is None or (math.isfinite(value) and value >= 0), name,
+                   f"must be >= 0, got {value}")
+        _check(self.max_restarts is None or self.max_restarts >= -1, "max_restarts",
+               f"must be >= -1 (-1: without limit), got {self.max_restarts}")
         if isinstance(self.fn, str) and ":" not in self.fn:
             raise ValueError(f"reward fn {self.fn!r} must look like 'package.module:attr' "
                              "or 'path/to/file.py:attr'")
@@ -104,8 +126,8 @@ class RewardSpec:
             raise ValueError(f"reward weight must be finite, got {self.weight}")
         if not self.timeout_s > 0:
             raise ValueError(f"reward timeout_s must be > 0, got {self.timeout_s}")
-        if self.executor not in ("inline", "thread", "process"):
-            raise ValueError(f"reward executor must be inline, thread or process, "
+        if self.executor not in ("inline", "thread", "process", "ray"):
+            raise ValueError(f"reward executor must be inline, thread, process or ray, "
                              f"got {self.executor!r}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"reward max_concurrency must be >= 1, got {self.max_concurrency}")
@@ -297,7 +319,8 @@ class EvalConfig:
 class RewardsConfig:
     specs: list[RewardSpec] = opt([{"fn": "pipeline.tasks.rewards:exact_match"}],
                       "list of reward specs {fn, weight, name, kwargs, batched, timeout_s, "
-                      "executor, max_concurrency, rate_per_s, style}")
+                      "executor, max_concurrency, rate_per_s, style, num_replicas, "
+                      "num_cpus, num_gpus, max_restarts}")
     on_failure: Literal["zero", "drop"] = opt("zero", "a reward that raises/hangs/NaNs scores 0 "
                                                       "('zero') or drops its group ('drop')")
     pool_workers: int = opt(2, "process-pool size for rewards with executor: process", ge=1)
@@ -612,6 +635,12 @@ class RunConfig:
                                                          self.train.max_staleness)
         _check(self.buffer_capacity >= self.train.batch_groups, "buffer_capacity",
                "must hold at least one batch")
+        for i, spec in enumerate(self.rewards.specs):
+            # The reward actors live on a Ray cluster that the run's driver connects to.
+            _check(spec.executor != "ray" or self.launch.backend == "ray"
+                   or bool(self.launch.ray_address), f"rewards.specs[{i}].executor",
+                   "ray needs a Ray cluster: run with --launcher ray, or give --ray-address "
+                   "(the local launcher then starts the reward actors on that cluster)")
 
     @property
     def bind_addr(self) -> str:
