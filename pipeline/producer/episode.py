@@ -224,6 +224,20 @@ def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> a
     return fut
 
 
+def load_episode(path: str) -> Callable[..., Awaitable[Any]]:
+    """The episode coroutine function ``path`` names (``episode.fn``); ValueError with one
+    line when it cannot be imported or is not an ``async def``."""
+    from pipeline.producer.rewards import load_callable
+
+    try:
+        fn = load_callable(path)
+    except (ImportError, ValueError) as e:
+        raise ValueError(str(e).replace("reward path", "path")) from None
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"{path!r} must be an `async def episode(ctx, prompt, **meta)`")
+    return fn
+
+
 class EpisodeContext:
     """What an episode coroutine talks to (see the module docstring)."""
 

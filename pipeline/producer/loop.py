@@ -54,10 +54,16 @@ from pipeline.config import RunConfig, curve_keys, may_admit, producer_budget
 from pipeline.producer.adapters import AdapterSet
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
-from pipeline.producer.episode import EpisodeContext, EpisodeLimits, EpisodeResult, run_episode
+from pipeline.producer.episode import (
+    EpisodeContext,
+    EpisodeLimits,
+    EpisodeResult,
+    load_episode,
+    run_episode,
+)
 from pipeline.producer.evaluate import eval_records, generate_and_score, is_due, last_version
 from pipeline.producer.outbox import Outbox
-from pipeline.producer.rewards import RewardSet, load_callable, rate_limiter
+from pipeline.producer.rewards import RewardSet, rate_limiter
 from pipeline.producer.stats import ProducerStats
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.lora import adapter_config, adapter_sync_plan
@@ -115,7 +121,7 @@ class Producer:
                      self.producer_id, t.lora_rank)
         self.stats = ProducerStats()
         # Multi-turn episodes (episode.fn): G of them make a group instead of G completions.
-        self.episode_fn = load_callable(cfg.episode.fn) if cfg.episode.fn else None
+        self.episode_fn = load_episode(cfg.episode.fn) if cfg.episode.fn else None
         self.in_flight_groups = 0
         self.held = 0            # our groups in the learner's buffer (from announces)
         self.accepted = 0        # groups of this process the learner has (from announces)
@@ -336,6 +342,7 @@ class Producer:
             return None
         return results
 
+    def _log_sent(self, record: dict[str, Any]) -> None:
         """One line per group handed to the transport: the producer side of the soak's
         conservation check (groups produced = trained + dropped + held)."""
         with self.sent_log.open("a") as fh:
