@@ -339,6 +339,27 @@ def _cuda_device_count() -> int:
 
 
 @dataclass
+class EpisodeConfig:
+    fn: str = opt("", "multi-turn episodes: 'package.module:function' or 'path/file.py:function' "
+                      "of an `async def episode(ctx, prompt, **meta)` (pipeline.producer.episode; "
+                      "'' = one completion per request)")
+    kwargs: dict[str, Any] = opt({}, "extra keyword arguments given to every episode call")
+    max_turns: int = opt(4, "most generate calls of one episode; the next one ends it", ge=1)
+    max_tokens: int = opt(256, "most completion tokens of one episode, generated and tool "
+                               "tokens together (each turn generates at most what is left)", ge=1)
+    tool_timeout_s: float = opt(10.0, "ctx.tool: one tool call may run this long, else it "
+                                      "fails the episode (see rewards.on_failure)", gt=0)
+    timeout_s: float = opt(300.0, "one whole episode may run this long, else it fails "
+                                  "(see rewards.on_failure)", gt=0)
+
+    def __post_init__(self) -> None:
+        _enforce(self)
+        _check(not self.fn or ":" in self.fn, "episode.fn",
+               f"must look like 'package.module:function', got {self.fn!r}")
+        _check(isinstance(self.kwargs, dict), "episode.kwargs", "must be a mapping")
+
+
+@dataclass
 class SyncConfig:
     barrier: Literal["drain_prefill", "keep", "wait", "abort"] = opt(
         "drain_prefill", "swap mode: finish the prefills under way, resubmit requests not yet "
@@ -576,6 +597,8 @@ class RunConfig:
                                          metadata={"help": "generation"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data"})
     rewards: RewardsConfig = field(default_factory=RewardsConfig, metadata={"help": "rewards"})
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig,
+                                   metadata={"help": "multi-turn episodes with tools"})
     eval: EvalConfig = field(default_factory=EvalConfig,
                              metadata={"help": "evaluation on held-out prompts"})
     sync: SyncConfig = field(default_factory=SyncConfig, metadata={"help": "sync"})
@@ -589,6 +612,9 @@ class RunConfig:
         _check(self.generation.max_tokens < self.engine.max_model_len, "generation.max_tokens",
                f"must be below engine.max_model_len ({self.engine.max_model_len}), got "
                f"{self.generation.max_tokens}")
+        _check(not self.episode.fn or self.episode.max_tokens < self.engine.max_model_len,
+               "episode.max_tokens", f"must be below engine.max_model_len "
+               f"({self.engine.max_model_len}), got {self.episode.max_tokens}")
         if isinstance(self.report_to, str):  # `--report_to wandb,mlflow`, TRL's "none"/"all"
             text = self.report_to.strip().strip("[]")
             self.report_to = {"none": [], "all": list(TRACKERS)}.get(
@@ -645,6 +671,12 @@ class RunConfig:
     @property
     def bind_addr(self) -> str:
         return self.addr or f"ipc://{Path(self.run_dir).resolve()}/learner.sock"
+
+
+def completion_max_tokens(cfg: RunConfig) -> int:
+    """Most tokens one completion of this run may carry: an episode's budget (its generated and
+    tool tokens) when episodes run, else ``generation.max_tokens``."""
+    return cfg.episode.max_tokens if cfg.episode.fn else cfg.generation.max_tokens
 
 
 def curve_keys(cfg: RunConfig, role: str) -> Any:

@@ -81,6 +81,13 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
         raise ConfigError(f"rewards.specs: {e}") from None
+    if cfg.episode.fn and role in ("all", "producer"):
+        from pipeline.producer.episode import load_episode
+
+        try:
+            load_episode(cfg.episode.fn)
+        except ValueError as e:
+            raise ConfigError(f"episode.fn: {e}") from None
     from buffer.transport import check_bind_addr
 
     # Keys are made here, before any child starts, so a single-host run's producers find them.
