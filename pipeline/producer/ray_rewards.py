@@ -318,10 +318,25 @@ def _first_line(e: BaseException) -> str:
 _connect_lock = threading.Lock()
 
 
-def _ensure_connected(handle: dict[str, Any]) -> Any:
-    """``ray.init`` once per process (blocking; run in a thread)."""
-    import ray
+class _DropThreadNotice(logging.Filter):
+    """Ray notes that a ``ray.init`` off the main thread leaves SIGTERM alone: that is the
+    intent here (the producer stops gracefully on SIGTERM), so the note is dropped."""
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def _ensure_connected(handle: dict[str, Any]) -> Any:
+    """``ray.init`` once per process (blocking; run in a thread, so Ray leaves the producer's
+    SIGTERM handling alone)."""
+    # Ray's failure signal handler would print a stack dump for the SIGTERM that stops a
+    # producer (read from the environment, or from ray_constants once Ray is imported).
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    import ray
+    from ray._private import ray_constants
+
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    logging.getLogger("ray._private.worker").addFilter(_DropThreadNotice())
     with _connect_lock:
         if not ray.is_initialized():
             kw: dict[str, Any] = {
