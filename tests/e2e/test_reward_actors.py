@@ -226,3 +226,61 @@ def test_replicas_that_cannot_be_placed_are_named_within_30s(cluster, tiny_model
     last = p.stderr.strip().splitlines()[-1]
     assert "rewards.specs[0]: reward 'TinyRewardModel': cannot place its replicas" in last, last
     assert "GPU: 1" in last and "Traceback" not in p.stderr
+
+
+SCORE_IN_CHILD = """
+import asyncio, json, sys
+from pipeline.config import RewardSpec
+from pipeline.producer.rewards import RewardSet
+rs = RewardSet([RewardSpec(**json.loads(sys.argv[1]))])
+res = asyncio.run(rs.score_group("q", ["12 ab", "99", ""], {"prompt_id": "p"}))
+rs.close()
+print(json.dumps({"total": res.total, "stats": rs.stats}))
+"""
+
+
+def test_local_launcher_starts_replicas_for_its_processes(cluster, tmp_path):
+    """What the local launcher does given --ray-address, without engines: ``RewardCluster``
+    starts the replicas from this process, and a separate process (as a local producer is)
+    inherits where they are, joins the cluster and scores through ``RewardSet``; ``stop``
+    removes the replicas."""
+    from pipeline.config import load_config
+    from pipeline.launch.ray import RewardCluster
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    weights = tmp_path / "weights.json"
+    weights.write_text(json.dumps({"digit": 1.0, "space": 0.25, "other": 0.0}))
+    spec = {
+        "fn": f"{REPO}/tests/e2e/reward_model.py:TinyRewardModel",
+        "name": "rm",
+        "executor": "ray",
+        "num_replicas": 2,
+        "num_cpus": 0.5,
+        "kwargs": {"weights_path": str(weights), "marker_dir": str(markers), "delay_s": 0.01},
+    }
+    cfg = load_config(
+        overrides={
+            "launch.ray_address": cluster["127.0.0.2"].address,
+            "rewards.specs": [spec],
+            "run_dir": str(tmp_path / "run"),
+        }
+    )
+    rc = RewardCluster(cfg)
+    try:
+        replicas = {int(p.stem) for p in markers.glob("*.pid")}
+        assert len(replicas) == 2, replicas
+        p = subprocess.run(
+            [sys.executable, "-c", SCORE_IN_CHILD, json.dumps(spec)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        rc.stop()
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["total"] == [pytest.approx(2.25 / 5), 1.0, 0.0], out
+    assert out["stats"]["reward/rm/calls"] == 3 and out["stats"]["reward/rm/failures"] == 0
+    _assert_gone(replicas, "reward replicas after stop()")

@@ -271,3 +271,12 @@ def test_no_handle_is_a_clear_error(monkeypatch):
 def test_loopback_node_ip():
     assert ray_rewards._loopback_host("127.0.0.2:6379") == "127.0.0.2"
     assert ray_rewards._loopback_host("10.0.0.5:6379") == ""
+
+
+def test_eval_needs_a_cluster_for_ray_rewards():
+    from pipeline.launch.evaluate import _reward_cluster
+
+    cfg = _cfg({"fn": f"{HERE}:LengthModel", "executor": "ray"}, backend="ray")
+    with pytest.raises(ConfigError, match=r"rewards.specs\[0\].executor: .*launch.ray_address"):
+        _reward_cluster(cfg)
+    assert _reward_cluster(load_config()) is None
