@@ -384,6 +384,10 @@ class Producer:
                         text.append(c.text)
                     if out.finished:
                         finish = c.finish_reason or ""
+                        # Prefix-cache reuse (an episode's later turns, a group's siblings).
+                        self.stats.prompt_tokens += len(prompt_ids)
+                        self.stats.prompt_tokens_cached += int(
+                            getattr(out, "num_cached_tokens", 0) or 0)
             finally:
                 self.tracker.finish(request_id)
                 self.stats.busy.exit()

@@ -66,6 +66,8 @@ class ProducerStats:
     groups_resent: int = 0
     retention_overflow: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens of finished requests (an episode turn's transcript)
+    prompt_tokens_cached: int = 0  # of those, served from vLLM's prefix cache
     swaps: int = 0
     swap_failures: int = 0
     transport_fallbacks: int = 0

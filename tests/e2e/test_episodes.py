@@ -60,6 +60,10 @@ def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, t
         "256",
         "--engine.cpu_kvcache_space_gib",
         "1",
+        # Blocks of 32 tokens (the CPU default is 128): the short transcripts fill some, so
+        # the prefix cache has something to serve.
+        "--engine.extra",
+        '{"block_size": 32}',
         "--tensorboard",
         "false",
     ]
@@ -75,6 +79,8 @@ def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, t
     assert last["producer/episode_tool_timeouts"] >= 1  # counted, episode scored 0
     assert last["producer/episode_env_tokens"] > 0
     assert last["producer/episode_turns"] > last["producer/episodes"]
+    # Later turns re-send the transcript: some of it comes from the prefix cache.
+    assert 0 < last["producer/prompt_tokens_cached"] < last["producer/prompt_tokens"]
 
     episodes = [json.loads(x) for x in log.read_text().splitlines()]
     hung = [e for e in episodes if len(e["versions"]) == 1]
