@@ -315,3 +315,19 @@ def test_the_learner_leaves_masked_tokens_out_of_the_loss():
         True,
     ]
     assert np.isfinite(b["behaviour"][0].numpy()).sum() >= 5
+
+
+# ------------------------------------------------------------------ the feedback game
+def test_feedback_game_rewards_the_turn_of_the_right_answer():
+    from pipeline.tasks.feedback import episode as feedback_episode
+
+    calls: list = []
+    ctx = _ctx(["15", "21", "19"], calls=calls, limits=EpisodeLimits(3, 64, 1.0, 10.0))
+    r = asyncio.run(run_episode(feedback_episode, ctx, "What is 12 + 7?", {"answer": "19"}))
+    assert r.failure == "" and r.turns == 3 and r.reward == (1 / 3, {"episode": 1 / 3})
+    assert r.text == "15\nToo low. Try again: 21\nToo high. Try again: 19"
+    assert len(r.completion.masked_spans) == 2
+
+    ctx = _ctx(["7"], limits=EpisodeLimits(2, 64, 1.0, 10.0))
+    r = asyncio.run(run_episode(feedback_episode, ctx, "Q", {"answer": "19"}))
+    assert r.turns == 2 and r.reward == (0.0, {"episode": 0.0})
