@@ -63,6 +63,18 @@ class Completion:
     reward: float = 0.0
     reward_breakdown: dict[str, float] = field(default_factory=dict)
     finish_reason: str = ""
+    masked_spans: list[tuple[int, int]] = field(default_factory=list)
+    """[(start, end), ...]: token ranges the policy did not sample (tool or environment output
+    between the turns of an episode), sorted, disjoint, within [0, T). They are context for the
+    tokens after them and are left out of the loss; their logprobs are 0 and carry no meaning.
+    Empty for a single-turn completion (the wire then omits the field)."""
+
+    def loss_mask(self) -> np.ndarray:
+        """bool (T,): True on tokens the policy sampled (trained on), False on masked spans."""
+        keep = np.ones(len(self.token_ids), dtype=bool)
+        for start, end in self.masked_spans:
+            keep[start:end] = False
+        return keep
 
     def per_token_versions(self) -> np.ndarray:
         """int32 (T,): the policy version that sampled each token."""
@@ -87,6 +99,7 @@ class Completion:
             and self.reward == other.reward
             and self.reward_breakdown == other.reward_breakdown
             and self.finish_reason == other.finish_reason
+            and [tuple(s) for s in self.masked_spans] == [tuple(s) for s in other.masked_spans]
         )
 
 
@@ -140,12 +153,15 @@ _Count = Annotated[int, Meta(ge=0)]
 _Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
 
 
-class _CompletionWire(Struct, forbid_unknown_fields=True):
+class _CompletionWire(Struct, forbid_unknown_fields=True, omit_defaults=True):
     num_tokens: _Count
     version_segments: Annotated[list[tuple[_Count, _Count]], Meta(min_length=1)]
     reward: _Finite
     reward_breakdown: dict[str, _Finite]
     finish_reason: str
+    # Optional, omitted when empty: frames of single-turn completions are byte-for-byte those
+    # of a build without it, and decode where it is unknown.
+    masked_spans: list[tuple[_Count, _Count]] = []
 
 
 class _GroupWire(Struct, forbid_unknown_fields=True):
@@ -199,9 +215,12 @@ def _encode_group(g: RolloutGroup) -> _GroupWire:
                 raise DecodeError(f"completion {i}: {n} token ids but {len(c.logprobs)} logprobs")
             segs = [(int(s), int(v)) for s, v in c.version_segments]
             _segments(segs, n, f"completion {i}.version_segments")
+            spans = [(int(a), int(b)) for a, b in c.masked_spans]
+            _spans(spans, n, f"completion {i}.masked_spans")
             completions.append(_CompletionWire(
                 num_tokens=n, version_segments=segs, reward=float(c.reward),
-                reward_breakdown=_fdict(c.reward_breakdown), finish_reason=c.finish_reason))
+                reward_breakdown=_fdict(c.reward_breakdown), finish_reason=c.finish_reason,
+                masked_spans=spans))
         _check_logprobs(lp)
     except DecodeError as e:
         raise ValueError(f"invalid rollout group {g.group_id!r}: {e}") from None
@@ -277,6 +296,25 @@ def _segments(segs: list[tuple[int, int]], n_tokens: int, where: str) -> list[tu
     return [(int(s), int(v)) for s, v in segs]
 
 
+def span_error(spans: list[tuple[int, int]], n_tokens: int) -> str:
+    """What is wrong with ``spans`` as the masked spans of ``n_tokens`` tokens ('' if nothing):
+    each ``start < end <= n_tokens``, sorted and disjoint."""
+    prev_end = 0
+    for i, (start, end) in enumerate(spans):
+        if not prev_end <= start < end <= n_tokens:
+            return (f"[{i}] = ({start}, {end}) must satisfy {prev_end} <= start < end <= "
+                    f"{n_tokens} (sorted, disjoint, within the completion)")
+        prev_end = end
+    return ""
+
+
+def _spans(spans: list[tuple[int, int]], n_tokens: int, where: str) -> list[tuple[int, int]]:
+    err = span_error(spans, n_tokens)
+    if err:
+        raise DecodeError(f"{where}{err}")
+    return [(int(a), int(b)) for a, b in spans]
+
+
 def _check_logprobs(lp: np.ndarray) -> None:
     if lp.size:
         if not np.isfinite(lp).all():
@@ -305,10 +343,12 @@ def _decode_group(w: _GroupWire) -> RolloutGroup:
             raise DecodeError(f"group.completions[{i}].num_tokens: completions need more than "
                               f"the {total} tokens sent")
         segs = _segments(c.version_segments, n, f"group.completions[{i}].version_segments")
+        spans = _spans(c.masked_spans, n, f"group.completions[{i}].masked_spans") \
+            if c.masked_spans else []
         completions.append(Completion(
             token_ids=tok[offset : offset + n], logprobs=lp[offset : offset + n],
             version_segments=segs, reward=c.reward, reward_breakdown=c.reward_breakdown,
-            finish_reason=c.finish_reason))
+            finish_reason=c.finish_reason, masked_spans=spans))
         offset += n
     if offset != total:
         raise DecodeError(

@@ -58,7 +58,8 @@ def _check(cond: bool, option: str, msg: str) -> None:
         raise ConfigError(f"{option}: {msg}")
 
 
-Executor = Literal["inline", "thread", "process"]
+Executor = Literal["inline", "thread", "process", "ray"]
+RAY_ONLY = ("num_replicas", "num_cpus", "num_gpus", "max_restarts")
 RewardStyle = Literal["auto", "native", "trl"]
 
 
@@ -81,7 +82,9 @@ class RewardSpec:
     """Per-call time limit; a call past it counts as a failure (timeout)."""
     executor: Executor = "inline"
     """inline: on the event loop (async or fast sync rewards); thread: blocking sync rewards;
-    process: CPU-heavy rewards in a spawn ProcessPoolExecutor."""
+    process: CPU-heavy rewards in a spawn ProcessPoolExecutor; ray: a reward class (e.g. a
+    learned reward model) as Ray actors shared by all producers of the run (needs
+    ``--launcher ray``, or ``--ray-address`` with the local launcher)."""
     max_concurrency: int | None = None
     """Upper bound on this reward's concurrent calls (None: unbounded)."""
     rate_per_s: float | None = None
@@ -92,9 +95,28 @@ class RewardSpec:
     group with ``prompts``, ``completion_ids`` and the dataset's columns as lists; auto: trl
     when the signature names ``completions``/``completion_ids`` and not ``completion``/``metas``
     (and ``batched`` is not set), else native."""
+    num_replicas: int | None = None
+    """executor ray: actors serving this reward, shared by every producer (None: 1)."""
+    num_cpus: float | None = None
+    """executor ray: CPUs each replica reserves on the cluster (None: 1)."""
+    num_gpus: float | None = None
+    """executor ray: GPUs each replica reserves, e.g. 1 for a learned reward model (None: 0)."""
+    max_restarts: int | None = None
+    """executor ray: how often Ray restarts a replica that dies (-1: without limit; None: 3)."""
 
     def __post_init__(self) -> None:
         _enforce(self)
+        for name in RAY_ONLY:
+            _check(getattr(self, name) is None or self.executor == "ray", name,
+                   f"applies only to executor: ray (this reward's executor is {self.executor})")
+        _check(self.num_replicas is None or self.num_replicas >= 1, "num_replicas",
+               f"must be >= 1, got {self.num_replicas}")
+        for name in ("num_cpus", "num_gpus"):
+            value = getattr(self, name)
+            _check(value is None or (math.isfinite(value) and value >= 0), name,
+                   f"must be >= 0, got {value}")
+        _check(self.max_restarts is None or self.max_restarts >= -1, "max_restarts",
+               f"must be >= -1 (-1: without limit), got {self.max_restarts}")
         if isinstance(self.fn, str) and ":" not in self.fn:
             raise ValueError(f"reward fn {self.fn!r} must look like 'package.module:attr' "
                              "or 'path/to/file.py:attr'")
@@ -104,8 +126,8 @@ class RewardSpec:
             raise ValueError(f"reward weight must be finite, got {self.weight}")
         if not self.timeout_s > 0:
             raise ValueError(f"reward timeout_s must be > 0, got {self.timeout_s}")
-        if self.executor not in ("inline", "thread", "process"):
-            raise ValueError(f"reward executor must be inline, thread or process, "
+        if self.executor not in ("inline", "thread", "process", "ray"):
+            raise ValueError(f"reward executor must be inline, thread, process or ray, "
                              f"got {self.executor!r}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"reward max_concurrency must be >= 1, got {self.max_concurrency}")
@@ -297,7 +319,8 @@ class EvalConfig:
 class RewardsConfig:
     specs: list[RewardSpec] = opt([{"fn": "pipeline.tasks.rewards:exact_match"}],
                       "list of reward specs {fn, weight, name, kwargs, batched, timeout_s, "
-                      "executor, max_concurrency, rate_per_s, style}")
+                      "executor, max_concurrency, rate_per_s, style, num_replicas, "
+                      "num_cpus, num_gpus, max_restarts}")
     on_failure: Literal["zero", "drop"] = opt("zero", "a reward that raises/hangs/NaNs scores 0 "
                                                       "('zero') or drops its group ('drop')")
     pool_workers: int = opt(2, "process-pool size for rewards with executor: process", ge=1)
@@ -313,6 +336,27 @@ def _cuda_device_count() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+@dataclass
+class EpisodeConfig:
+    fn: str = opt("", "multi-turn episodes: 'package.module:function' or 'path/file.py:function' "
+                      "of an `async def episode(ctx, prompt, **meta)` (pipeline.producer.episode; "
+                      "'' = one completion per request)")
+    kwargs: dict[str, Any] = opt({}, "extra keyword arguments given to every episode call")
+    max_turns: int = opt(4, "most generate calls of one episode; the next one ends it", ge=1)
+    max_tokens: int = opt(256, "most completion tokens of one episode, generated and tool "
+                               "tokens together (each turn generates at most what is left)", ge=1)
+    tool_timeout_s: float = opt(10.0, "ctx.tool: one tool call may run this long, else it "
+                                      "fails the episode (see rewards.on_failure)", gt=0)
+    timeout_s: float = opt(300.0, "one whole episode may run this long, else it fails "
+                                  "(see rewards.on_failure)", gt=0)
+
+    def __post_init__(self) -> None:
+        _enforce(self)
+        _check(not self.fn or ":" in self.fn, "episode.fn",
+               f"must look like 'package.module:function', got {self.fn!r}")
+        _check(isinstance(self.kwargs, dict), "episode.kwargs", "must be a mapping")
 
 
 @dataclass
@@ -553,6 +597,8 @@ class RunConfig:
                                          metadata={"help": "generation"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data"})
     rewards: RewardsConfig = field(default_factory=RewardsConfig, metadata={"help": "rewards"})
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig,
+                                   metadata={"help": "multi-turn episodes with tools"})
     eval: EvalConfig = field(default_factory=EvalConfig,
                              metadata={"help": "evaluation on held-out prompts"})
     sync: SyncConfig = field(default_factory=SyncConfig, metadata={"help": "sync"})
@@ -566,6 +612,9 @@ class RunConfig:
         _check(self.generation.max_tokens < self.engine.max_model_len, "generation.max_tokens",
                f"must be below engine.max_model_len ({self.engine.max_model_len}), got "
                f"{self.generation.max_tokens}")
+        _check(not self.episode.fn or self.episode.max_tokens < self.engine.max_model_len,
+               "episode.max_tokens", f"must be below engine.max_model_len "
+               f"({self.engine.max_model_len}), got {self.episode.max_tokens}")
         if isinstance(self.report_to, str):  # `--report_to wandb,mlflow`, TRL's "none"/"all"
             text = self.report_to.strip().strip("[]")
             self.report_to = {"none": [], "all": list(TRACKERS)}.get(
@@ -612,10 +661,22 @@ class RunConfig:
                                                          self.train.max_staleness)
         _check(self.buffer_capacity >= self.train.batch_groups, "buffer_capacity",
                "must hold at least one batch")
+        for i, spec in enumerate(self.rewards.specs):
+            # The reward actors live on a Ray cluster that the run's driver connects to.
+            _check(spec.executor != "ray" or self.launch.backend == "ray"
+                   or bool(self.launch.ray_address), f"rewards.specs[{i}].executor",
+                   "ray needs a Ray cluster: run with --launcher ray, or give --ray-address "
+                   "(the local launcher then starts the reward actors on that cluster)")
 
     @property
     def bind_addr(self) -> str:
         return self.addr or f"ipc://{Path(self.run_dir).resolve()}/learner.sock"
+
+
+def completion_max_tokens(cfg: RunConfig) -> int:
+    """Most tokens one completion of this run may carry: an episode's budget (its generated and
+    tool tokens) when episodes run, else ``generation.max_tokens``."""
+    return cfg.episode.max_tokens if cfg.episode.fn else cfg.generation.max_tokens
 
 
 def curve_keys(cfg: RunConfig, role: str) -> Any:

@@ -147,6 +147,22 @@ async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, floa
         gc.collect()
 
 
+def _reward_cluster(cfg: RunConfig) -> Any:
+    """The replicas of the run's ``executor: ray`` rewards, on the cluster at
+    ``launch.ray_address`` (None when no reward uses Ray)."""
+    ray_specs = [i for i, s in enumerate(cfg.rewards.specs) if s.executor == "ray"]
+    if not ray_specs:
+        return None
+    if not cfg.launch.ray_address:
+        raise ConfigError(
+            f"rewards.specs[{ray_specs[0]}].executor: ray rewards run on a Ray cluster; give "
+            "one with --set launch.ray_address=HOST:PORT"
+        )
+    from pipeline.launch.ray import RewardCluster
+
+    return RewardCluster(cfg)
+
+
 def main(argv: list[str]) -> int:
     """Run the subcommand; bad input exits 2 with one line naming the option."""
     args = build_parser().parse_args(argv)
@@ -160,12 +176,17 @@ def main(argv: list[str]) -> int:
 
         model_path = prepare(cfg, role="producer")
         eval_records(cfg.data, cfg.eval)  # a bad eval.data fails here, before any engine
+        reward_cluster = _reward_cluster(cfg)
     except ConfigError as e:
         print(f"pipeline-train eval: config error: {e}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="pipeline-eval-") as tmp:
-        ref, state = checkpoint_snapshot(cfg, model_path, ckpt, Path(tmp))
-        stats = asyncio.run(_evaluate(cfg, model_path, ref))
+    try:
+        with tempfile.TemporaryDirectory(prefix="pipeline-eval-") as tmp:
+            ref, state = checkpoint_snapshot(cfg, model_path, ckpt, Path(tmp))
+            stats = asyncio.run(_evaluate(cfg, model_path, ref))
+    finally:
+        if reward_cluster is not None:
+            reward_cluster.stop()
     result = {"checkpoint": str(ckpt), "step": state.step, "version": state.version, **stats}
     out = Path(args.out) if args.out else ckpt / "eval.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

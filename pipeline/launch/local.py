@@ -81,6 +81,13 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:
         raise ConfigError(f"rewards.specs: {e}") from None
+    if cfg.episode.fn and role in ("all", "producer"):
+        from pipeline.producer.episode import load_episode
+
+        try:
+            load_episode(cfg.episode.fn)
+        except ValueError as e:
+            raise ConfigError(f"episode.fn: {e}") from None
     from buffer.transport import check_bind_addr
 
     # Keys are made here, before any child starts, so a single-host run's producers find them.
@@ -297,6 +304,10 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     progress lines, the summary, warnings and errors (``verbose``: every line of every process).
     """
     model_path = prepare(cfg, role)
+    ray_rewards = [i for i, s in enumerate(cfg.rewards.specs) if s.executor == "ray"]
+    if ray_rewards and role == "producer":
+        raise ConfigError(f"rewards.specs[{ray_rewards[0]}].executor: ray rewards run on replicas "
+                          "that the whole run's launcher starts; --role producer cannot use them")
     # Children inherit this launcher's owner tag: what they leave in /dev/shm names it, so a
     # later run reclaims it should this launcher be killed (pipeline.launch.shm).
     os.environ[OWNER_ENV] = owner_tag()
@@ -331,6 +342,11 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # Also SIGINT: a launcher started in the background (`cmd &`) inherits SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    reward_cluster = None
+    if ray_rewards and role == "all":  # before any child: they inherit where the replicas are
+        from pipeline.launch.ray import RewardCluster
+
+        reward_cluster = RewardCluster(cfg)
     for p in procs:
         p.start()
     names = (["learner"] if learner else []) + [f"producer-{i}" for i in producers]
@@ -402,6 +418,8 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         _reap(procs, grace_s=20.0)
         forget_tracked(reclaim_orphans(shm_before))
         forget_record()
+        if reward_cluster is not None:
+            reward_cluster.stop()
         follower.pump(final=True)
         logging.getLogger().removeHandler(file_log)
         file_log.close()

@@ -51,6 +51,7 @@ log = logging.getLogger("pipeline")
 
 MIN_RAY = (2, 49)  # label selectors on placement-group bundles
 MIRROR_MAX_BYTES = 64 << 20  # files the driver copies back at the end (checkpoint weights stay)
+_FORWARDED = ("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_")  # environment the actors get
 KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
 OLD_CHILD_WAIT_S = 30.0  # a dead actor's child kills its group 5 s after noticing
 PRODUCER_KEY_FILES = ("server.key", "client.key", "client.key_secret")
@@ -379,6 +380,9 @@ class ProducerActor(_Role):
         from pipeline.owner import OWNER_ENV, owner_tag
 
         os.environ[OWNER_ENV] = owner_tag()  # owns its engines' shared memory (pipeline.owner)
+        from pipeline.producer.ray_rewards import NODE_IP_ENV
+
+        os.environ[NODE_IP_ENV] = self.ip  # where its ray rewards' client joins the cluster
         cfg = load_config(overrides=flatten(cfg_dict))
         same = self.node_id == driver_node or cfg.launch.shared_run_dir
         self.workdir = _workdir(cfg.run_dir, same)
@@ -444,6 +448,34 @@ def _import_ray() -> Any:
             f">= {'.'.join(map(str, MIN_RAY))} (pip install 'pipeline-grpo[ray]')"
         )
     return ray
+
+
+class RewardCluster:
+    """The local launcher's use of Ray: only the replicas of its ``executor: ray`` rewards run on
+    the cluster at ``launch.ray_address`` (this machine must be one of its nodes); the learner
+    and producers stay local processes, which find the replicas through the environment they
+    inherit (``pipeline.producer.ray_rewards``)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        from pipeline.producer.ray_rewards import start_replicas
+
+        self.ray = _import_ray()
+        _connect(self.ray, cfg)
+        try:
+            env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}}
+            _handle, self.actors = start_replicas(
+                self.ray, cfg.rewards.specs, timeout_s=cfg.launch.ray_timeout_s, runtime_env=env
+            )
+        except BaseException:
+            self.ray.shutdown()
+            raise
+
+    def stop(self) -> None:
+        from pipeline.producer.ray_rewards import stop_replicas
+
+        stop_replicas(self.ray, self.actors)
+        with contextlib.suppress(Exception):
+            self.ray.shutdown()
 
 
 def make_keys() -> dict[str, bytes]:
@@ -652,6 +684,7 @@ def run(
     producers: dict[int, Any] = {}
     watched: _Producers | None = None
     mirror: _Mirror | None = None
+    reward_actors: list[Any] = []
     code = 0
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -679,13 +712,14 @@ def run(
         )
         keys = make_keys()
         producer_keys = {k: keys[k] for k in PRODUCER_KEY_FILES}
-        env = {
-            "env_vars": {
-                k: v
-                for k, v in os.environ.items()
-                if k.startswith(("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_"))
-            }
-        }
+        env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}}
+        from pipeline.producer.ray_rewards import HANDLE_ENV, ray_specs, start_replicas
+
+        if ray_specs(cfg.rewards.specs):  # executor: ray, shared by every producer
+            handle, reward_actors = start_replicas(
+                ray, cfg.rewards.specs, timeout_s=lc.ray_timeout_s, runtime_env=env
+            )
+            env["env_vars"][HANDLE_ENV] = json.dumps(handle)
 
         def opts(pg: Any, i: int, cpus: float, gpus: float, res: dict, restarts: int) -> dict:
             return {
@@ -767,6 +801,10 @@ def run(
     finally:
         gone = watched.lost | watched.dead if watched is not None else set()
         _teardown(ray, learner, producers, pgs, run_dir, mirror, gone)
+        if reward_actors:
+            from pipeline.producer.ray_rewards import stop_replicas
+
+            stop_replicas(ray, reward_actors)
         with contextlib.suppress(Exception):
             ray.shutdown()
         if node is not None:

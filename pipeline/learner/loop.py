@@ -52,7 +52,7 @@ from buffer.protocol import (
 from buffer.schema import RolloutGroup
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
-from pipeline.config import RunConfig, curve_keys, to_dict
+from pipeline.config import RunConfig, completion_max_tokens, curve_keys, to_dict
 from pipeline.learner.checkpoint import (
     CheckpointError,
     LearnerState,
@@ -177,7 +177,7 @@ class Learner:
         window = self.cfg.train.max_staleness + self.cfg.sync.keep_snapshots
         return RunLimits(group_size=self.cfg.generation.group_size,
                          vocab_size=self._vocab_size,
-                         max_tokens=self.cfg.generation.max_tokens,
+                         max_tokens=completion_max_tokens(self.cfg),
                          max_model_len=self.cfg.engine.max_model_len,
                          learner_version=v, oldest_version=max(0, v - window))
 

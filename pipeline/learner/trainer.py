@@ -83,7 +83,10 @@ def pack_groups(groups: list[RolloutGroup], scale_rewards: bool, std_eps: float)
         for c in g.completions:
             seqs.append(np.concatenate([g.prompt_token_ids, c.token_ids]).astype(np.int64))
             plens.append(len(g.prompt_token_ids))
-            beh.append(c.logprobs)
+            # Tool/environment tokens of an episode (masked_spans): NaN behaviour logprobs
+            # keep them out of the loss mask (collate), as context only.
+            beh.append(np.where(c.loss_mask(), c.logprobs, np.nan).astype(np.float32)
+                       if c.masked_spans else c.logprobs)
             vers.append(c.per_token_versions())
     return PackedBatch(seqs, plens, beh, vers, adv, rewards)
 

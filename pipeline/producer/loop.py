@@ -54,6 +54,13 @@ from pipeline.config import RunConfig, curve_keys, may_admit, producer_budget
 from pipeline.producer.adapters import AdapterSet
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
+from pipeline.producer.episode import (
+    EpisodeContext,
+    EpisodeLimits,
+    EpisodeResult,
+    load_episode,
+    run_episode,
+)
 from pipeline.producer.evaluate import eval_records, generate_and_score, is_due, last_version
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
@@ -113,6 +120,8 @@ class Producer:
             log.info("%s: serves each version as a LoRA adapter (rank %d, sync.lora_adapters)",
                      self.producer_id, t.lora_rank)
         self.stats = ProducerStats()
+        # Multi-turn episodes (episode.fn): G of them make a group instead of G completions.
+        self.episode_fn = load_episode(cfg.episode.fn) if cfg.episode.fn else None
         self.in_flight_groups = 0
         self.held = 0            # our groups in the learner's buffer (from announces)
         self.accepted = 0        # groups of this process the learner has (from announces)
@@ -213,40 +222,42 @@ class Producer:
 
     # ------------------------------------------------------------------ one group
     async def _run_group(self, record: PromptRecord, prompt_ids: list[int]) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         g = self.cfg.generation
         group_id = f"{self.producer_id}-{uuid.uuid4().hex[:12]}"
         admitted_at = time.time()
         t0 = time.perf_counter()
-        completions = await asyncio.gather(*(
-            self._generate_one(f"{group_id}-{j}", prompt_ids, SamplingParams(
-                n=1, max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
-                stop=list(g.stop) or None, ignore_eos=g.ignore_eos, logprobs=0,
-                # vLLM detokenizes every token (and every logprob) in Python on the engine's
-                # event loop; one decode per finished completion here costs a fraction of that.
-                # Stop strings need vLLM's incremental text, so they keep it on.
-                detokenize=bool(g.stop),
-                flat_logprobs=True,  # a few flat lists per request, not a dict per token
-                seed=None, output_kind=RequestOutputKind.FINAL_ONLY if self.final
-                else RequestOutputKind.DELTA))
-            for j in range(g.group_size)))
+        meta = dict(record.meta, prompt_id=record.prompt_id)
+        episodes = None
+        if self.episode_fn is not None:  # multi-turn: G episodes (pipeline.producer.episode)
+            episodes = await self._run_episodes(group_id, record, prompt_ids, meta)
+            if episodes is None:
+                self._drop(group_id, record.prompt_id, "an episode failed")
+                return
+            completions = [(e.completion, e.text) for e in episodes]
+        else:
+            completions = await asyncio.gather(*(
+                self._generate_one(f"{group_id}-{j}", prompt_ids, self._sampling())
+                for j in range(g.group_size)))
         gen_s = time.perf_counter() - t0
         texts = [c[1] for c in completions]
-        meta = dict(record.meta, prompt_id=record.prompt_id)
         ids = [c[0].token_ids for c in completions]
-        result = await self.rewards.score_group(record.prompt, texts, meta, completion_ids=ids)
-        if result.dropped:
-            self.stats.groups_dropped_reward += 1
-            self._log_sent({"dropped_by_reward": group_id, "prompt_id": record.prompt_id})
-            log.warning("group for prompt %s dropped: a reward failed (on_failure=drop)",
-                        record.prompt_id)
-            self._counted.set()
-            return
+        if episodes is not None and all(e.reward is not None or e.failure for e in episodes):
+            totals = [e.reward[0] if e.reward else 0.0 for e in episodes]
+            breakdowns = [e.reward[1] if e.reward else {} for e in episodes]
+        else:
+            result = await self.rewards.score_group(record.prompt, texts, meta,
+                                                    completion_ids=ids)
+            if result.dropped:
+                self._drop(group_id, record.prompt_id, "a reward failed")
+                return
+            totals, breakdowns = list(result.total), list(result.breakdown)
+            for i, e in enumerate(episodes or []):
+                if e.failure:  # on_failure=zero: a failed episode scores 0
+                    totals[i], breakdowns[i] = 0.0, {}
+                elif e.reward is not None:
+                    totals[i], breakdowns[i] = e.reward
         comps = []
-        for (comp, _text), total, breakdown in zip(completions, result.total, result.breakdown,
-                                                  strict=True):
+        for (comp, _text), total, breakdown in zip(completions, totals, breakdowns, strict=True):
             comp.reward = float(total)
             comp.reward_breakdown = {k: float(v) for k, v in breakdown.items()}
             comps.append(comp)
@@ -264,6 +275,72 @@ class Producer:
         self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
         self.stats.groups_sent += 1
         self._counted.set()
+
+    def _drop(self, group_id: str, prompt_id: str, why: str) -> None:
+        """rewards.on_failure=drop: the group is not sent (counted and logged)."""
+        if why == "a reward failed":
+            self.stats.groups_dropped_reward += 1
+        else:
+            self.stats.groups_dropped_episode += 1
+        self._log_sent({"dropped_by_reward": group_id, "prompt_id": prompt_id})
+        log.warning("group for prompt %s dropped: %s (on_failure=drop)", prompt_id, why)
+        self._counted.set()
+
+    def _sampling(self, **overrides: Any) -> Any:
+        """The run's SamplingParams (``generation``), with an episode turn's overrides."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        g = self.cfg.generation
+        opts = dict(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
+                    stop=list(g.stop) or None, ignore_eos=g.ignore_eos)
+        opts.update(overrides)
+        return SamplingParams(
+            n=1, logprobs=0,
+            # vLLM detokenizes every token (and every logprob) in Python on the engine's
+            # event loop; one decode per finished completion here costs a fraction of that.
+            # Stop strings need vLLM's incremental text, so they keep it on.
+            detokenize=bool(opts["stop"]),
+            flat_logprobs=True,  # a few flat lists per request, not a dict per token
+            seed=None, output_kind=RequestOutputKind.FINAL_ONLY if self.final
+            else RequestOutputKind.DELTA, **opts)
+
+    async def _run_episodes(self, group_id: str, record: PromptRecord, prompt_ids: list[int],
+                            meta: dict[str, Any]) -> list[EpisodeResult] | None:
+        """The group's G episodes, run concurrently; None when one failed and
+        rewards.on_failure is drop. Each turn is one request through ``_generate_one``: it
+        waits at the barrier's gate, carries its version's cache salt and version tags."""
+        e = self.cfg.episode
+        limits = EpisodeLimits(e.max_turns, e.max_tokens, e.tool_timeout_s, e.timeout_s)
+        context_left = self.cfg.engine.max_model_len - len(prompt_ids) - 1
+
+        async def generate(rid: str, ids: list[int], overrides: dict[str, Any]
+                           ) -> tuple[Completion, str]:
+            return await self._generate_one(rid, ids, self._sampling(**overrides))
+
+        results = await asyncio.gather(*(
+            run_episode(self.episode_fn, EpisodeContext(
+                generate=generate, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
+                limits=limits, context_left=context_left, request_prefix=f"{group_id}-{j}",
+                version=lambda: self.tracker.version, prompt_id=record.prompt_id, index=j),
+                record.prompt, {**e.kwargs, **meta})
+            for j in range(self.cfg.generation.group_size)))
+        st = self.stats
+        for r in results:
+            st.episodes += 1
+            st.episode_turns += r.turns
+            st.episode_tool_calls += r.tool_calls
+            st.episode_env_tokens += r.env_tokens
+            if r.failure:
+                name = {"tool_timeout": "episode_tool_timeouts", "tool_error":
+                        "episode_tool_errors", "timeout": "episode_timeouts"}.get(
+                            r.failure, "episode_errors")
+                setattr(st, name, getattr(st, name) + 1)
+                log.warning("prompt %s: episode failed (%s): %s", record.prompt_id, r.failure,
+                            r.detail)
+        if any(r.failure for r in results) and self.cfg.rewards.on_failure == "drop":
+            return None
+        return results
 
     def _log_sent(self, record: dict[str, Any]) -> None:
         """One line per group handed to the transport: the producer side of the soak's
@@ -307,6 +384,10 @@ class Producer:
                         text.append(c.text)
                     if out.finished:
                         finish = c.finish_reason or ""
+                        # Prefix-cache reuse (an episode's later turns, a group's siblings).
+                        self.stats.prompt_tokens += len(prompt_ids)
+                        self.stats.prompt_tokens_cached += int(
+                            getattr(out, "num_cached_tokens", 0) or 0)
             finally:
                 self.tracker.finish(request_id)
                 self.stats.busy.exit()

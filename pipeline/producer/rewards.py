@@ -31,7 +31,11 @@ Invariants of ``RewardSet.score_group``:
   completions, ``"drop"`` marks the result ``dropped`` so the caller discards the group;
 - on timeout the waiting side gives up. A hung thread cannot be killed (Python has no way to), so
   thread rewards run on daemon threads that never block interpreter exit; a hung process call
-  keeps its pool worker busy until ``close()`` terminates the pool.
+  keeps its pool worker busy until ``close()`` terminates the pool;
+- a call whose worker died under it (a process pool worker, a ``ray`` replica) is retried once
+  and counted in ``reward/<name>/retries``; a second failure is a failure as above.
+``executor="ray"`` (replicas on a Ray cluster, shared by the run's producers) is in
+``pipeline.producer.ray_rewards``.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from pipeline.config import RewardSpec
 log = logging.getLogger(__name__)
 
 OnFailure = Literal["zero", "drop"]
-STAT_KINDS = ("calls", "failures", "timeouts", "nan", "dropped_groups", "unscored")
+STAT_KINDS = ("calls", "failures", "timeouts", "nan", "dropped_groups", "unscored", "retries")
 CallMode = Literal["single", "batched", "trl"]
 # Parameter names that tell a TRL-style reward from a native one (style: auto).
 _TRL_NAMES = frozenset(("completions", "completion_ids"))
@@ -339,9 +343,10 @@ class _Actor:
     name: str
     weight: float
     mode: CallMode
-    scorer: Callable[..., Any] | None  # None for process rewards (lives in the workers)
+    scorer: Callable[..., Any] | None  # None for process/ray rewards (lives in the workers)
     accepts: frozenset[str] | None
     throttler: Any = None
+    remote: Any = None  # executor ray: the RayRewardClient of its replicas
     _sem: asyncio.Semaphore | None = None
     _sem_loop: asyncio.AbstractEventLoop | None = None
 
@@ -390,15 +395,21 @@ class RewardSet:
             obj = _resolve_obj(spec)
             d = _defaults(spec, obj)
             mode = call_mode(spec, obj, d["batched"])
+            remote = None
             if spec.executor == "process":
                 scorer, accepts = None, None
                 process_entries.append((d["name"], spec.fn, dict(spec.kwargs), mode))
+            elif spec.executor == "ray":
+                from pipeline.producer.ray_rewards import RayRewardClient
+
+                scorer, accepts = None, None
+                remote = RayRewardClient.from_env(d["name"], self._retry_counter(d["name"]))
             else:
                 scorer = _instantiate(obj, spec.kwargs)
                 accepts = _meta_filter(scorer)
             throttler = rate_limiter(spec.rate_per_s) if spec.rate_per_s else None
             self.actors.append(
-                _Actor(spec, d["name"], d["weight"], mode, scorer, accepts, throttler)
+                _Actor(spec, d["name"], d["weight"], mode, scorer, accepts, throttler, remote)
             )
             for kind in STAT_KINDS:
                 self.stats[f"reward/{d['name']}/{kind}"] = 0
@@ -477,6 +488,12 @@ class RewardSet:
 
     # -- internals ----------------------------------------------------------------------------
 
+    def _retry_counter(self, name: str) -> Callable[[], None]:
+        def count() -> None:
+            self.stats[f"reward/{name}/retries"] += 1
+
+        return count
+
     def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
         # spawn: forking a process that holds vLLM/torch threads is unsafe.
         return concurrent.futures.ProcessPoolExecutor(
@@ -496,6 +513,8 @@ class RewardSet:
     ) -> tuple[list[float | None], list[bool]]:
         """Values (None: not scored) and per-completion success flags of one reward."""
         n = len(completions)
+        if actor.remote is not None and actor.mode == "single":
+            return await self._score_remote_each(actor, prompt, completions, metas)
         if actor.mode != "single":
             args = (
                 (trl_kwargs(prompt, completions, metas, completion_ids),)
@@ -521,12 +540,7 @@ class RewardSet:
         key = f"reward/{actor.name}"
         self.stats[f"{key}/calls"] += 1
         try:
-            sem = actor.semaphore()
-            if sem is not None:
-                async with sem:
-                    raw = await self._throttled_call(actor, args)
-            else:
-                raw = await self._throttled_call(actor, args)
+            raw = await self._limited_call(actor, args)
             values = _validate(raw, n, allow_none=actor.mode == "trl")
         except asyncio.CancelledError:
             raise
@@ -542,17 +556,71 @@ class RewardSet:
             return None
         return values
 
-    async def _throttled_call(self, actor: _Actor, args: tuple[Any, ...]) -> Any:
+    async def _score_remote_each(
+        self, actor: _Actor, prompt: Any, completions: list[str], metas: list[dict[str, Any]]
+    ) -> tuple[list[float | None], list[bool]]:
+        """A per-completion ray reward: the group's completions as one batch (one remote call
+        under the reward's limits and timeout), failures counted per completion."""
+        from pipeline.producer.ray_rewards import batch_items, split_results
+
+        n = len(completions)
+        self.stats[f"reward/{actor.name}/calls"] += n
+        try:
+            raw = await self._limited_call(
+                actor, (batch_items(prompt, completions, metas),), "score_each"
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            kind = "timeout" if isinstance(e, _RewardTimeout) else None
+            why = f"timed out after {actor.spec.timeout_s} s" if kind else f"raised {e!r}"
+            for m in metas:
+                self._fail(actor, m, kind, why)
+            return [0.0] * n, [False] * n
+        values: list[float | None] = []
+        ok: list[bool] = []
+        for (value, err), m in zip(split_results(raw, n), metas, strict=True):
+            try:
+                if err is not None:
+                    raise RuntimeError(err)
+                (v,) = _validate(value, None)
+            except _NonFinite as e:
+                self._fail(actor, m, "nan", str(e))
+            except Exception as e:
+                self._fail(actor, m, None, f"raised {e}")
+            else:
+                values.append(v)
+                ok.append(True)
+                continue
+            values.append(0.0)
+            ok.append(False)
+        return values, ok
+
+    async def _limited_call(
+        self, actor: _Actor, args: tuple[Any, ...], method: str = "score"
+    ) -> Any:
+        sem = actor.semaphore()
+        if sem is None:
+            return await self._throttled_call(actor, args, method)
+        async with sem:
+            return await self._throttled_call(actor, args, method)
+
+    async def _throttled_call(
+        self, actor: _Actor, args: tuple[Any, ...], method: str = "score"
+    ) -> Any:
         if actor.throttler is not None:
             async with actor.throttler:
                 pass  # the throttler only spaces call starts; the call runs outside it
         # The timeout covers the call, not the queueing above.
         try:
-            return await asyncio.wait_for(self._call(actor, args), actor.spec.timeout_s)
+            return await asyncio.wait_for(self._call(actor, args, method), actor.spec.timeout_s)
         except TimeoutError:
             raise _RewardTimeout() from None
 
-    async def _call(self, actor: _Actor, args: tuple[Any, ...]) -> Any:
+    async def _call(self, actor: _Actor, args: tuple[Any, ...], method: str = "score") -> Any:
+        if actor.remote is not None:
+            # score: one call for the group (batched/trl); score_each: the group's completions.
+            return await actor.remote.call(method, args if method == "score" else args[0])
         ex = actor.spec.executor
         if ex == "inline":
             out = _invoke(actor.scorer, actor.accepts, actor.mode, args)
@@ -576,6 +644,7 @@ class RewardSet:
                 # A worker died (segfault, OOM kill): replace the pool once and retry.
                 if attempt:
                     raise
+                self.stats[f"reward/{name}/retries"] += 1
                 log.warning("reward process pool broke; restarting it")
                 with self._pool_lock:
                     if self._pool is pool and not self._closed:

@@ -66,10 +66,24 @@ class ProducerStats:
     groups_resent: int = 0
     retention_overflow: int = 0
     tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens of finished requests (an episode turn's transcript)
+    prompt_tokens_cached: int = 0  # of those, served from vLLM's prefix cache
     swaps: int = 0
     swap_failures: int = 0
     transport_fallbacks: int = 0
     sleeps: int = 0
+    # Multi-turn episodes (episode.fn): turns, tool calls, environment tokens, and each kind of
+    # failure (a tool raised or hung, the episode timed out or raised), plus the groups dropped
+    # for one under rewards.on_failure=drop.
+    episodes: int = 0
+    episode_turns: int = 0
+    episode_tool_calls: int = 0
+    episode_env_tokens: int = 0
+    episode_tool_timeouts: int = 0
+    episode_tool_errors: int = 0
+    episode_timeouts: int = 0
+    episode_errors: int = 0
+    groups_dropped_episode: int = 0
     sleep_s: float = 0.0  # seconds spent putting the engine to sleep (engine.sleep_when_idle)
     wake_s: float = 0.0  # and waking it up again
     busy: BusyClock = field(default_factory=BusyClock)

@@ -9,17 +9,13 @@ groups the producer sent); ``pipeline-train eval --checkpoint`` evaluates the fi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_no_process_left
+from train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -36,49 +32,13 @@ def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
         )
     )
     run_dir = tmp_path / "run"
-    common = ["--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline.launch.cli",
-        "--model",
-        str(tiny_model),
-        "--data",
-        "arithmetic:64",
-        "--mode",
-        "async",
-        "--max-staleness",
-        "1",
-        "--steps",
-        "4",
-        "--num-producers",
-        "1",
-        "--batch-groups",
-        "2",
-        "--group-size",
-        "2",
-        "--max-tokens",
-        "8",
-        "--run-dir",
-        str(run_dir),
-        "--name",
-        "eval-e2e",
-        "--eval.data",
-        str(heldout),
-        "--eval.every",
-        "2",
-        "--eval.samples_per_prompt",
-        "3",
-        "--eval.max_prompts",
-        "3",
-        "--eval.pass_threshold",
-        "0.0",
-        *common,
-    ]
-    env = dict(os.environ, PIPELINE_TEST_RUN="eval" + str(os.getpid()))
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_no_process_left(env["PIPELINE_TEST_RUN"])
+    proc = pipeline_train(
+        *tiny_args(tiny_model, run_dir, data="arithmetic:64", group_size=2),
+        "--mode", "async", "--max-staleness", "1", "--steps", "4", "--name", "eval-e2e",
+        "--eval.data", str(heldout), "--eval.every", "2", "--eval.samples_per_prompt", "3",
+        "--eval.max_prompts", "3", "--eval.pass_threshold", "0.0",
+        tag="eval",
+    )
 
     rows = _rows(run_dir / "metrics.jsonl")
     evals = [r for r in rows if "eval/version" in r]
@@ -111,46 +71,14 @@ def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
 
     # The final checkpoint alone: same figures, through `pipeline-train eval`.
     out = tmp_path / "ckpt_eval.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.launch.cli",
-            "eval",
-            "--checkpoint",
-            str(run_dir),
-            "--out",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_no_process_left(env["PIPELINE_TEST_RUN"])
+    proc = pipeline_train("eval", "--checkpoint", str(run_dir), "--out", str(out), tag="eval")
     result = json.loads(out.read_text())
     assert result["step"] == 4 and result["version"] == 3
     assert result["eval/prompts"] == 3.0 and result["eval/pass@3"] == 1.0
     assert "reward_mean" in proc.stdout and str(out) in proc.stdout
 
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.launch.cli",
-            "eval",
-            "--checkpoint",
-            str(run_dir),
-            "--set",
-            "eval.data=" + str(tmp_path / "missing.jsonl"),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    bad = pipeline_train("eval", "--checkpoint", str(run_dir),
+                         "--set", "eval.data=" + str(tmp_path / "missing.jsonl"),
+                         tag="eval", timeout=120, returncode=2)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
     assert "eval.data" in bad.stderr

@@ -11,70 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import assert_no_process_left
 from safetensors import safe_open
+from train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 PROBE = [ord(c) for c in "The quick brown fox jumps over the lazy dog."]
 
 
 def _lora_run(tiny_model: Path, tmp_path: Path, *extra: str) -> tuple[Path, Path, str]:
     """A LoRA run through the real launcher; returns (run dir, snapshot dir, all its logs)."""
     run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline.launch.cli",
-        "--model",
-        str(tiny_model),
-        "--data",
-        "arithmetic:200",
-        "--reward",
-        "pipeline.tasks.rewards:length_reward",
-        "--num-producers",
-        "1",
-        "--batch-groups",
-        "2",
-        "--group-size",
-        "4",
-        "--max-tokens",
-        "8",
-        "--run-dir",
-        str(run_dir),
-        "--mode",
-        "async",
-        "--max-staleness",
-        "1",
-        "--steps",
-        "4",
-        "--train.lr",
-        "0.01",
-        "--sync.snapshot_dir",
-        str(snaps),
-        "--sync.keep_snapshots",
-        "4",
-        "--engine.max_model_len",
-        "256",
-        "--engine.cpu_kvcache_space_gib",
-        "1",
-        "--tensorboard",
-        "false",
+    proc = pipeline_train(
+        *tiny_args(tiny_model, run_dir),
+        "--reward", "pipeline.tasks.rewards:length_reward", "--mode", "async",
+        "--max-staleness", "1", "--steps", "4", "--train.lr", "0.01",
+        "--sync.snapshot_dir", str(snaps), "--sync.keep_snapshots", "4", "--tensorboard", "false",
         *extra,
-    ]
-    env = dict(os.environ, PIPELINE_TEST_RUN="lora" + str(os.getpid()))
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_no_process_left(env["PIPELINE_TEST_RUN"])
+        tag="lora",
+    )
     logs = proc.stdout + proc.stderr
     logs += "".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs").glob("*.log")))
     return run_dir, snaps, logs

@@ -3,32 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_no_process_left
+from train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _train(tiny_model: Path, run_dir: Path, *extra: str, timeout: float = 600
            ) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
-           "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
-           "--num-producers", "2", "--batch-groups", "2", "--group-size", "4",
-           "--max-tokens", "8", "--run-dir", str(run_dir),
-           "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
-           "--tensorboard", "false", *extra]
-    env = dict(os.environ, PIPELINE_TEST_RUN=run_dir.name + str(os.getpid()))
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_no_process_left(env["PIPELINE_TEST_RUN"])
-    return proc
+    return pipeline_train(*tiny_args(tiny_model, run_dir, producers=2),
+                          "--reward", "pipeline.tasks.rewards:length_reward",
+                          "--tensorboard", "false", *extra, tag=run_dir.name, timeout=timeout)
 
 
 def _metrics(run_dir: Path) -> list[dict]:

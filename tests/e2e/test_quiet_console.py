@@ -5,18 +5,15 @@ INFO lines, every producer counter in metrics.jsonl and TensorBoard; --verbose s
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_no_process_left
+from train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 # A vLLM log record: "(EngineCore pid=7) INFO 11-25 09:01:02 [core.py:12] ..."
 VLLM_RECORD = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR)\s+\d\d-\d\d \d\d:\d\d:\d\d \[")
 
@@ -26,47 +23,10 @@ def vllm_lines(text: str) -> list[str]:
 
 
 def _train(tiny_model: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline.launch.cli",
-        "--model",
-        str(tiny_model),
-        "--data",
-        "arithmetic:200",
-        "--reward",
-        "tests.e2e.flaky_rewards:flaky",
-        "--num-producers",
-        "1",
-        "--batch-groups",
-        "2",
-        "--group-size",
-        "4",
-        "--max-tokens",
-        "8",
-        "--run-dir",
-        str(run_dir),
-        "--mode",
-        "async",
-        "--max-staleness",
-        "1",
-        "--engine.max_model_len",
-        "256",
-        "--engine.cpu_kvcache_space_gib",
-        "1",
-        "--tensorboard",
-        "true",
-        *extra,
-    ]
-    env = dict(
-        os.environ,
-        PIPELINE_TEST_RUN=run_dir.name + str(os.getpid()),
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    )
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_no_process_left(env["PIPELINE_TEST_RUN"])
-    return proc
+    return pipeline_train(*tiny_args(tiny_model, run_dir),
+                          "--reward", "tests.e2e.flaky_rewards:flaky", "--mode", "async",
+                          "--max-staleness", "1", "--tensorboard", "true", *extra,
+                          tag=run_dir.name)
 
 
 def test_quiet_console_logs_per_process_and_a_failing_rewards_counts_in_metrics(

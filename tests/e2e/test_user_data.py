@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from conftest import assert_no_process_left
+from train_run import SMALL_ENGINE, pipeline_train
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 
 # Written exactly in TRL's documented reward shape; each call is logged so the test can check
 # what the producer passed.
@@ -84,45 +79,12 @@ def test_trl_rewards_on_conversational_parquet(tiny_model, tmp_path, monkeypatch
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(config))
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline.launch.cli",
-        "--config",
-        str(cfg_file),
-        "--model",
-        str(tiny_model),
-        "--mode",
-        "sync",
-        "--steps",
-        "2",
-        "--num-producers",
-        "1",
-        "--batch-groups",
-        "4",
-        "--group-size",
-        "4",
-        "--max-tokens",
-        "8",
-        "--run-dir",
-        str(run_dir),
-        "--engine.max_model_len",
-        "256",
-        "--engine.cpu_kvcache_space_gib",
-        "1",
-        "--name",
-        "trl-e2e",
-    ]
-    env = dict(
-        os.environ,
-        PIPELINE_TEST_RUN="trl" + str(os.getpid()),
-        WANDB_MODE="offline",
-        WANDB_SILENT="true",
+    pipeline_train(
+        "--config", str(cfg_file), "--model", str(tiny_model), "--mode", "sync", "--steps", "2",
+        "--num-producers", "1", "--batch-groups", "4", "--group-size", "4", "--max-tokens", "8",
+        "--run-dir", str(run_dir), *SMALL_ENGINE, "--name", "trl-e2e",
+        tag="trl", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": ""},
     )
-    env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_no_process_left(env["PIPELINE_TEST_RUN"])
 
     metrics = [
         json.loads(line)

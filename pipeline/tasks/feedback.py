@@ -1,0 +1,44 @@
+"""A multi-turn game on the arithmetic task: answer, hear "higher" or "lower", try again.
+
+Each turn the model states a number; the environment compares it with the record's ``answer``
+and, while it is wrong and turns remain (``episode.max_turns``), appends ``"Too low. Try
+again: "`` or ``"Too high. Try again: "`` (masked out of the loss) for the next turn. The reward
+is 1 / (the turn of the first right answer), 0 if none was right: answering right at once pays
+most, and using the feedback still pays.
+
+Use it with ``--episode.fn pipeline.tasks.feedback:episode --episode.max_turns 3`` on
+``--data arithmetic:N``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.producer.episode import EpisodeOver
+from pipeline.tasks.rewards import _stated_answer
+
+
+def feedback(guess: int | None, answer: int) -> str:
+    """What the environment says to a wrong guess."""
+    if guess is None:
+        return "Answer with a number. Try again: "
+    return "Too low. Try again: " if guess < answer else "Too high. Try again: "
+
+
+async def episode(ctx: Any, prompt: Any, answer: str | None = None, **meta: Any) -> float:
+    """Turns until right or out of turns; reward 1/turn of the right answer."""
+    try:
+        target = int(str(answer).strip())
+    except ValueError:
+        return 0.0  # nothing to verify (as exact_match)
+    say = None
+    for turn in range(1, ctx.limits.max_turns + 1):
+        try:
+            reply = await ctx.generate(say)
+        except EpisodeOver:  # the token budget ran out
+            return 0.0
+        guess = _stated_answer(reply.text)
+        if guess == target:
+            return 1.0 / turn
+        say = "\n" + feedback(guess, target)
+    return 0.0

@@ -1,0 +1,39 @@
+"""Episodes run by tests/e2e/test_episodes.py inside a real producer: two turns around a slow
+tool (so weight swaps land between the turns), and a tool that hangs for some prompts. Each
+episode appends what the engine tagged its turns with to a JSONL log the test reads."""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def slow_tool(delay_s: float) -> str:
+    time.sleep(delay_s)
+    return "42"
+
+
+def hanging_tool() -> str:
+    time.sleep(3600)
+    return "never"
+
+
+async def two_turns(
+    ctx, prompt, log: str = "", tool_delay_s: float = 0.0, hang_every: int = 0, **meta
+):
+    """Turn 1, the tool's answer, turn 2; the first episode of every ``hang_every``-th prompt
+    calls a tool that hangs (the run's episode.tool_timeout_s must end it)."""
+    turns = [await ctx.generate(max_tokens=6)]
+    number = int(str(meta["prompt_id"]).rsplit("-", 1)[-1])
+    entry = {"prompt_id": meta["prompt_id"], "index": ctx.index}
+    try:
+        if hang_every and ctx.index == 0 and number % hang_every == 0:
+            await ctx.tool(hanging_tool)
+        result = await ctx.tool(slow_tool, tool_delay_s)
+        turns.append(await ctx.generate(f" -> {result} ", max_tokens=6))
+    finally:
+        entry["versions"] = [t.versions for t in turns]
+        entry["masked_spans"] = ctx.transcript.masked_spans
+        with open(log, "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+    return None  # the run's reward functions score the transcript
