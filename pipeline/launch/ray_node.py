@@ -40,6 +40,16 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` distinct free ports: held open together while the OS picks them (one at a time it
+    may hand out the same port twice, which ``ray start`` refuses)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def ray_executable() -> str:
     """The ``ray`` CLI of this interpreter's environment."""
     exe = Path(sys.executable).with_name("ray")
@@ -65,7 +75,8 @@ class RayNode:
         self.own_temp = temp_dir is None
         # Ray's socket paths must stay short (AF_UNIX limit): a short name under /tmp.
         self.temp_dir = Path(temp_dir or tempfile.mkdtemp(prefix="pgray", dir="/tmp"))
-        self.port = free_port(ip) if head_address is None else None
+        ports = free_ports(ip, len(PORT_OPTIONS) + 3)
+        self.port = ports.pop() if head_address is None else None
         self.address = f"{ip}:{self.port}" if head_address is None else head_address
         cmd = [
             ray_executable(),
@@ -87,13 +98,13 @@ class RayNode:
                 "--include-dashboard",
                 "false",
                 "--ray-client-server-port",
-                str(free_port(ip)),
+                str(ports.pop()),
             ]
         else:
             cmd += ["--address", head_address]
         for opt in PORT_OPTIONS:
-            cmd += [opt, str(free_port(ip))]
-        worker = free_port(ip)  # a small range of its own for the workers' ports
+            cmd += [opt, str(ports.pop())]
+        worker = ports.pop()  # a small range of its own for the workers' ports
         cmd += [
             "--min-worker-port",
             str(max(worker - 50, 10002)),
