@@ -354,6 +354,10 @@ def test_worker_node_lost_run_goes_on(cluster, tiny_model, tmp_path, monkeypatch
         *_ray_args(
             cluster, "--mode", "async", "--max-staleness", "1", "--steps", "100000",
             "--max-producer-restarts", "1",
+            # While one engine takes minutes to start, the tiny model trains hundreds of versions
+            # on the other producer's groups: a late producer's download of the version it was
+            # announced must still find that file.
+            "--sync.keep_snapshots", "64",
         ),
     )  # fmt: skip
     node = cluster["127.0.0.4"]
