@@ -50,7 +50,7 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
     everyone = list(producers)
     try:
         for k, p in enumerate(producers):
-            p.wait_for(lambda p=p: any("engine ready" in ln for ln in list(p.lines)), 300,
+            p.wait_for(lambda p=p: any("engine ready" in ln for ln in list(p.lines)), 600,
                        f"producer {k}'s engine")
         learner = Launcher(tiny_model, learner_dir, *common, "--role", "learner",
                            "--addr", f"tcp://0.0.0.0:{port}", "--curve-keys", str(keys))

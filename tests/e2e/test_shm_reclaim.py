@@ -30,7 +30,7 @@ def test_leftovers_of_a_killed_launcher_are_reclaimed_by_the_next_run(tiny_model
     la = Launcher(tiny_model, tmp_path / "killed", "--mode", "async", "--steps", "200")
     tag = owner_tag(la.proc.pid)
     try:
-        la.wait_for(lambda: la.steps_done() >= 1, 300, "the first step")
+        la.wait_for(lambda: la.steps_done() >= 1, 600, "the first step")
         record = SHM_DIR / f"pipeline-grpo-segments.owner-{tag}"
         la.wait_for(
             lambda: record.exists() and record.read_text().split(),
