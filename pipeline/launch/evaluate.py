@@ -158,7 +158,7 @@ def _reward_cluster(cfg: RunConfig) -> Any:
             f"rewards.specs[{ray_specs[0]}].executor: ray rewards run on a Ray cluster; give "
             "one with --set launch.ray_address=HOST:PORT"
         )
-    from pipeline.launch.ray import RewardCluster
+    from pipeline.launch.ray_cluster import RewardCluster
 
     return RewardCluster(cfg)
 

@@ -344,7 +344,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     signal.signal(signal.SIGINT, signal.default_int_handler)
     reward_cluster = None
     if ray_rewards and role == "all":  # before any child: they inherit where the replicas are
-        from pipeline.launch.ray import RewardCluster
+        from pipeline.launch.ray_cluster import RewardCluster
 
         reward_cluster = RewardCluster(cfg)
     for p in procs:

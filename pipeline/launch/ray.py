@@ -46,12 +46,11 @@ from typing import Any
 import yaml
 
 from pipeline.config import ConfigError, RunConfig, flatten, load_config, to_dict
+from pipeline.launch.ray_cluster import _FORWARDED, _connect, _import_ray
 
 log = logging.getLogger("pipeline")
 
-MIN_RAY = (2, 49)  # label selectors on placement-group bundles
 MIRROR_MAX_BYTES = 64 << 20  # files the driver copies back at the end (checkpoint weights stay)
-_FORWARDED = ("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_")  # environment the actors get
 KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
 OLD_CHILD_WAIT_S = 30.0  # a dead actor's child kills its group 5 s after noticing
 PRODUCER_KEY_FILES = ("server.key", "client.key", "client.key_secret")
@@ -434,50 +433,6 @@ class ProducerActor(_Role):
 # ---------------------------------------------------------------- driver
 
 
-def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ConfigError(
-            "launch.backend: 'ray' needs Ray: pip install 'pipeline-grpo[ray]' (or ray[default])"
-        ) from None
-    got = tuple(int(x) for x in ray.__version__.split(".")[:2] if x.isdigit())
-    if got < MIN_RAY:
-        raise ConfigError(
-            f"launch.backend: Ray {ray.__version__} is too old; need "
-            f">= {'.'.join(map(str, MIN_RAY))} (pip install 'pipeline-grpo[ray]')"
-        )
-    return ray
-
-
-class RewardCluster:
-    """The local launcher's use of Ray: only the replicas of its ``executor: ray`` rewards run on
-    the cluster at ``launch.ray_address`` (this machine must be one of its nodes); the learner
-    and producers stay local processes, which find the replicas through the environment they
-    inherit (``pipeline.producer.ray_rewards``)."""
-
-    def __init__(self, cfg: RunConfig) -> None:
-        from pipeline.producer.ray_rewards import start_replicas
-
-        self.ray = _import_ray()
-        _connect(self.ray, cfg)
-        try:
-            env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}}
-            _handle, self.actors = start_replicas(
-                self.ray, cfg.rewards.specs, timeout_s=cfg.launch.ray_timeout_s, runtime_env=env
-            )
-        except BaseException:
-            self.ray.shutdown()
-            raise
-
-    def stop(self) -> None:
-        from pipeline.producer.ray_rewards import stop_replicas
-
-        stop_replicas(self.ray, self.actors)
-        with contextlib.suppress(Exception):
-            self.ray.shutdown()
-
-
 def make_keys() -> dict[str, bytes]:
     """The run's CurveZMQ keys, made by the driver: certificate files (for the roles'
     ``curve_keys`` directory) and the raw Z85 keys (for the snapshot server)."""
@@ -547,65 +502,6 @@ def _place(
             f"(launch.{name}_num_cpus/_num_gpus/_resources/_labels)"
         ) from None
     return pg
-
-
-def _probe(address: str, timeout_s: float) -> str:
-    """'' when something listens at the head's address, else why not (fails in seconds where
-    ray.init would retry for minutes)."""
-    import socket
-
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=min(timeout_s, 10.0)):
-            return ""
-    except OSError as e:
-        return f"nothing answers there ({e.strerror or e})"
-
-
-def _connect(ray: Any, cfg: RunConfig) -> Any:
-    """Connect to ``launch.ray_address`` (or start a private node); a cluster that does not
-    answer within ``launch.ray_timeout_s`` is a ConfigError, never a hang."""
-    from pipeline.launch.ray_node import RayNode
-
-    lc = cfg.launch
-    node = None
-    address = lc.ray_address
-    if not address:
-        need = lc.learner_num_cpus + cfg.num_producers * lc.producer_num_cpus
-        # 127.0.0.2: Ray rewrites 127.0.0.1 to the machine's network address; any other
-        # loopback address stays as given, so a private run's traffic stays on loopback.
-        node = RayNode(
-            "127.0.0.2",
-            num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
-            resources={
-                **lc.learner_resources,
-                **{k: v * cfg.num_producers for k, v in lc.producer_resources.items()},
-            },
-            object_store_mb=lc.ray_object_store_mb,
-        )
-        try:
-            node.wait_ready(max(lc.ray_timeout_s, 120.0))
-        except (RuntimeError, TimeoutError):
-            node.stop()
-            raise
-        address = node.address
-    kw: dict[str, Any] = {"log_to_driver": True, "configure_logging": False}
-    host = address.removeprefix("ray://").rsplit(":", 1)[0]
-    if host.startswith("127."):  # a loopback cluster: this machine's node is on that address
-        kw["_node_ip_address"] = host
-    why = _probe(address, lc.ray_timeout_s) if address != "auto" else ""
-    if not why:
-        try:
-            ray.init(address=address, **kw)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
-    if why:
-        if node is not None:
-            node.stop()
-        raise ConfigError(
-            f"launch.ray_address: cannot connect to a Ray cluster at {address!r}: {why}"
-        )
-    return node
 
 
 class _Mirror:

@@ -227,7 +227,7 @@ def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> a
 def load_episode(path: str) -> Callable[..., Awaitable[Any]]:
     """The episode coroutine function ``path`` names (``episode.fn``); ValueError with one
     line when it cannot be imported or is not an ``async def``."""
-    from pipeline.producer.rewards import load_callable
+    from pipeline.producer.reward_calls import load_callable
 
     try:
         fn = load_callable(path)
@@ -240,6 +240,10 @@ def load_episode(path: str) -> Callable[..., Awaitable[Any]]:
 
 class EpisodeContext:
     """What an episode coroutine talks to (see the module docstring)."""
+
+    # Reachable as ``ctx.EpisodeOver``, so that an episode (a built-in task, a user's file) can
+    # catch the end of its budget without importing the producer.
+    EpisodeOver = EpisodeOver
 
     def __init__(
         self,

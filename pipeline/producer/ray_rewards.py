@@ -151,7 +151,7 @@ class RewardReplica:
     def load(self) -> dict[str, Any]:
         """Build the reward (once); this replica's pid."""
         if self.scorer is None:
-            from pipeline.producer.rewards import _instantiate, _meta_filter, load_callable
+            from pipeline.producer.reward_calls import _instantiate, _meta_filter, load_callable
 
             obj = load_callable(self.fn) if isinstance(self.fn, str) else self.fn
             self.scorer = _instantiate(obj, self.kwargs)
@@ -163,7 +163,7 @@ class RewardReplica:
 
     def score(self, args: tuple[Any, ...]) -> Any:
         """A batched or TRL-style reward: one call for the group, its raw result."""
-        from pipeline.producer.rewards import _run_blocking
+        from pipeline.producer.reward_calls import _run_blocking
 
         self.load()
         return _to_plain(_run_blocking(self.scorer, self.accepts, self.mode, tuple(args)))
@@ -171,7 +171,7 @@ class RewardReplica:
     def score_each(self, items: list[tuple[Any, str, dict[str, Any]]]) -> list[tuple[Any, Any]]:
         """A per-completion reward over a batch: (value, None) or (None, error) per item, so
         one completion's exception does not fail its siblings."""
-        from pipeline.producer.rewards import _run_blocking
+        from pipeline.producer.reward_calls import _run_blocking
 
         self.load()
         out: list[tuple[Any, Any]] = []
@@ -213,7 +213,7 @@ def start_replicas(
     ``load_timeout_s``). Returns the handle for the producers (also exported in ``HANDLE_ENV``)
     and the actors (for ``stop_replicas``). A replica that cannot be placed or built is a
     ConfigError naming the spec."""
-    from pipeline.producer.rewards import _defaults, _resolve_obj, call_mode
+    from pipeline.producer.reward_calls import _defaults, _resolve_obj, call_mode
 
     namespace = f"pipeline-{uuid.uuid4().hex[:12]}"
     handle: dict[str, Any] = {

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.producer.episode import EpisodeOver
 from pipeline.tasks.rewards import _stated_answer
 
 
@@ -35,7 +34,7 @@ async def episode(ctx: Any, prompt: Any, answer: str | None = None, **meta: Any)
     for turn in range(1, ctx.limits.max_turns + 1):
         try:
             reply = await ctx.generate(say)
-        except EpisodeOver:  # the token budget ran out
+        except ctx.EpisodeOver:  # the token budget ran out
             return 0.0
         guess = _stated_answer(reply.text)
         if guess == target:

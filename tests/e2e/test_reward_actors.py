@@ -245,7 +245,7 @@ def test_local_launcher_starts_replicas_for_its_processes(cluster, tmp_path):
     inherits where they are, joins the cluster and scores through ``RewardSet``; ``stop``
     removes the replicas."""
     from pipeline.config import load_config
-    from pipeline.launch.ray import RewardCluster
+    from pipeline.launch.ray_cluster import RewardCluster
 
     markers = tmp_path / "markers"
     markers.mkdir()
