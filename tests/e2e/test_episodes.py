@@ -5,72 +5,31 @@ snapshots land while episodes are between turns, and a tool that hangs for some 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_no_process_left
+from train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 EPISODES = Path(__file__).resolve().parent / "episodes.py"
 
 
 def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "episodes.jsonl"
     kwargs = json.dumps({"log": str(log), "tool_delay_s": 1.0, "hang_every": 3})
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipeline.launch.cli",
-        "--model",
-        str(tiny_model),
-        "--data",
-        "arithmetic:200",
-        "--reward",
-        "pipeline.tasks.rewards:length_reward",
-        "--num-producers",
-        "1",
-        "--batch-groups",
-        "2",
-        "--group-size",
-        "3",
-        "--max-tokens",
-        "8",
-        "--mode",
-        "async",
-        "--max-staleness",
-        "2",
-        "--steps",
-        "4",
-        "--episode.fn",
-        f"{EPISODES}:two_turns",
-        "--episode.kwargs",
-        kwargs,
-        "--episode.max_tokens",
-        "40",
-        "--episode.tool_timeout_s",
-        "3",
-        "--run-dir",
-        str(run_dir),
-        "--engine.max_model_len",
-        "256",
-        "--engine.cpu_kvcache_space_gib",
-        "1",
+    pipeline_train(
+        *tiny_args(tiny_model, run_dir, group_size=3),
+        "--reward", "pipeline.tasks.rewards:length_reward",
+        "--mode", "async", "--max-staleness", "2", "--steps", "4",
+        "--episode.fn", f"{EPISODES}:two_turns", "--episode.kwargs", kwargs,
+        "--episode.max_tokens", "40", "--episode.tool_timeout_s", "3",
         # Blocks of 32 tokens (the CPU default is 128): the short transcripts fill some, so
         # the prefix cache has something to serve.
-        "--engine.extra",
-        '{"block_size": 32}',
-        "--tensorboard",
-        "false",
-    ]
-    env = dict(os.environ, PIPELINE_TEST_RUN=run_dir.name + str(os.getpid()))
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert_no_process_left(env["PIPELINE_TEST_RUN"])
+        "--engine.extra", '{"block_size": 32}',
+        "--tensorboard", "false",
+        tag=run_dir.name,
+    )  # fmt: skip
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the run went on past the hung tools
