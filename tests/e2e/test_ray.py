@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import assert_no_process_left
+from ray_nodes import loopback_cluster
 from test_faults import CONNECTED, REPO, Launcher, _assert_gone, _metrics
 
 from bench.soak import tally
@@ -54,34 +55,11 @@ NO_MEMORY_MONITOR = {"RAY_memory_monitor_refresh_ms": "0"}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ray")
-    nodes: dict[str, RayNode] = {}
-    try:
-        for ip, resource in NODES.items():
-            d = Path(f"/tmp/pgt-{os.getpid()}-{ip.rsplit('.', 1)[1]}")  # short: socket paths
-            (d / "tmp").mkdir(parents=True, exist_ok=True)
-            head = nodes.get("127.0.0.2")
-            nodes[ip] = RayNode(
-                ip,
-                head_address=head.address if head else None,
-                num_cpus=2,
-                resources={resource: 1},
-                object_store_mb=128,
-                temp_dir=d,
-                env={"TMPDIR": str(d / "tmp"), "PYTHONPATH": str(REPO)}
-                | NO_MEMORY_MONITOR
-                | (HEALTH_CHECK if head is None else {}),
-            )
-            nodes[ip].wait_ready(180)
-        yield nodes
-    finally:
-        for node in reversed(list(nodes.values())):
-            node.stop()
-        for node in nodes.values():
-            assert node.processes() == [], f"Ray processes of {node.ip} left behind"
-            subprocess.run(["rm", "-rf", str(node.temp_dir)], check=False)
-        del base
+def cluster():
+    nodes = {ip: {resource: 1} for ip, resource in NODES.items()}
+    with loopback_cluster("pgt", nodes, num_cpus=2, env=NO_MEMORY_MONITOR,
+                          head_env=HEALTH_CHECK) as started:
+        yield started
 
 
 def _ray_args(cluster, *extra: str) -> tuple[str, ...]:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_no_process_left
+from ray_nodes import loopback_cluster
 from test_faults import REPO, Launcher, _assert_gone, _metrics
 
 from bench.soak import tally
-from pipeline.launch.ray_node import RayNode
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -36,29 +36,8 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def cluster():
-    nodes: dict[str, RayNode] = {}
-    try:
-        for ip, resources in NODES.items():
-            d = Path(f"/tmp/pgr-{os.getpid()}-{ip.rsplit('.', 1)[1]}")  # short: socket paths
-            (d / "tmp").mkdir(parents=True, exist_ok=True)
-            head = nodes.get("127.0.0.2")
-            nodes[ip] = RayNode(
-                ip,
-                head_address=head.address if head else None,
-                num_cpus=3,
-                resources=resources,
-                object_store_mb=128,
-                temp_dir=d,
-                env={"TMPDIR": str(d / "tmp"), "PYTHONPATH": str(REPO)},
-            )
-            nodes[ip].wait_ready(180)
-        yield nodes
-    finally:
-        for node in reversed(list(nodes.values())):
-            node.stop()
-        for node in nodes.values():
-            assert node.processes() == [], f"Ray processes of {node.ip} left behind"
-            subprocess.run(["rm", "-rf", str(node.temp_dir)], check=False)
+    with loopback_cluster("pgr", NODES, num_cpus=3) as started:
+        yield started
 
 
 class ConfigLauncher(Launcher):
