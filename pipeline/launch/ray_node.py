@@ -50,6 +50,19 @@ def free_ports(host: str, n: int) -> list[int]:
         return [s.getsockname()[1] for s in socks]
 
 
+def worker_range(taken: list[int], width: int = 101) -> tuple[int, int]:
+    """A ``width``-port range for the node's workers that holds none of ``taken`` (the node's
+    own component ports, which ``ray start`` refuses to see inside the range): the first gap
+    wide enough above the lowest of them, else just below it."""
+    ports = sorted(taken)
+    for low, nxt in zip(ports, [*ports[1:], 65536], strict=True):
+        if nxt - low - 1 >= width:
+            return low + 1, low + width
+    if ports[0] - width >= 10002:
+        return ports[0] - width, ports[0] - 1
+    raise RuntimeError(f"no range of {width} worker ports beside {ports}")
+
+
 def ray_executable() -> str:
     """The ``ray`` CLI of this interpreter's environment."""
     exe = Path(sys.executable).with_name("ray")
@@ -75,7 +88,8 @@ class RayNode:
         self.own_temp = temp_dir is None
         # Ray's socket paths must stay short (AF_UNIX limit): a short name under /tmp.
         self.temp_dir = Path(temp_dir or tempfile.mkdtemp(prefix="pgray", dir="/tmp"))
-        ports = free_ports(ip, len(PORT_OPTIONS) + 3)
+        ports = free_ports(ip, len(PORT_OPTIONS) + 2)
+        low, high = worker_range(ports)
         self.port = ports.pop() if head_address is None else None
         self.address = f"{ip}:{self.port}" if head_address is None else head_address
         cmd = [
@@ -104,13 +118,7 @@ class RayNode:
             cmd += ["--address", head_address]
         for opt in PORT_OPTIONS:
             cmd += [opt, str(ports.pop())]
-        worker = ports.pop()  # a small range of its own for the workers' ports
-        cmd += [
-            "--min-worker-port",
-            str(max(worker - 50, 10002)),
-            "--max-worker-port",
-            str(max(worker - 50, 10002) + 100),
-        ]
+        cmd += ["--min-worker-port", str(low), "--max-worker-port", str(high)]
         if num_cpus is not None:
             cmd += ["--num-cpus", str(num_cpus)]
         if resources:
