@@ -375,6 +375,10 @@ class SyncConfig:
                                "server; each version is streamed from it into a directory of "
                                "this node and checked before the swap (no shared filesystem). "
                                "The Ray launcher sets it for producers off the learner's node")
+    serve_stream: str = opt("", "learner: tcp://HOST:PORT at which the learner serves its "
+                                "snapshot files to producers that stream them (their "
+                                "sync.stream_from); '' = none. Encrypted with curve_keys; a "
+                                "non-loopback address needs them (or insecure)")
     snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run> when "
                                 "keep_snapshots + 1 of them fit there, else run_dir/snapshots)")
     lora_adapters: Literal["auto", "off"] = opt(
@@ -405,6 +409,9 @@ class SyncConfig:
         _check(not self.stream_from or re.fullmatch(r"tcp://[^:/\s]+:\d+", self.stream_from)
                is not None, "sync.stream_from",
                f"must look like tcp://HOST:PORT, got {self.stream_from!r}")
+        _check(not self.serve_stream or re.fullmatch(r"tcp://[^:/\s]+:\d+", self.serve_stream)
+               is not None, "sync.serve_stream",
+               f"must look like tcp://HOST:PORT, got {self.serve_stream!r}")
         # Only "no GPU at all" is checked here: this also runs in children that launch pinned
         # to one GPU each (CUDA_VISIBLE_DEVICES), where the device count says nothing about
         # placement; see check_placement for that.

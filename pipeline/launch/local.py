@@ -97,6 +97,11 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
             check_bind_addr(cfg.bind_addr, curve, cfg.insecure)
         except ValueError as e:
             raise ConfigError(f"addr: {e}") from None
+        if cfg.sync.serve_stream:
+            try:
+                check_bind_addr(cfg.sync.serve_stream, curve, cfg.insecure)
+            except ValueError as e:
+                raise ConfigError(f"sync.serve_stream: {e}") from None
     return model_path
 
 

@@ -463,6 +463,8 @@ class Learner:
                 "swap_idle_s": max(t.get("idle_s", 0.0) for t in timings),
                 "swap_drain_s": max(t.get("drain_s", 0.0) for t in timings),
                 "swap_load_s": max(t.get("load_s", 0.0) for t in timings),
+                "swap_stream_s": max(t.get("stream_s", 0.0) for t in timings),
+                "stream_bytes": sum(t.get("stream_bytes", 0.0) for t in timings),
                 "producers_acked": float(len(got)),
             }
 
@@ -606,6 +608,7 @@ class Learner:
             del flat
         self.endpoint = LearnerEndpoint(self.cfg.bind_addr, insecure=self.cfg.insecure,
                                         curve=curve_keys(self.cfg, "learner"))
+        server = self._serve_stream()
         finished = False
         try:
             async with asyncio.TaskGroup() as tg:
@@ -622,6 +625,8 @@ class Learner:
                 with contextlib.suppress(Exception):
                     await self.endpoint.publish(self.announcement(finished=True))
             self.endpoint.close()  # LINGER flushes that last announce
+            if server is not None:
+                server.close()
             self.metrics.close()
             if self.publisher is not None:
                 self.publisher.close()
@@ -629,6 +634,20 @@ class Learner:
                 shutil.rmtree(self.snapshot_dir, ignore_errors=True)
             if finished:
                 self.summary()
+
+    def _serve_stream(self) -> Any:
+        """With ``sync.serve_stream``: a ``sync.stream.SnapshotServer`` on it serving this run's
+        snapshot files, for producers on machines that do not share this one's filesystem."""
+        if not self.cfg.sync.serve_stream:
+            return None
+        from sync.stream import SnapshotServer, StreamKeys
+
+        curve = curve_keys(self.cfg, "learner")
+        keys = StreamKeys(curve.server_public, curve.server_secret, curve.client_public) \
+            if curve is not None else None
+        server = SnapshotServer(self.cfg.sync.serve_stream, [self.snapshot_dir], keys)
+        log.info("serving snapshot files at %s", server.addr)
+        return server
 
     def summary(self) -> None:
         from pipeline.learner.metrics import read_metrics

@@ -1,6 +1,9 @@
 """Multi-host roles as separate launchers: `pipeline-train --role learner` bound on TCP, and two
 `pipeline-train --role producer --connect HOST:PORT --producer-index k` (real vLLM CPU engines),
-each with its own run_dir as on its own node; snapshots go through a shared --sync.snapshot_dir.
+each with its own run_dir as on its own node. Producer 0 reads the snapshots from a shared
+--sync.snapshot_dir; producer 1 streams every version from the learner's snapshot server
+(--sync.serve_stream on the learner, --sync.stream_from on the producer), as a node without the
+shared filesystem would.
 
 The learner binds all interfaces with CURVE keys (--curve-keys); producers hold a copy of only
 the public server key and the client pair. (The bind-address checks are covered without engines
@@ -19,6 +22,7 @@ from test_faults import Launcher, _assert_gone, _metrics
 
 from buffer.store import RolloutBuffer
 from buffer.transport import free_tcp_port_pair, generate_curve_keys
+from pipeline.launch.ray_node import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +31,7 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
     tag = f"roles{time.time_ns()}"
     monkeypatch.setenv("PIPELINE_TEST_RUN", tag)  # inherited by every launcher and its children
     port = free_tcp_port_pair()
+    stream_port = free_port("127.0.0.1")
     steps = 3
     common = ("--mode", "async", "--max-staleness", "2", "--steps", str(steps),
               "--sync.snapshot_dir", str(tmp_path / "shared_snapshots"))
@@ -45,7 +50,8 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
     # came up first).
     producers = [Launcher(tiny_model, tmp_path / f"producer{k}", *common, "--role", "producer",
                           "--connect", f"127.0.0.1:{port}", "--producer-index", str(k),
-                          "--curve-keys", str(node_keys))
+                          "--curve-keys", str(node_keys),
+                          *(["--sync.stream_from", f"tcp://127.0.0.1:{stream_port}"] if k else []))
                  for k in range(2)]
     everyone = list(producers)
     try:
@@ -53,7 +59,8 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
             p.wait_for(lambda p=p: any("engine ready" in ln for ln in list(p.lines)), 600,
                        f"producer {k}'s engine")
         learner = Launcher(tiny_model, learner_dir, *common, "--role", "learner",
-                           "--addr", f"tcp://0.0.0.0:{port}", "--curve-keys", str(keys))
+                           "--addr", f"tcp://0.0.0.0:{port}", "--curve-keys", str(keys),
+                           "--sync.serve_stream", f"tcp://0.0.0.0:{stream_port}")
         everyone.append(learner)
         assert learner.wait(480) == 0, learner.tail()
         finished_at = time.monotonic()
@@ -73,6 +80,10 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
     assert rows[-1]["dropped_stale"] == 0  # 3 steps reach version 2: nothing can be too old
     assert max(r["producers_alive"] for r in rows) == 2  # both producers' heartbeats arrived
     assert (learner_dir / "reward.png").is_file()  # the learner's end-of-run summary
+    # Producer 1's versions came over the learner's snapshot server, encrypted (CURVE keys).
+    assert sum(r.get("stream_bytes", 0) for r in rows) > 0, rows
+    assert "weights streamed from tcp://127.0.0.1:" in "\n".join(producers[1].lines)
+    assert "weights streamed from" not in "\n".join(producers[0].lines)
 
     # Trained groups per producer = received - still held in the final checkpoint's buffer.
     ckpt = learner_dir / "checkpoints" / f"step_{steps}"

@@ -50,6 +50,8 @@ def _base(tiny_model: Path, run_dir: Path) -> list[str]:
     (["--reward", "nosuchmodule:fn"], "nosuchmodule"),
     (["--data", "/nonexistent.jsonl"], "data.path"),
     (["--set", "addr=tcp://0.0.0.0:5555"], "addr"),
+    (["--sync.serve_stream", "tcp://0.0.0.0:5557"], "sync.serve_stream: refusing to bind"),
+    (["--sync.serve_stream", "0.0.0.0:5557"], "sync.serve_stream: must look like tcp://"),
     (["--set", "engine.extra={swap_spce: 1}"], "engine.extra: unknown vLLM engine argument"),
 ])
 def test_bad_config_fails_fast_with_one_message(tiny_model, tmp_path, extra, names):
