@@ -340,9 +340,10 @@ def _cuda_device_count() -> int:
 
 @dataclass
 class EpisodeConfig:
-    fn: str = opt("", "multi-turn episodes: 'package.module:function' or 'path/file.py:function' "
-                      "of an `async def episode(ctx, prompt, **meta)` (pipeline.producer.episode; "
-                      "'' = one completion per request)")
+    fn: str = opt("", "multi-turn episodes: 'package.module:name' or 'path/file.py:name' of an "
+                      "`async def episode(ctx, prompt, **meta)` or of a class with reset(prompt, "
+                      "**meta) and step(reply) (pipeline.producer.episode; '' = one completion "
+                      "per request)")
     kwargs: dict[str, Any] = opt({}, "extra keyword arguments given to every episode call")
     max_turns: int = opt(4, "most generate calls of one episode; the next one ends it", ge=1)
     max_tokens: int = opt(256, "most completion tokens of one episode, generated and tool "

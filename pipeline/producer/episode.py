@@ -1,8 +1,10 @@
 """Multi-turn episodes: a user coroutine that generates, calls tools and generates again, whose
 whole transcript becomes one completion of a GRPO group.
 
-The user writes ``async def episode(ctx, prompt, **meta)`` (named by ``episode.fn``); the
-producer runs G of them per prompt as one group. ``ctx`` (:class:`EpisodeContext`) offers:
+The user writes ``async def episode(ctx, prompt, **meta)`` (named by ``episode.fn``), or a
+class with ``reset(prompt, **meta)`` and ``step(reply) -> (observation, reward, done)`` that
+:func:`environment_episode` drives; the producer runs G of them per prompt as one group.
+``ctx`` (:class:`EpisodeContext`) offers:
 
 - ``await ctx.generate(messages_or_tokens=None, **sampling)``: one turn. With no argument it
   continues the transcript; a string is environment text appended first; a list of token ids or
@@ -225,17 +227,63 @@ def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> a
 
 
 def load_episode(path: str) -> Callable[..., Awaitable[Any]]:
-    """The episode coroutine function ``path`` names (``episode.fn``); ValueError with one
-    line when it cannot be imported or is not an ``async def``."""
+    """The episode coroutine function ``path`` names (``episode.fn``), or one that drives the
+    environment class it names (:func:`environment_episode`); ValueError with one line when it
+    cannot be imported or is neither."""
     from pipeline.producer.reward_calls import load_callable
 
     try:
         fn = load_callable(path)
     except (ImportError, ValueError) as e:
         raise ValueError(str(e).replace("reward path", "path")) from None
+    if inspect.isclass(fn):
+        missing = [m for m in ("reset", "step") if not callable(getattr(fn, m, None))]
+        if missing:
+            raise ValueError(f"{path!r}: an environment class needs {' and '.join(missing)}")
+        try:
+            inspect.signature(fn).bind()
+        except TypeError as e:
+            raise ValueError(f"{path!r}: an environment class is built with no arguments "
+                             f"(episode.kwargs reach reset): {e}") from None
+        return environment_episode(fn)
     if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"{path!r} must be an `async def episode(ctx, prompt, **meta)`")
+        raise ValueError(f"{path!r} must be an `async def episode(ctx, prompt, **meta)` or a "
+                         "class with reset(prompt, **meta) and step(reply)")
     return fn
+
+
+def environment_episode(env_class: type) -> Callable[..., Awaitable[Any]]:
+    """The episode coroutine for a gym-style environment class: one instance per episode;
+    ``reset(prompt, **meta)`` returns the text that opens the first turn (or None), then each
+    turn's reply goes to ``step(reply)``, which returns ``(observation, reward, done)``: the
+    observation opens the next turn (None: the policy continues), rewards add up. ``reset``
+    and ``step`` may be sync or async and run like tools (``episode.tool_timeout_s``; one that
+    raises or hangs fails the episode). The episode's reward is the sum of the rewards, or,
+    when every step returned None, the run's reward functions score the transcript; a limit
+    (turns, tokens) ends it with the rewards so far."""
+
+    async def episode(ctx: EpisodeContext, prompt: Any, **meta: Any) -> float | None:
+        env = env_class()
+        observation = await ctx.tool(env.reset, prompt, **meta)
+        total: float | None = None
+        try:
+            while True:
+                turn = await ctx.generate(observation or None)
+                result = await ctx.tool(env.step, turn.text)
+                if not (isinstance(result, tuple) and len(result) == 3):
+                    raise TypeError(f"{env_class.__name__}.step must return (observation, "
+                                    f"reward, done), got {result!r}"[:300])
+                observation, reward, done = result
+                if reward is not None:
+                    total = (total or 0.0) + float(reward)
+                if done:
+                    break
+        except EpisodeOver:
+            pass
+        return total
+
+    episode.__name__ = episode.__qualname__ = f"{env_class.__name__}.episode"
+    return episode
 
 
 class EpisodeContext:

@@ -6,6 +6,12 @@ then gives in a second turn. The episode returns its own reward: ``exact_match``
 answer (the text after the tool's answer, or the first turn when no tool was called) against
 the record's ``answer``, so copying the tool's result pays only when the call was right.
 
+``start`` (an ``episode.kwargs`` entry, default ``"calc("``) is environment text that opens the
+first turn, masked like any tool output: a tool-call prefill. SmolLM2-135M never writes
+``calc(`` by itself, even told about the tool in a system prompt; opened with it, it writes an
+expression in 45 of 48 samples and the right one in 21. ``start=""`` leaves the choice of
+calling the tool to the model.
+
 Use it with ``--episode.fn pipeline.tasks.calculator:episode`` on ``--data arithmetic:N``.
 """
 
@@ -68,10 +74,12 @@ def calculator(expression: str) -> str:
         return f"error: {e}"
 
 
-async def episode(ctx: Any, prompt: Any, answer: str | None = None, **meta: Any) -> float:
+async def episode(
+    ctx: Any, prompt: Any, answer: str | None = None, start: str = "calc(", **meta: Any
+) -> float:
     """Turn 1 (may call the calculator), the tool's answer, turn 2 (the final answer)."""
-    first = await ctx.generate()
-    call = CALL.search(first.text)
+    first = await ctx.generate(start or None)
+    call = CALL.search(start + first.text)
     if call is None:
         return exact_match(prompt, first.text, answer)
     result = await ctx.tool(calculator, call.group(1))

@@ -7,7 +7,8 @@ is 1 / (the turn of the first right answer), 0 if none was right: answering righ
 most, and using the feedback still pays.
 
 Use it with ``--episode.fn pipeline.tasks.feedback:episode --episode.max_turns 3`` on
-``--data arithmetic:N``.
+``--data arithmetic:N``. ``GuessEnv`` is the same game as an environment class
+(``--episode.fn pipeline.tasks.feedback:GuessEnv``): ``reset``/``step`` instead of a coroutine.
 """
 
 from __future__ import annotations
@@ -41,3 +42,25 @@ async def episode(ctx: Any, prompt: Any, answer: str | None = None, **meta: Any)
             return 1.0 / turn
         say = "\n" + feedback(guess, target)
     return 0.0
+
+
+class GuessEnv:
+    """The game as a gym-style environment (``pipeline.producer.episode.environment_episode``):
+    ``step`` gets each reply and returns (feedback or None, reward, done)."""
+
+    def reset(self, prompt: Any, answer: str | None = None, **meta: Any) -> None:
+        try:
+            self.target: int | None = int(str(answer).strip())
+        except ValueError:
+            self.target = None
+        self.turn = 0
+        return None  # the prompt alone opens the first turn
+
+    def step(self, reply: str) -> tuple[str | None, float, bool]:
+        self.turn += 1
+        if self.target is None:
+            return None, 0.0, True
+        guess = _stated_answer(reply)
+        if guess == self.target:
+            return None, 1.0 / self.turn, True
+        return "\n" + feedback(guess, self.target), 0.0, False

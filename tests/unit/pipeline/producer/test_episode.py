@@ -17,13 +17,16 @@ from pipeline.producer.episode import (
     EpisodeContext,
     EpisodeLimits,
     Transcript,
+    environment_episode,
     episode_reward,
     extension,
+    load_episode,
     run_episode,
     turn_budget,
 )
 from pipeline.tasks.calculator import calc
 from pipeline.tasks.calculator import episode as calculator_episode
+from pipeline.tasks.feedback import GuessEnv
 
 
 class CharTokenizer:
@@ -252,13 +255,118 @@ def test_calc_is_safe_arithmetic():
         calc("9**99999")
 
 
-def test_calculator_episode_calls_the_tool_then_answers():
+def test_calculator_episode_opens_with_calc_calls_the_tool_then_answers():
     calls: list = []
-    ctx = _ctx(["calc(12+7)", " = 19"], calls=calls)
+    ctx = _ctx(["12+7)", " 19"], calls=calls)
     r = asyncio.run(run_episode(calculator_episode, ctx, "What is 12 + 7?", {"answer": "19"}))
     assert r.failure == "" and r.turns == 2 and r.tool_calls == 1
-    assert "calc(12+7)" in r.text and r.reward is not None and r.reward[0] == 1.0
-    assert r.env_tokens > 0
+    assert r.text == "calc(12+7)\nresult: 19\nanswer:  19"
+    assert r.reward is not None and r.reward[0] == 1.0
+    # "calc(" and the tool's answer are environment text: masked, out of the loss.
+    spans = r.completion.masked_spans
+    assert spans == [(0, 5), (10, 10 + len("\nresult: 19\nanswer: "))], spans
+    assert calls[0][1][-5:] == [ord(c) for c in "calc("]  # the first turn continues it
+
+
+def test_calculator_episode_without_start_leaves_the_call_to_the_model():
+    ctx = _ctx(["19"])
+    r = asyncio.run(
+        run_episode(calculator_episode, ctx, "What is 12 + 7?", {"answer": "19", "start": ""})
+    )
+    assert r.turns == 1 and r.tool_calls == 0 and r.text == "19"
+    assert r.reward is not None and r.reward[0] == 1.0 and not r.completion.masked_spans
+    wrong = asyncio.run(run_episode(calculator_episode, _ctx(["12+7)", " 20"]),
+                                    "What is 12 + 7?", {"answer": "19"}))
+    assert wrong.reward is not None and wrong.reward[0] == 0.0
+
+
+# ------------------------------------------------------------------ environment classes
+def test_environment_class_plays_the_guessing_game_like_the_coroutine():
+    fn = load_episode("pipeline.tasks.feedback:GuessEnv")
+    calls: list = []
+    ctx = _ctx(["5", "9", "7"], calls=calls)
+    r = asyncio.run(run_episode(fn, ctx, "What is 3 + 4?", {"answer": "7"}))
+    assert r.failure == "" and r.turns == 3 and r.reward is not None
+    assert r.reward[0] == pytest.approx(1 / 3)
+    assert r.text == "5\nToo low. Try again: 9\nToo high. Try again: 7"
+    assert len(r.completion.masked_spans) == 2  # the environment's feedback, out of the loss
+    assert r.tool_calls == 4  # reset and each step ran like a tool (under its timeout)
+
+
+class SilentEnv:
+    """Never scores: the run's reward functions score the transcript."""
+
+    def reset(self, prompt, **meta):
+        return "go: "
+
+    async def step(self, reply):
+        return None, None, len(reply) > 0
+
+
+class BadStepEnv:
+    def reset(self, prompt, **meta):
+        return None
+
+    def step(self, reply):
+        return "only one value"
+
+
+class HangingEnv:
+    def reset(self, prompt, **meta):
+        return None
+
+    def step(self, reply):
+        time.sleep(30)
+
+
+class NeedsArgs:
+    def __init__(self, size):
+        self.size = size
+
+    def reset(self, prompt, **meta):
+        return None
+
+    def step(self, reply):
+        return None, 0.0, True
+
+
+class NoStep:
+    def reset(self, prompt, **meta):
+        return None
+
+
+def test_environment_without_rewards_leaves_scoring_to_the_reward_functions():
+    r = asyncio.run(run_episode(environment_episode(SilentEnv), _ctx(["ok"]), "Q", {}))
+    assert r.failure == "" and r.reward is None and r.text == "go: ok"
+    assert r.completion.masked_spans == [(0, 4)]
+
+
+def test_environment_limits_end_the_episode_with_the_rewards_so_far():
+    class Endless(GuessEnv):
+        def step(self, reply):
+            return " more", 0.25, False
+
+    ctx = _ctx(["a"], limits=EpisodeLimits(3, 64, 1.0, 10.0))
+    r = asyncio.run(run_episode(environment_episode(Endless), ctx, "Q", {"answer": "1"}))
+    assert r.failure == "" and r.turns == 3 and r.reward is not None and r.reward[0] == 0.75
+
+
+def test_environment_faults_fail_the_episode_like_a_tool():
+    bad = asyncio.run(run_episode(environment_episode(BadStepEnv), _ctx(["x"]), "Q", {}))
+    assert bad.failure == "error" and "must return (observation, reward, done)" in bad.detail
+    ctx = _ctx(["x"], limits=EpisodeLimits(4, 64, 0.2, 10.0))
+    t0 = time.monotonic()
+    hung = asyncio.run(run_episode(environment_episode(HangingEnv), ctx, "Q", {}))
+    assert hung.failure == "tool_timeout" and time.monotonic() - t0 < 5
+
+
+def test_load_episode_names_what_an_environment_class_lacks():
+    with pytest.raises(ValueError, match="needs step"):
+        load_episode(f"{__file__}:NoStep")
+    with pytest.raises(ValueError, match="built with no arguments"):
+        load_episode(f"{__file__}:NeedsArgs")
+    with pytest.raises(ValueError, match="or a class with reset"):
+        load_episode("pipeline.tasks.calculator:calc")
 
 
 # ------------------------------------------------------------------ wire and learner
