@@ -111,7 +111,8 @@ async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, floa
     from transformers import AutoTokenizer
 
     from pipeline.producer.engine import build_engine
-    from pipeline.producer.evaluate import eval_records, generate_and_score
+    from pipeline.producer.episode import load_episode
+    from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
     from pipeline.producer.rewards import RewardSet
     from sync.barrier import RequestTracker, SwapBarrier
     from sync.transfer import FileTransport, swap_with_fallback
@@ -139,6 +140,9 @@ async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, floa
             records,
             rewards,
             ref.version,
+            episodes=EpisodeRun(load_episode(cfg.episode.fn), cfg.episode, cfg.rewards.on_failure)
+            if cfg.episode.fn
+            else None,
         )
     finally:
         rewards.close()

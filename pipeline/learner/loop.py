@@ -463,8 +463,8 @@ class Learner:
                 "swap_idle_s": max(t.get("idle_s", 0.0) for t in timings),
                 "swap_drain_s": max(t.get("drain_s", 0.0) for t in timings),
                 "swap_load_s": max(t.get("load_s", 0.0) for t in timings),
-                "swap_stream_s": max(t.get("stream_s", 0.0) for t in timings),
-                "stream_bytes": sum(t.get("stream_bytes", 0.0) for t in timings),
+                "swap_stream_s": max(t.get("prepare_stream_s", 0.0) for t in timings),
+                "stream_bytes": sum(t.get("prepare_stream_bytes", 0.0) for t in timings),
                 "producers_acked": float(len(got)),
             }
 

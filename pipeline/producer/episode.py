@@ -74,6 +74,11 @@ class EpisodeLimits:
     timeout_s: float
 
 
+def episode_limits(cfg: Any) -> EpisodeLimits:
+    """The limits of ``cfg`` (an ``EpisodeConfig``)."""
+    return EpisodeLimits(cfg.max_turns, cfg.max_tokens, cfg.tool_timeout_s, cfg.timeout_s)
+
+
 @dataclass
 class Turn:
     """One generate call's result."""
@@ -456,3 +461,53 @@ async def run_episode(
         env_tokens=len(t) - t.generated_tokens,
         tool_calls=ctx.tool_calls,
     )
+
+
+async def score_episodes(
+    rewards: Any, prompt: Any, episodes: Sequence[EpisodeResult], meta: dict[str, Any]
+) -> tuple[list[float], list[dict[str, float]]] | None:
+    """Each episode's total reward and breakdown: its own return value; a failed one 0 (the
+    caller has already dropped the group where ``rewards.on_failure`` is drop); the rest scored
+    on their transcript text by ``rewards`` (a ``RewardSet``). None when the reward functions
+    dropped the group."""
+    if all(e.reward is not None or e.failure for e in episodes):
+        return ([e.reward[0] if e.reward else 0.0 for e in episodes],
+                [e.reward[1] if e.reward else {} for e in episodes])
+    result = await rewards.score_group(
+        prompt, [e.text for e in episodes], meta,
+        completion_ids=[e.completion.token_ids for e in episodes])
+    if result.dropped:
+        return None
+    totals, breakdowns = list(result.total), list(result.breakdown)
+    for i, e in enumerate(episodes):
+        if e.failure:
+            totals[i], breakdowns[i] = 0.0, {}
+        elif e.reward is not None:
+            totals[i], breakdowns[i] = e.reward
+    return totals, breakdowns
+
+
+async def run_episodes(
+    fn: Callable[..., Awaitable[Any]],
+    n: int,
+    *,
+    generate: GenerateFn,
+    tokenizer: Any,
+    prompt_ids: list[int],
+    limits: EpisodeLimits,
+    max_model_len: int,
+    request_prefix: str,
+    version: Callable[[], int],
+    prompt: Any,
+    prompt_id: str,
+    kwargs: dict[str, Any],
+) -> list[EpisodeResult]:
+    """``n`` episodes of one prompt, run concurrently (a training group, or one held-out
+    prompt's evaluation samples); ``kwargs`` are ``episode.kwargs`` and the record's fields."""
+    return list(await asyncio.gather(*(
+        run_episode(fn, EpisodeContext(
+            generate=generate, tokenizer=tokenizer, prompt_ids=prompt_ids, limits=limits,
+            context_left=max_model_len - len(prompt_ids) - 1,
+            request_prefix=f"{request_prefix}-{j}", version=version, prompt_id=prompt_id,
+            index=j), prompt, kwargs)
+        for j in range(n))))

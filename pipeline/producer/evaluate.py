@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.config import ConfigError, DataConfig, EvalConfig
@@ -106,12 +107,15 @@ async def generate_and_score(
     rewards: Any,
     version: int,
     lora_request: Any = None,
+    episodes: EpisodeRun | None = None,
 ) -> dict[str, float]:
     """Run every held-out prompt ``samples_per_prompt`` times on the engine's current weights
     (tagged ``version``), score with ``rewards`` (a ``RewardSet``) and aggregate. Prompts the
     rewards drop (``on_failure: drop``) are left out and counted in ``eval/prompts_dropped``,
     prompts too long for the engine in ``eval/prompts_skipped``. ``lora_request``: the
-    version's LoRA adapter under adapter-only sync (``pipeline.producer.adapters``)."""
+    version's LoRA adapter under adapter-only sync (``pipeline.producer.adapters``).
+    ``episodes``: each sample is an episode of the run's ``episode.fn``, scored as in training
+    (a failed one 0, or its prompt dropped under ``on_failure: drop``)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -122,6 +126,9 @@ async def generate_and_score(
         temperature=ev.temperature,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
+    if episodes is not None:
+        return await _evaluate_episodes(engine, tokenizer, data, ev, max_model_len, records,
+                                        rewards, version, lora_request, episodes, t0)
 
     async def one(i: int, rec: PromptRecord) -> tuple[Any, list[list[int]], list[str]] | None:
         ids = render_prompt(tokenizer, data, rec.prompt)
@@ -150,6 +157,11 @@ async def generate_and_score(
             continue
         totals.append(result.total)
         breakdowns.append(result.breakdown)
+    return _figures(totals, breakdowns, ev, dropped, skipped, tokens, t0)
+
+
+def _figures(totals: list, breakdowns: list, ev: EvalConfig, dropped: int, skipped: int,
+             tokens: int, t0: float) -> dict[str, float]:
     out = aggregate(totals, breakdowns, ev.samples_per_prompt, ev.pass_threshold)
     out.update(
         {
@@ -160,3 +172,72 @@ async def generate_and_score(
         }
     )
     return out
+
+
+@dataclass(frozen=True)
+class EpisodeRun:
+    """What evaluating with episodes needs of the run: the episode function, its config
+    (``EpisodeConfig``) and ``rewards.on_failure``."""
+
+    fn: Callable[..., Awaitable[Any]]
+    cfg: Any
+    on_failure: str
+
+
+async def _evaluate_episodes(
+    engine: Any,
+    tokenizer: Any,
+    data: DataConfig,
+    ev: EvalConfig,
+    max_model_len: int,
+    records: Sequence[PromptRecord],
+    rewards: Any,
+    version: int,
+    lora_request: Any,
+    episodes: EpisodeRun,
+    t0: float,
+) -> dict[str, float]:
+    """``generate_and_score`` with each sample an episode. Turns go to the engine directly (no
+    admission gate: no swap starts during an evaluation) at the evaluation's temperature."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from buffer.schema import Completion
+    from pipeline.producer.episode import episode_limits, run_episodes, score_episodes
+
+    async def generate(rid: str, ids: list[int], overrides: dict[str, Any]
+                       ) -> tuple[Completion, str]:
+        sp = SamplingParams(**{"temperature": ev.temperature, **overrides, "n": 1,
+                               "output_kind": RequestOutputKind.FINAL_ONLY})
+        final = None
+        async for out in engine.generate({"prompt_token_ids": ids, "cache_salt": f"v{version}"},
+                                         sp, rid, lora_request=lora_request):
+            final = out
+        c = final.outputs[0]
+        comp = Completion(token_ids=np.asarray(c.token_ids, np.int32),
+                          logprobs=np.zeros(len(c.token_ids), np.float32),
+                          version_segments=[(0, version)], finish_reason=c.finish_reason or "")
+        return comp, c.text
+
+    async def one(i: int, rec: PromptRecord) -> tuple[list, list, int] | str:
+        ids = render_prompt(tokenizer, data, rec.prompt)
+        if len(ids) > data.max_prompt_tokens or len(ids) + 1 >= max_model_len:
+            return "skipped"
+        meta = dict(rec.meta, prompt_id=rec.prompt_id)
+        results = await run_episodes(
+            episodes.fn, ev.samples_per_prompt, generate=generate, tokenizer=tokenizer,
+            prompt_ids=ids, limits=episode_limits(episodes.cfg), max_model_len=max_model_len,
+            request_prefix=f"eval-v{version}-{i}-{time.time_ns()}", version=lambda: version,
+            prompt=rec.prompt, prompt_id=rec.prompt_id, kwargs={**episodes.cfg.kwargs, **meta})
+        if any(r.failure for r in results) and episodes.on_failure == "drop":
+            return "dropped"
+        scored = await score_episodes(rewards, rec.prompt, results, meta)
+        if scored is None:
+            return "dropped"
+        return scored[0], scored[1], sum(len(r.completion.token_ids) for r in results)
+
+    done = await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
+    kept = [d for d in done if not isinstance(d, str)]
+    return _figures([d[0] for d in kept], [d[1] for d in kept], ev, done.count("dropped"),
+                    done.count("skipped"), sum(d[2] for d in kept), t0)

@@ -55,13 +55,19 @@ from pipeline.producer.adapters import AdapterSet
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
 from pipeline.producer.episode import (
-    EpisodeContext,
-    EpisodeLimits,
     EpisodeResult,
+    episode_limits,
     load_episode,
-    run_episode,
+    run_episodes,
+    score_episodes,
 )
-from pipeline.producer.evaluate import eval_records, generate_and_score, is_due, last_version
+from pipeline.producer.evaluate import (
+    EpisodeRun,
+    eval_records,
+    generate_and_score,
+    is_due,
+    last_version,
+)
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
 from pipeline.producer.stats import ProducerStats
@@ -239,23 +245,17 @@ class Producer:
                 self._generate_one(f"{group_id}-{j}", prompt_ids, self._sampling())
                 for j in range(g.group_size)))
         gen_s = time.perf_counter() - t0
-        texts = [c[1] for c in completions]
-        ids = [c[0].token_ids for c in completions]
-        if episodes is not None and all(e.reward is not None or e.failure for e in episodes):
-            totals = [e.reward[0] if e.reward else 0.0 for e in episodes]
-            breakdowns = [e.reward[1] if e.reward else {} for e in episodes]
+        if episodes is not None:
+            scored = await score_episodes(self.rewards, record.prompt, episodes, meta)
         else:
-            result = await self.rewards.score_group(record.prompt, texts, meta,
-                                                    completion_ids=ids)
-            if result.dropped:
-                self._drop(group_id, record.prompt_id, "a reward failed")
-                return
-            totals, breakdowns = list(result.total), list(result.breakdown)
-            for i, e in enumerate(episodes or []):
-                if e.failure:  # on_failure=zero: a failed episode scores 0
-                    totals[i], breakdowns[i] = 0.0, {}
-                elif e.reward is not None:
-                    totals[i], breakdowns[i] = e.reward
+            result = await self.rewards.score_group(
+                record.prompt, [c[1] for c in completions], meta,
+                completion_ids=[c[0].token_ids for c in completions])
+            scored = None if result.dropped else (list(result.total), list(result.breakdown))
+        if scored is None:
+            self._drop(group_id, record.prompt_id, "a reward failed")
+            return
+        totals, breakdowns = scored
         comps = []
         for (comp, _text), total, breakdown in zip(completions, totals, breakdowns, strict=True):
             comp.reward = float(total)
@@ -311,20 +311,17 @@ class Producer:
         rewards.on_failure is drop. Each turn is one request through ``_generate_one``: it
         waits at the barrier's gate, carries its version's cache salt and version tags."""
         e = self.cfg.episode
-        limits = EpisodeLimits(e.max_turns, e.max_tokens, e.tool_timeout_s, e.timeout_s)
-        context_left = self.cfg.engine.max_model_len - len(prompt_ids) - 1
 
         async def generate(rid: str, ids: list[int], overrides: dict[str, Any]
                            ) -> tuple[Completion, str]:
             return await self._generate_one(rid, ids, self._sampling(**overrides))
 
-        results = await asyncio.gather(*(
-            run_episode(self.episode_fn, EpisodeContext(
-                generate=generate, tokenizer=self.tokenizer, prompt_ids=prompt_ids,
-                limits=limits, context_left=context_left, request_prefix=f"{group_id}-{j}",
-                version=lambda: self.tracker.version, prompt_id=record.prompt_id, index=j),
-                record.prompt, {**e.kwargs, **meta})
-            for j in range(self.cfg.generation.group_size)))
+        results = await run_episodes(
+            self.episode_fn, self.cfg.generation.group_size, generate=generate,
+            tokenizer=self.tokenizer, prompt_ids=prompt_ids, limits=episode_limits(e),
+            max_model_len=self.cfg.engine.max_model_len, request_prefix=group_id,
+            version=lambda: self.tracker.version, prompt=record.prompt,
+            prompt_id=record.prompt_id, kwargs={**e.kwargs, **meta})
         st = self.stats
         for r in results:
             st.episodes += 1
@@ -477,7 +474,9 @@ class Producer:
             self.engine, self.tokenizer, self.cfg.data, self.cfg.eval,
             self.cfg.generation.max_tokens, self.cfg.engine.max_model_len, self.eval_records,
             self.rewards, v,
-            lora_request=self.adapters.requests.get(v) if self.adapters is not None else None)
+            lora_request=self.adapters.requests.get(v) if self.adapters is not None else None,
+            episodes=EpisodeRun(self.episode_fn, self.cfg.episode, self.cfg.rewards.on_failure)
+            if self.episode_fn is not None else None)
         log.info("%s: eval v%d: %s", self.producer_id, v,
                  ", ".join(f"{k.removeprefix('eval/')} {x:.3g}" for k, x in stats.items()))
         answer = await self._control(EvalResult(producer_id=self.producer_id,

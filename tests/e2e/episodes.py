@@ -1,6 +1,7 @@
 """Episodes run by tests/e2e/test_episodes.py inside a real producer: two turns around a slow
 tool (so weight swaps land between the turns), and a tool that hangs for some prompts. Each
-episode appends what the engine tagged its turns with to a JSONL log the test reads."""
+episode appends what the engine tagged its turns with to a JSONL log the test reads (and, as it
+starts, its prompt id and index to ``<log>.started``)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,12 @@ async def two_turns(
 ):
     """Turn 1, the tool's answer, turn 2; the first episode of every ``hang_every``-th prompt
     calls a tool that hangs (the run's episode.tool_timeout_s must end it)."""
+    entry = {"prompt_id": meta["prompt_id"], "index": ctx.index}
+    if log:
+        with open(log + ".started", "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
     turns = [await ctx.generate(max_tokens=6)]
     number = int(str(meta["prompt_id"]).rsplit("-", 1)[-1])
-    entry = {"prompt_id": meta["prompt_id"], "index": ctx.index}
     try:
         if hang_every and ctx.index == 0 and number % hang_every == 0:
             await ctx.tool(hanging_tool)

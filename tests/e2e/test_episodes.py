@@ -1,14 +1,22 @@
 """Multi-turn episodes end to end: `pipeline-train` (real launcher, a real vLLM CPU engine on
 the tiny model, async mode) runs two-turn episodes around a slow tool, so the learner's
-snapshots land while episodes are between turns, and a tool that hangs for some prompts."""
+snapshots land while episodes are between turns, and a tool that hangs for some prompts; and a
+learner killed while episodes are in flight is restarted from its checkpoint with every group
+placed (the episodes finish and their groups reach the restored learner whole)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
+import psutil
 import pytest
+from test_faults import ENGINE_START_S, Launcher, _assert_gone, _metrics
 from train_run import pipeline_train, tiny_args
+
+from bench.soak import tally
 
 pytestmark = pytest.mark.slow
 
@@ -18,6 +26,10 @@ EPISODES = Path(__file__).resolve().parent / "episodes.py"
 def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "episodes.jsonl"
     kwargs = json.dumps({"log": str(log), "tool_delay_s": 1.0, "hang_every": 3})
+    heldout = tmp_path / "heldout.jsonl"  # evaluated with episodes too
+    heldout.write_text("".join(
+        json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a), "prompt_id": f"heldout-{a}"})
+        + "\n" for a in (1, 2)))
     pipeline_train(
         *tiny_args(tiny_model, run_dir, group_size=3),
         "--reward", "pipeline.tasks.rewards:length_reward",
@@ -28,11 +40,17 @@ def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, t
         # the prefix cache has something to serve.
         "--engine.extra", '{"block_size": 32}',
         "--tensorboard", "false",
+        "--eval.data", str(heldout), "--eval.every", "3", "--eval.samples_per_prompt", "2",
         tag=run_dir.name,
     )  # fmt: skip
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    evals = [r for r in rows if "eval/version" in r]
+    rows = [r for r in rows if "eval/version" not in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the run went on past the hung tools
+    # Evaluation ran episodes (two turns each, logged by the episode) on versions 0 and 3.
+    assert sorted(int(r["eval/version"]) for r in evals) == [0, 3], evals
+    assert all(r["eval/prompts"] == 2 and r["eval/tokens"] > 0 for r in evals), evals
     last = rows[-1]
     assert last["producer/episodes"] >= 2 * 3 * 4 / 2
     assert last["producer/episode_tool_timeouts"] >= 1  # counted, episode scored 0
@@ -42,6 +60,8 @@ def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, t
     assert 0 < last["producer/prompt_tokens_cached"] < last["producer/prompt_tokens"]
 
     episodes = [json.loads(x) for x in log.read_text().splitlines()]
+    assert {e["prompt_id"] for e in episodes if e["prompt_id"].startswith("heldout-")} == {
+        "heldout-1", "heldout-2"}
     hung = [e for e in episodes if len(e["versions"]) == 1]
     assert hung and all(e["index"] == 0 for e in hung)
     two = [e for e in episodes if len(e["versions"]) == 2]
@@ -54,3 +74,64 @@ def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, t
     # admitted through the barrier's gate, after the swap).
     swapped = [e for e in two if max(e["versions"][1]) > min(e["versions"][0])]
     assert swapped, [e["versions"] for e in two]
+
+
+@pytest.mark.timeout(1800)
+def test_learner_killed_mid_episode_restarts_from_its_checkpoint_nothing_half_counted(
+    tiny_model, tmp_path
+):
+    run_dir, log = tmp_path / "resume", tmp_path / "episodes.jsonl"
+    steps = 8
+    la = Launcher(
+        tiny_model, run_dir, "--num-producers", "1", "--mode", "async", "--max-staleness", "2",
+        "--steps", str(steps), "--train.checkpoint_every", "1", "--max-learner-restarts", "1",
+        "--episode.fn", f"{EPISODES}:two_turns",
+        "--episode.kwargs", json.dumps({"log": str(log), "tool_delay_s": 1.0}),
+        "--episode.max_tokens", "40",
+    )  # fmt: skip
+    started = Path(f"{log}.started")
+
+    def in_flight() -> int:
+        def keys(path: Path) -> set[tuple[str, int]]:
+            if not path.exists():
+                return set()
+            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            return {(r["prompt_id"], r["index"]) for r in rows}
+
+        return len(keys(started) - keys(log))
+
+    try:
+        la.wait_for(
+            lambda: la.steps_done() >= 2 and (run_dir / "checkpoints" / "LATEST").exists()
+            and in_flight() > 0,
+            ENGINE_START_S, "two steps, a checkpoint and episodes in flight",
+        )  # fmt: skip
+        kids = psutil.Process(la.proc.pid).children()
+        producers = {pid for _p, pid, _v in la.connects()}
+        learner = [c for c in kids if c.pid not in producers
+                   and "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(learner) == 1, [(c.pid, c.cmdline()) for c in kids]
+        os.kill(learner[0].pid, signal.SIGKILL)
+        flying = in_flight()
+        code = la.wait(ENGINE_START_S)
+    finally:
+        la.stop()
+    assert code == 0, la.tail()
+    assert flying > 0
+    assert "restarting it from its last checkpoint (1/1)" in la.tail(400)
+
+    rows = _metrics(run_dir)
+    assert {r["step"] for r in rows} == set(range(1, steps + 1))
+    assert rows[-1]["producer/episodes"] >= 2 * 4 * steps / 2
+    # Every group the producer sent (each one whole episodes) was trained, dropped as too
+    # old, or is held: nothing lost or counted twice across the restart.
+    t = tally(run_dir)
+    assert t["lost"] == 0 and t["buffer_invariant_ok"] and t["conservation_ok"], t
+    assert t["duplicates_ignored"] >= 0 and t["trained"] >= 2 * steps, t
+    # The episodes in flight at the kill finished: each started episode that was not hung
+    # ended with its two turns logged.
+    done = {(e["prompt_id"], e["index"]) for e in
+            (json.loads(x) for x in log.read_text().splitlines() if x.strip())}
+    begun = [json.loads(x) for x in started.read_text().splitlines() if x.strip()]
+    assert len(done) >= len(begun) - 4, (len(done), len(begun))  # the last group may be cut
+    _assert_gone(la.descendants)
