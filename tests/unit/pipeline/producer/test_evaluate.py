@@ -92,3 +92,61 @@ def test_eval_result_round_trips_and_refuses_non_finite():
                 stats={"eval/reward_mean": float("nan")},
             )
         )
+
+
+class FakeEngine:
+    """Stands in for vLLM's AsyncLLM in this pure-logic test: every request answers "7"."""
+
+    def __init__(self):
+        self.requests = []
+
+    async def generate(self, prompt, sp, rid, lora_request=None):
+        from types import SimpleNamespace
+
+        self.requests.append((rid, list(prompt["prompt_token_ids"]), sp))
+        out = SimpleNamespace(token_ids=[55], text="7", finish_reason="stop")
+        yield SimpleNamespace(outputs=[out])
+
+
+class CharTokenizer:
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": self.encode(text)}
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_episode_evaluation_runs_each_sample_as_an_episode_fake_engine():
+    import asyncio
+
+    from pipeline.config import EpisodeConfig, RewardSpec
+    from pipeline.producer.episode import load_episode
+    from pipeline.producer.evaluate import EpisodeRun, generate_and_score
+    from pipeline.producer.rewards import RewardSet
+
+    engine = FakeEngine()
+    data = DataConfig(path="arithmetic:4", chat_template="none")
+    ev = EvalConfig(data="arithmetic:4", every=1, samples_per_prompt=3, temperature=0.5)
+    records = eval_records(data, ev)[:2]
+    answers = [r.meta["answer"] for r in records]
+    rewards = RewardSet([RewardSpec(fn="pipeline.tasks.rewards:length_reward")])
+    run = EpisodeRun(load_episode("pipeline.tasks.feedback:GuessEnv"),
+                     EpisodeConfig(max_turns=2, max_tokens=64), "zero")
+    try:
+        out = asyncio.run(generate_and_score(engine, CharTokenizer(), data, ev, 8, 512, records,
+                                             rewards, 3, episodes=run))
+    finally:
+        rewards.close()
+    # GuessEnv: "7" right at once scores 1, else a second turn ("7" again, still wrong) 0.
+    expect = [1.0 if a == "7" else 0.0 for a in answers]
+    assert out["eval/reward_mean"] == pytest.approx(sum(expect) / len(expect))
+    assert out["eval/prompts"] == 2.0 and out["eval/prompts_dropped"] == 0.0
+    turns = sum(1 if a == "7" else 2 for a in answers) * 3
+    assert len(engine.requests) == turns
+    assert all(sp.temperature == 0.5 and sp.n == 1 for _r, _p, sp in engine.requests)
+    assert all(rid.startswith("eval-v3-") for rid, _p, _sp in engine.requests)
