@@ -46,7 +46,7 @@ from typing import Any
 import yaml
 
 from pipeline.config import ConfigError, RunConfig, flatten, load_config, to_dict
-from pipeline.launch.ray_cluster import _FORWARDED, _connect, _import_ray
+from pipeline.launch.ray_cluster import _FORWARDED, _connect, _import_ray, start_private_node
 
 log = logging.getLogger("pipeline")
 
@@ -368,11 +368,16 @@ class ProducerActor(_Role):
         model_path: str,
         index: int,
         keys: dict[str, bytes],
-        learner: dict[str, Any],
+        learner: Any,
         driver_node: str,
         resume: bool,
     ):
+        """``learner``: the learner actor; its endpoints are asked for here (again after a
+        restart of either actor), so producers start while the learner does."""
         super().__init__()
+        import ray
+
+        learner = ray.get(learner.get_endpoints.remote())
         from pipeline.launch.shm import list_segments, reclaim_orphans
 
         self.name = f"producer {index}"
@@ -560,20 +565,27 @@ def run(
             "producer_gpus/learner_gpus: Ray assigns GPUs; use "
             "launch.producer_num_gpus / launch.learner_num_gpus"
         )
-    model_path = prepare(cfg, "all")
-    run_dir = Path(cfg.run_dir).resolve()
-    cfg.run_dir = str(run_dir)
-    if not resume:
-        set_aside_previous_run(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        for stale in (run_dir / "producers").glob("*.wal"):
-            stale.unlink()
-    cfg_dict = to_dict(cfg)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+    # The private Ray node (if any) starts while the config, model and rewards are checked.
+    node = start_private_node(cfg)
+    try:
+        model_path = prepare(cfg, "all")
+        run_dir = Path(cfg.run_dir).resolve()
+        cfg.run_dir = str(run_dir)
+        if not resume:
+            set_aside_previous_run(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            for stale in (run_dir / "producers").glob("*.wal"):
+                stale.unlink()
+        cfg_dict = to_dict(cfg)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+        t0 = time.monotonic()
+        node = _connect(ray, cfg, node)
+    except BaseException:
+        if node is not None:
+            node.stop()
+        raise
     lc = cfg.launch
-    t0 = time.monotonic()
-    node = _connect(ray, cfg)
     pgs: list[Any] = []
     actors: list[Any] = []
     learner = None
@@ -646,17 +658,7 @@ def run(
             .remote(cfg_dict, model_path, keys, resume, driver_node)
         )
         actors.append(learner)
-        ep = ray.get(learner.get_endpoints.remote())
-        log.info(
-            "ray: learner on node %s (%s), actor pid %d, learner pid %d, rollouts at %s, "
-            "snapshots streamed from %s",
-            ep["node_id"][:12],
-            ep["ip"],
-            ep["actor_pid"],
-            ep["pid"],
-            ep["addr"],
-            ep["stream"],
-        )
+        # Producers start beside the learner: each actor asks the learner for its endpoints.
         for i in range(cfg.num_producers):
             producers[i] = (
                 ray.remote(ProducerActor)
@@ -670,9 +672,20 @@ def run(
                         max_producer_restarts,
                     )
                 )
-                .remote(cfg_dict, model_path, i, producer_keys, ep, driver_node, resume)
+                .remote(cfg_dict, model_path, i, producer_keys, learner, driver_node, resume)
             )
             actors.append(producers[i])
+        ep = ray.get(learner.get_endpoints.remote())
+        log.info(
+            "ray: learner on node %s (%s), actor pid %d, learner pid %d, rollouts at %s, "
+            "snapshots streamed from %s",
+            ep["node_id"][:12],
+            ep["ip"],
+            ep["actor_pid"],
+            ep["pid"],
+            ep["addr"],
+            ep["stream"],
+        )
         infos = ray.get([p.info.remote() for p in producers.values()])
         placement = {"learner": ep["node_id"]} | {
             f"producer{i}": info["node_id"] for i, info in zip(producers, infos, strict=True)

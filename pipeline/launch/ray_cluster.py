@@ -44,27 +44,36 @@ def _probe(address: str, timeout_s: float) -> str:
         return f"nothing answers there ({e.strerror or e})"
 
 
-def _connect(ray: Any, cfg: RunConfig) -> Any:
-    """Connect to ``launch.ray_address`` (or start a private node); a cluster that does not
-    answer within ``launch.ray_timeout_s`` is a ConfigError, never a hang."""
+def start_private_node(cfg: RunConfig) -> Any:
+    """With no ``launch.ray_address``: start this run's own Ray node (a ``RayNode``, not yet
+    ready: the caller checks the config meanwhile and ``_connect`` waits for it); else None."""
     from pipeline.launch.ray_node import RayNode
 
     lc = cfg.launch
-    node = None
+    if lc.ray_address:
+        return None
+    need = lc.learner_num_cpus + cfg.num_producers * lc.producer_num_cpus
+    # 127.0.0.2: Ray rewrites 127.0.0.1 to the machine's network address; any other
+    # loopback address stays as given, so a private run's traffic stays on loopback.
+    return RayNode(
+        "127.0.0.2",
+        num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
+        resources={
+            **lc.learner_resources,
+            **{k: v * cfg.num_producers for k, v in lc.producer_resources.items()},
+        },
+        object_store_mb=lc.ray_object_store_mb,
+    )
+
+
+def _connect(ray: Any, cfg: RunConfig, node: Any = None) -> Any:
+    """Connect to ``launch.ray_address``, or to the private node (``node``, started by
+    ``start_private_node`` here when not given); a cluster that does not answer within
+    ``launch.ray_timeout_s`` is a ConfigError, never a hang. Returns the private node."""
+    lc = cfg.launch
     address = lc.ray_address
     if not address:
-        need = lc.learner_num_cpus + cfg.num_producers * lc.producer_num_cpus
-        # 127.0.0.2: Ray rewrites 127.0.0.1 to the machine's network address; any other
-        # loopback address stays as given, so a private run's traffic stays on loopback.
-        node = RayNode(
-            "127.0.0.2",
-            num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
-            resources={
-                **lc.learner_resources,
-                **{k: v * cfg.num_producers for k, v in lc.producer_resources.items()},
-            },
-            object_store_mb=lc.ray_object_store_mb,
-        )
+        node = node if node is not None else start_private_node(cfg)
         try:
             node.wait_ready(max(lc.ray_timeout_s, 120.0))
         except (RuntimeError, TimeoutError):
