@@ -116,62 +116,71 @@ async def generate_and_score(
     version's LoRA adapter under adapter-only sync (``pipeline.producer.adapters``).
     ``episodes``: each sample is an episode of the run's ``episode.fn``, scored as in training
     (a failed one 0, or its prompt dropped under ``on_failure: drop``)."""
+    t0 = time.perf_counter()
+    sample = (
+        _episode_sampler(engine, tokenizer, ev, max_model_len, rewards, version, lora_request,
+                         episodes)
+        if episodes is not None
+        else _sampler(engine, ev, max_tokens, rewards, version, lora_request)
+    )
+
+    async def one(i: int, rec: PromptRecord) -> Scored | str:
+        ids = render_prompt(tokenizer, data, rec.prompt)
+        if len(ids) > data.max_prompt_tokens or len(ids) + 1 >= max_model_len:
+            return "skipped"  # as in training: too long for the engine
+        meta = dict(rec.meta, prompt_id=rec.prompt_id)
+        scored = await sample(f"eval-v{version}-{i}-{time.time_ns()}", rec, ids, meta)
+        return "dropped" if scored is None else scored
+
+    done = await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
+    kept = [d for d in done if not isinstance(d, str)]
+    out = aggregate([d[0] for d in kept], [d[1] for d in kept], ev.samples_per_prompt,
+                    ev.pass_threshold)
+    out.update(
+        {
+            "eval/prompts_dropped": float(done.count("dropped")),
+            "eval/prompts_skipped": float(done.count("skipped")),
+            "eval/tokens": float(sum(d[2] for d in kept)),
+            "eval/seconds": time.perf_counter() - t0,
+        }
+    )
+    return out
+
+
+Scored = tuple[Sequence[float], Sequence[Mapping[str, float]], int]
+"""One held-out prompt's samples: their total rewards, breakdowns, and generated tokens."""
+Sampler = Callable[[str, PromptRecord, list[int], dict[str, Any]], Awaitable[Scored | None]]
+"""(request id, record, prompt token ids, meta) -> the prompt's Scored, None if dropped."""
+
+
+def _sampler(engine: Any, ev: EvalConfig, max_tokens: int, rewards: Any, version: int,
+             lora_request: Any) -> Sampler:
+    """Single-turn: one request for the prompt's ``samples_per_prompt`` completions."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    t0 = time.perf_counter()
     sp = SamplingParams(
         n=ev.samples_per_prompt,
         max_tokens=max_tokens,
         temperature=ev.temperature,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
-    if episodes is not None:
-        return await _evaluate_episodes(engine, tokenizer, data, ev, max_model_len, records,
-                                        rewards, version, lora_request, episodes, t0)
 
-    async def one(i: int, rec: PromptRecord) -> tuple[Any, list[list[int]], list[str]] | None:
-        ids = render_prompt(tokenizer, data, rec.prompt)
-        if len(ids) > data.max_prompt_tokens or len(ids) + 1 >= max_model_len:
-            return None  # as in training: too long for the engine
+    async def sample(rid: str, rec: PromptRecord, ids: list[int], meta: dict[str, Any]
+                     ) -> Scored | None:
         final = None
         prompt = {"prompt_token_ids": ids, "cache_salt": f"v{version}"}
-        async for out in engine.generate(prompt, sp, f"eval-v{version}-{i}-{time.time_ns()}",
-                                         lora_request=lora_request):
+        async for out in engine.generate(prompt, sp, rid, lora_request=lora_request):
             final = out
         outs = final.outputs if final is not None else []
-        return rec, [list(c.token_ids) for c in outs], [c.text for c in outs]
-
-    generated = await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
-    totals, breakdowns, dropped, skipped, tokens = [], [], 0, 0, 0
-    for item in generated:
-        if item is None:
-            skipped += 1
-            continue
-        rec, ids, texts = item
-        tokens += sum(len(x) for x in ids)
-        meta = dict(rec.meta, prompt_id=rec.prompt_id)
-        result = await rewards.score_group(rec.prompt, texts, meta, completion_ids=ids)
+        token_ids = [list(c.token_ids) for c in outs]
+        result = await rewards.score_group(rec.prompt, [c.text for c in outs], meta,
+                                           completion_ids=token_ids)
         if result.dropped:
-            dropped += 1
-            continue
-        totals.append(result.total)
-        breakdowns.append(result.breakdown)
-    return _figures(totals, breakdowns, ev, dropped, skipped, tokens, t0)
+            return None
+        return result.total, result.breakdown, sum(len(x) for x in token_ids)
 
-
-def _figures(totals: list, breakdowns: list, ev: EvalConfig, dropped: int, skipped: int,
-             tokens: int, t0: float) -> dict[str, float]:
-    out = aggregate(totals, breakdowns, ev.samples_per_prompt, ev.pass_threshold)
-    out.update(
-        {
-            "eval/prompts_dropped": float(dropped),
-            "eval/prompts_skipped": float(skipped),
-            "eval/tokens": float(tokens),
-            "eval/seconds": time.perf_counter() - t0,
-        }
-    )
-    return out
+    return sample
 
 
 @dataclass(frozen=True)
@@ -184,20 +193,10 @@ class EpisodeRun:
     on_failure: str
 
 
-async def _evaluate_episodes(
-    engine: Any,
-    tokenizer: Any,
-    data: DataConfig,
-    ev: EvalConfig,
-    max_model_len: int,
-    records: Sequence[PromptRecord],
-    rewards: Any,
-    version: int,
-    lora_request: Any,
-    episodes: EpisodeRun,
-    t0: float,
-) -> dict[str, float]:
-    """``generate_and_score`` with each sample an episode. Turns go to the engine directly (no
+def _episode_sampler(engine: Any, tokenizer: Any, ev: EvalConfig, max_model_len: int,
+                     rewards: Any, version: int, lora_request: Any,
+                     episodes: EpisodeRun) -> Sampler:
+    """Each sample an episode, scored as in training. Turns go to the engine directly (no
     admission gate: no swap starts during an evaluation) at the evaluation's temperature."""
     import numpy as np
     from vllm import SamplingParams
@@ -220,24 +219,18 @@ async def _evaluate_episodes(
                           version_segments=[(0, version)], finish_reason=c.finish_reason or "")
         return comp, c.text
 
-    async def one(i: int, rec: PromptRecord) -> tuple[list, list, int] | str:
-        ids = render_prompt(tokenizer, data, rec.prompt)
-        if len(ids) > data.max_prompt_tokens or len(ids) + 1 >= max_model_len:
-            return "skipped"
-        meta = dict(rec.meta, prompt_id=rec.prompt_id)
+    async def sample(rid: str, rec: PromptRecord, ids: list[int], meta: dict[str, Any]
+                     ) -> Scored | None:
         results = await run_episodes(
             episodes.fn, ev.samples_per_prompt, generate=generate, tokenizer=tokenizer,
             prompt_ids=ids, limits=episode_limits(episodes.cfg), max_model_len=max_model_len,
-            request_prefix=f"eval-v{version}-{i}-{time.time_ns()}", version=lambda: version,
-            prompt=rec.prompt, prompt_id=rec.prompt_id, kwargs={**episodes.cfg.kwargs, **meta})
+            request_prefix=rid, version=lambda: version, prompt=rec.prompt,
+            prompt_id=rec.prompt_id, kwargs={**episodes.cfg.kwargs, **meta})
         if any(r.failure for r in results) and episodes.on_failure == "drop":
-            return "dropped"
+            return None
         scored = await score_episodes(rewards, rec.prompt, results, meta)
         if scored is None:
-            return "dropped"
+            return None
         return scored[0], scored[1], sum(len(r.completion.token_ids) for r in results)
 
-    done = await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
-    kept = [d for d in done if not isinstance(d, str)]
-    return _figures([d[0] for d in kept], [d[1] for d in kept], ev, done.count("dropped"),
-                    done.count("skipped"), sum(d[2] for d in kept), t0)
+    return sample
