@@ -6,9 +6,9 @@ What runs where:
   single-node instance; makes the run's CurveZMQ keys in memory; reserves a placement group for
   the learner (one bundle: all its ranks on one node) and one for the producers (a bundle each,
   ``launch.producer_strategy``, SPREAD by default); then starts the actors and watches them;
-- ``LearnerActor`` binds the learner's sockets on its node's address (ports picked there, found by
-  the driver through the actor, never typed), serves the snapshot files to other nodes
-  (``sync.stream.SnapshotServer``) and runs the learner as its child process;
+- ``LearnerActor`` picks the learner's ports on its node's address (found by the driver through
+  the actor, never typed) and runs the learner as its child process, which binds them and serves
+  its snapshot files to other nodes (``sync.serve_stream``);
 - ``ProducerActor`` k runs producer k as its child process, connected to the learner's address;
   off the learner's node it streams each version into its own node (``sync.stream_from``).
 
@@ -261,7 +261,6 @@ class LearnerActor(_Role):
         super().__init__()
         from buffer.transport import free_tcp_port_pair
         from pipeline.launch.ray_node import free_port
-        from sync.stream import SnapshotServer, StreamKeys
 
         cfg = load_config(overrides=flatten(cfg_dict))
         same = self.node_id == driver_node or cfg.launch.shared_run_dir
@@ -278,34 +277,27 @@ class LearnerActor(_Role):
             ports_file.write_text(json.dumps(ports))
         self.keys_dir = _write_keys({k: keys[k] for k in KEY_FILES})
         self.same = same
+        # The learner serves its own snapshot files to producers on other nodes
+        # (sync.serve_stream), encrypted with the run's keys.
         cfg_dict = dict(
             cfg_dict,
             run_dir=str(self.workdir),
             addr=f"tcp://{ip}:{ports['learner']}",
             curve_keys=str(self.keys_dir),
             insecure=False,
+            sync=dict(cfg_dict["sync"], serve_stream=f"tcp://{ip}:{ports['stream']}"),
         )
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
         # This actor owns what its learner leaves in /dev/shm (pipeline.owner): the child
-        # inherits the tag, so the snapshot dir's name is known here.
-        from pipeline.owner import OWNER_ENV, owned_name, owner_tag
+        # inherits the tag.
+        from pipeline.owner import OWNER_ENV, owner_tag
 
         os.environ[OWNER_ENV] = owner_tag()
-        # Where the learner puts its snapshots (pipeline.learner.loop.snapshot_dir).
-        run_key = hashlib.sha1(str(self.workdir.resolve()).encode()).hexdigest()[:12]
-        roots = (
-            [Path(cfg.sync.snapshot_dir)]
-            if cfg.sync.snapshot_dir
-            else [Path("/dev/shm") / owned_name(run_key), self.workdir / "snapshots"]
-        )
-        self.server = SnapshotServer(
-            f"tcp://{ip}:{ports['stream']}",
-            roots,
-            StreamKeys(
-                keys["server.key_public"], keys["server.key_secret_z85"], keys["client.key_public"]
-            ),
-        )
-        self.endpoints = {"addr": cfg_dict["addr"], "stream": self.server.addr, "ip": ip}
+        self.endpoints = {
+            "addr": cfg_dict["addr"],
+            "stream": cfg_dict["sync"]["serve_stream"],
+            "ip": ip,
+        }
         model_path = _local_model(model_path, cfg)
         from pipeline.learner.checkpoint import latest_checkpoint
 
@@ -333,11 +325,6 @@ class LearnerActor(_Role):
 
     def get_endpoints(self) -> dict[str, Any]:
         return self.info() | self.endpoints | {"same_dir": self.same}
-
-    def _cleanup(self) -> None:
-        super()._cleanup()
-        with contextlib.suppress(Exception):
-            self.server.close()
 
 
 class _PopenProc:
@@ -439,18 +426,13 @@ class ProducerActor(_Role):
 
 
 def make_keys() -> dict[str, bytes]:
-    """The run's CurveZMQ keys, made by the driver: certificate files (for the roles'
-    ``curve_keys`` directory) and the raw Z85 keys (for the snapshot server)."""
+    """The run's CurveZMQ keys, made by the driver: the certificate files of the roles'
+    ``curve_keys`` directories."""
     from buffer.transport import generate_curve_keys
 
     with tempfile.TemporaryDirectory(prefix="pipeline-keys-") as d:  # 0700, removed at once
-        k = generate_curve_keys(d)
-        files = {name: (Path(d) / name).read_bytes() for name in KEY_FILES}
-    return files | {
-        "server.key_public": k.server_public,
-        "server.key_secret_z85": k.server_secret,
-        "client.key_public": k.client_public,
-    }
+        generate_curve_keys(d)
+        return {name: (Path(d) / name).read_bytes() for name in KEY_FILES}
 
 
 def _bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, float]:

@@ -82,11 +82,16 @@ def test_missing_names_the_resource():
     assert "labels" in _missing(ray, {"CPU": 1}, {"zone": "a"})
 
 
-def test_keys_are_certificate_files_and_raw_keys():
+def test_keys_are_certificate_files_of_z85_key_pairs(tmp_path):
+    import zmq.auth
+
     keys = make_keys()
     assert set(KEY_FILES) <= set(keys)
     assert b"secret-key" in keys["server.key_secret"] and b"secret-key" not in keys["server.key"]
-    assert len(keys["server.key_public"]) == 40 and len(keys["client.key_public"]) == 40
+    for name in ("server", "client"):
+        (tmp_path / f"{name}.key_secret").write_bytes(keys[f"{name}.key_secret"])
+        public, secret = zmq.auth.load_certificate(tmp_path / f"{name}.key_secret")
+        assert len(public) == 40 and len(secret) == 40
 
 
 def test_workdir_is_run_dir_on_the_driver_node_else_node_local(tmp_path, monkeypatch):
