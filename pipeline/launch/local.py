@@ -93,15 +93,13 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     # Keys are made here, before any child starts, so a single-host run's producers find them.
     curve = curve_keys(cfg, "learner" if role in ("all", "learner") else "producer")
     if role in ("all", "learner"):  # producers connect; only the learner binds
-        try:  # the learner would refuse it only after the producers' engines had started
-            check_bind_addr(cfg.bind_addr, curve, cfg.insecure)
-        except ValueError as e:
-            raise ConfigError(f"addr: {e}") from None
-        if cfg.sync.serve_stream:
+        # The learner would refuse them only after the producers' engines had started.
+        for option, addr in (("addr", cfg.bind_addr), ("sync.serve_stream", cfg.sync.serve_stream)):
             try:
-                check_bind_addr(cfg.sync.serve_stream, curve, cfg.insecure)
+                if addr:
+                    check_bind_addr(addr, curve, cfg.insecure)
             except ValueError as e:
-                raise ConfigError(f"sync.serve_stream: {e}") from None
+                raise ConfigError(f"{option}: {e}") from None
     return model_path
 
 
