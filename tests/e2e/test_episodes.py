@@ -127,7 +127,7 @@ def test_learner_killed_mid_episode_restarts_from_its_checkpoint_nothing_half_co
     # old, or is held: nothing lost or counted twice across the restart.
     t = tally(run_dir)
     assert t["lost"] == 0 and t["buffer_invariant_ok"] and t["conservation_ok"], t
-    assert t["duplicates_ignored"] >= 0 and t["trained"] >= 2 * steps, t
+    assert t["trained"] >= 2 * steps, t
     # The episodes in flight at the kill finished: each started episode that was not hung
     # ended with its two turns logged.
     done = {(e["prompt_id"], e["index"]) for e in
