@@ -25,3 +25,18 @@ class RecordingEndpoint:
 
 class Cursor:
     cursor = 0
+
+
+class CharTokenizer:
+    """One token per character (ord): enough for episode contexts and prompt rendering."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": self.encode(text)}
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from producer_fakes import CharTokenizer
 
 from buffer.schema import Completion, RolloutGroup, decode, encode, span_error
 from pipeline.learner.trainer import collate, pack_groups
@@ -27,16 +28,6 @@ from pipeline.producer.episode import (
 from pipeline.tasks.calculator import calc
 from pipeline.tasks.calculator import episode as calculator_episode
 from pipeline.tasks.feedback import GuessEnv
-
-
-class CharTokenizer:
-    """One token per character (ord), enough for the context's encode/decode."""
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
 
 
 def fake_generate(script: list[str], version: list[int], calls: list):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from producer_fakes import CharTokenizer
 
 from buffer.protocol import EvalResult, decode, encode
 from pipeline.config import ConfigError, DataConfig, EvalConfig, load_config
@@ -106,19 +107,6 @@ class FakeEngine:
         self.requests.append((rid, list(prompt["prompt_token_ids"]), sp))
         out = SimpleNamespace(token_ids=[55], text="7", finish_reason="stop")
         yield SimpleNamespace(outputs=[out])
-
-
-class CharTokenizer:
-    chat_template = None
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": self.encode(text)}
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
 
 
 def test_episode_evaluation_runs_each_sample_as_an_episode_fake_engine():
