@@ -13,8 +13,13 @@ at EOS (``--max-tokens`` is only a cap), and the report adds each run's time to 
 reward level (see ``reward_threshold``); TRL runs are not offered there.
 
 Layouts: ``split`` = producer on GPU 0, learner on GPU 1; ``split-shared`` = producers on GPUs 0
-and 1, learner on GPU 1; ``split-3x1`` = producers on GPUs 0-2, learner on GPU 3; ``colocated``
-= both on GPU 0 (the engine gets ``--gpu-mem`` of it). Figures are taken over the steady window
+and 1, learner on GPU 1; ``split-3x1`` = producers on GPUs 0-2, learner on GPU 3; ``split-tp2`` =
+one producer with tensor parallelism over GPUs 0 and 1, learner on GPU 2; ``colocated`` = both on
+GPU 0 (the engine gets ``--gpu-mem`` of it). ``--gpus`` says which of the machine's GPUs the
+layout's 0, 1, ... are, so two layouts can run side by side on disjoint GPUs of one machine.
+A run named ``ray-<mode>`` is ``<mode>`` started with ``--launcher ray`` on a private Ray node
+that sees only the layout's GPUs; Ray picks which GPU each actor gets, so its busy columns are
+n/a. Figures are taken over the steady window
 (after ``--warmup-steps``), so engine start and the first batch are not counted:
 - trained samples/s and completion tokens/s, wall time per step;
 - busy fraction of each GPU role (NVML utilization sampled every 0.1 s: the fraction of time a
@@ -59,6 +64,8 @@ LAYOUTS = {  # name -> (producer_gpus, one producer per entry; learner_gpus; GPU
     "split-shared": (["0", "1"], "1", {"generation": [0, 1], "learner": [1]}),
     # 4 GPUs: 3 producer GPUs + 1 learner GPU (scaling of generation).
     "split-3x1": (["0", "1", "2"], "3", {"generation": [0, 1, 2], "learner": [3]}),
+    # 3 GPUs: one producer whose engine is tensor-parallel over GPUs 0 and 1.
+    "split-tp2": (["0,1"], "2", {"generation": [0, 1], "learner": [2]}),
     "cpu": ([], "", {}),
 }
 
@@ -224,9 +231,21 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def physical(args: argparse.Namespace, spec: str) -> str:
+    """A layout's GPU list ("0", "0,1") as the machine's GPU ids (``--gpus``)."""
+    ids = args.gpus.split(",") if args.gpus else None
+    return ",".join(ids[int(g)] if ids else g for g in spec.split(",")) if spec else spec
+
+
+def physical_roles(args: argparse.Namespace, roles: dict) -> dict:
+    return {role: [int(physical(args, str(g))) for g in gpus] for role, gpus in roles.items()}
+
+
 def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunResult:
-    mode, staleness, extra = RUNS[name]
+    on_ray = name.startswith("ray-")
+    mode, staleness, extra = RUNS[name.removeprefix("ray-")]
     producer_gpus, learner_gpus, roles = LAYOUTS[args.layout]
+    tp = len(producer_gpus[0].split(",")) if producer_gpus else 1
     run_dir = out / name
     cmd = [sys.executable, "-m", "pipeline.launch.cli", "--config", str(args.config),
            "--name", f"bench-{name}", "--run_dir", str(run_dir), "--model.path", model,
@@ -236,11 +255,22 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
            "--generation.max_tokens", str(args.max_tokens),
            *(["--generation.ignore_eos"] if args.task == "throughput" else []),
            "--train.lr", _yaml_float(args.lr), "--engine.gpu_memory_utilization", str(args.gpu_mem),
-           "--producer_gpus", json.dumps(producer_gpus), "--learner_gpus", learner_gpus,
-           "--num_producers", str(max(len(producer_gpus), 1)), "--tensorboard", "false"]
+           "--num_producers", str(max(len(producer_gpus), 1)), "--tensorboard", "false",
+           *(["--engine.tensor_parallel_size", str(tp)] if tp > 1 else [])]
+    env = None
+    if on_ray:  # Ray assigns the GPUs: its node sees the layout's, each actor asks for its share
+        gpus = sorted({g for spec in [*producer_gpus, learner_gpus] for g in spec.split(",") if g})
+        env = os.environ | {"CUDA_VISIBLE_DEVICES": physical(args, ",".join(gpus))}
+        cmd += ["--launcher", "ray", "--set", f"launch.learner_num_gpus={1 if gpus else 0}",
+                "--set", f"launch.producer_num_gpus={tp if gpus else 0}"]
+        roles = {}
+    else:
+        cmd += ["--producer_gpus", json.dumps([physical(args, g) for g in producer_gpus]),
+                "--learner_gpus", physical(args, learner_gpus)]
+        roles = physical_roles(args, roles)
     for kv in (*extra, *args.set):
         cmd += ["--set", kv]
-    return _timed(args, name, cmd, run_dir / "metrics.jsonl", roles, out / f"{name}.log")
+    return _timed(args, name, cmd, run_dir / "metrics.jsonl", roles, out / f"{name}.log", env=env)
 
 
 def _yaml_float(x: float) -> str:
@@ -266,19 +296,23 @@ def run_trl(args: argparse.Namespace, name: str, model: str, out: Path) -> RunRe
     if args.layout == "cpu":
         roles = {}
     else:  # a trainer that sees both GPUs gets n_gpu=2, which GRPOTrainer refuses (DataParallel)
-        cmd += ["--trainer-gpus", "0", *(["--server-gpus", "1"] if vllm_mode == "server" else [])]
+        cmd += ["--trainer-gpus", physical(args, "0"),
+                *(["--server-gpus", physical(args, "1")] if vllm_mode == "server" else [])]
+        roles = physical_roles(args, roles)
     return _timed(args, name, cmd, steps_json, roles, out / f"{name}.log", trl=True)
 
 
 def _timed(args: argparse.Namespace, name: str, cmd: list[str], metrics_path: Path,
-           roles: dict, log_path: Path, trl: bool = False) -> RunResult:
+           roles: dict, log_path: Path, trl: bool = False,
+           env: dict[str, str] | None = None) -> RunResult:
     print(f"[bench] {name}: {' '.join(cmd)}", flush=True)
-    busy = wait_gpus_free()
+    mine = {int(g) for g in args.gpus.split(",")} if args.gpus else None
+    busy = wait_gpus_free(only=mine)
     if busy:
         print(f"[bench] {name}: GPU memory still in use before the run: {busy}", flush=True)
     t0 = time.time()
     with GpuSampler() as sampler, open(log_path, "w") as log:
-        code = run_group(cmd, log, args.run_timeout)
+        code = run_group(cmd, log, args.run_timeout, env=env)
     wall = time.time() - t0
     rows = _trl_rows(metrics_path) if trl else _read_jsonl(metrics_path)
     res = summarize(name, rows, wall, args.warmup_steps, args.batch_groups * args.group_size,
@@ -291,16 +325,19 @@ def _timed(args: argparse.Namespace, name: str, cmd: list[str], metrics_path: Pa
     return res
 
 
-def wait_gpus_free(timeout: float = 60.0, max_used_gib: float = 2.0) -> dict[int, float]:
-    """Wait until every GPU holds at most ``max_used_gib`` (the previous run's processes have
-    released theirs); returns {gpu: GiB used} of those still above it (empty: all free, or no
-    NVML). Each run then starts on empty GPUs, as the ones before it did."""
+def wait_gpus_free(timeout: float = 60.0, max_used_gib: float = 2.0,
+                   only: set[int] | None = None) -> dict[int, float]:
+    """Wait until every GPU (of ``only``, when given) holds at most ``max_used_gib`` (the
+    previous run's processes have released theirs); returns {gpu: GiB used} of those still above
+    it (empty: all free, or no NVML). Each run then starts on empty GPUs, as the ones before it
+    did."""
     pynvml, handles = _nvml_handles()
     if not handles:  # no NVIDIA driver: nothing to wait for
         return {}
     deadline = time.monotonic() + timeout
     while True:
-        used = {i: pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 for i, h in enumerate(handles)}
+        used = {i: pynvml.nvmlDeviceGetMemoryInfo(h).used / 2**30 for i, h in enumerate(handles)
+                if only is None or i in only}
         busy = {i: round(u, 1) for i, u in used.items() if u > max_used_gib}
         if not busy or time.monotonic() > deadline:
             return busy
@@ -308,7 +345,7 @@ def wait_gpus_free(timeout: float = 60.0, max_used_gib: float = 2.0) -> dict[int
 
 
 def run_group(cmd: list[str], log: Any, timeout: float, grace: float = 30.0,
-              interrupted_grace: float = 10.0) -> int:
+              interrupted_grace: float = 10.0, env: dict[str, str] | None = None) -> int:
     """Run ``cmd`` in its own process group; past ``timeout``, SIGTERM the group (our launcher
     then stops its learner and engines cleanly), and SIGKILL whatever is left after ``grace``.
     Killing only the top process would leave its engines holding GPU memory for the next run
@@ -316,7 +353,8 @@ def run_group(cmd: list[str], log: Any, timeout: float, grace: float = 30.0,
     If this process is itself stopped (SIGTERM -> SystemExit, see ``main``), the group gets the
     same SIGTERM and ``interrupted_grace`` s: our launcher's engines and TRL's vLLM server sit in
     process groups of their own, which only their parent's clean stop reaches."""
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env=env)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -393,7 +431,8 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
     lines += ["", "Ratios (trained samples/s): " + ", ".join(
         f"{a}/{b} = {ratio(a, b)}" for a, b in
         [("async1", "sync"), ("async2", "sync"), ("async1", "trl-colocate"),
-         ("async1", "trl-server"), ("sync", "trl-colocate"), ("sync-sleep", "sync")]
+         ("async1", "trl-server"), ("sync", "trl-colocate"), ("sync-sleep", "sync"),
+         ("ray-async1", "async1"), ("ray-sync", "sync")]
         if a in by and b in by)]
     shared = _shared_gpu_note(results)
     if shared:
@@ -526,7 +565,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="split")
     p.add_argument("--model", default="0.5b", help="0.5b | 1.5b (random init) | path | tiny")
     p.add_argument("--runs", default="sync,async1,async2",
-                   help=f"comma list of {', '.join(RUNS)}")
+                   help=f"comma list of {', '.join(RUNS)}, each also as ray-<name> (--launcher "
+                        "ray)")
+    p.add_argument("--gpus", default="",
+                   help="the machine's GPU ids that the layout's GPUs 0, 1, ... are, e.g. 2,3 "
+                        "(default: the same ids)")
     p.add_argument("--trl", default="", help="comma list of colocate,server ('' = no TRL runs)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup-steps", type=int, default=2)
@@ -553,7 +596,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models-dir", type=Path, default=Path("/tmp/bench-models"))
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args(argv)
-    bad = [r for r in args.runs.split(",") if r and r not in RUNS]
+    bad = [r for r in args.runs.split(",") if r and r.removeprefix("ray-") not in RUNS]
     if bad:
         p.error(f"--runs: unknown {bad}; choose from {sorted(RUNS)}")
     bad = [r for r in args.trl.split(",") if r and r not in ("colocate", "server")]
@@ -570,8 +613,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--batch-groups {args.batch_groups}: layout {args.layout} has {producers} "
                 f"producers, and each step takes an equal share from each (e.g. "
                 f"{args.batch_groups - args.batch_groups % producers or producers})")
-    if args.layout == "split-3x1" and args.trl:
-        p.error("--trl: TRL's runs here use 2 GPUs; layout split-3x1 has 4 (no like-for-like)")
+    if args.layout in ("split-3x1", "split-tp2") and args.trl:
+        p.error(f"--trl: TRL's runs here use 2 GPUs; layout {args.layout} has more (no "
+                f"like-for-like)")
+    need = 1 + max((int(g) for spec in [*LAYOUTS[args.layout][0], LAYOUTS[args.layout][1]]
+                    for g in spec.split(",") if g), default=-1)
+    ids = args.gpus.split(",") if args.gpus else []
+    if args.gpus and (len(ids) < need or not all(i.isdigit() for i in ids) or
+                      len(set(ids)) != len(ids)):
+        p.error(f"--gpus {args.gpus}: layout {args.layout} needs {need} distinct GPU ids")
     return args
 
 

@@ -15,6 +15,16 @@
 #   split-shared   ours sync vs async1, producers on GPUs 0 and 1, learner on GPU 1 (2 GPUs)
 #   split-3x1      ours sync vs async1, producers on GPUs 0-2, learner on GPU 3 (4 GPUs; 15
 #                  prompts per step, a multiple of 3)
+#   scale          one call, three tables: split-3x1 (sync, async1), split (sync, async1) and
+#                  split-tp2 (async1: one producer, tensor-parallel over GPUs 0-1, learner on
+#                  GPU 2), all 15 prompts per step; left as scale.tgz (4 GPUs)
+#   ray            the split layout through the local launcher and through --launcher ray, in
+#                  one run (RUNS, default async1,ray-async1,sync,ray-sync) (2 GPUs; .gpu-bundle/ray
+#                  from bench/fetch_ray.sh carried, or ray already unpacked on this machine)
+#   prep           only the per-machine set-up the parts share (wheels, ray, the MODEL), so that
+#                  parts can then run side by side on disjoint GPUs (GPUS) without racing on it
+#   tp-test        the tensor-parallel GPU test: TP=2 engine on GPUs 0-1 takes each version by
+#                  NCCL from a learner on GPU 2, checked by its logprobs (3 GPUs)
 #   gpu-tests      gpu-marked tests: the split layout's NCCL route in pipeline-train, and
 #                  pipeline-train with ZeRO-3 and DDP learners (2 GPUs)
 #   gpu-tests-zero the ZeRO-2/3 trainer checks (2 GPUs; a call of their own, since together with
@@ -23,6 +33,9 @@
 #
 # Environment:
 #   MODEL=0.5b|1.5b   random-init model of colocated/split (default 0.5b; bench/gpu_model.py)
+#   GPUS              the machine's GPU ids the part's GPUs 0, 1, ... are (gpu_bench --gpus), e.g.
+#                     GPUS=0,1 bash bench/run_gpu.sh split & GPUS=2,3 bash bench/run_gpu.sh ray &
+#                     wait  (run `prep` first; two parts side by side leave at most 8 files)
 #   STEPS             learner steps per run (default 8; 60 for reward)
 #   RUNS              our runs of colocated (default sync,async1; sync-sleep adds sync with
 #                     engine.sleep_when_idle)
@@ -65,11 +78,21 @@ if compgen -G ".whl/*.whl" >/dev/null; then  # once per machine and per set of w
   [ -f "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
     --target /tmp/site .whl/*.whl && touch "$stamp"; }
 fi
+if [ -f .gpu-bundle/ray/ray.tar.xz ] && [ ! -f /tmp/site-ray/.ok ]; then  # once per machine
+  mkdir -p /tmp/site-ray/bin && xz -dc .gpu-bundle/ray/ray.tar.xz | tar xf - -C /tmp/site-ray
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-ray \
+    .gpu-bundle/ray/deps/*.whl
+  printf '#!/usr/bin/env python3\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n' \
+    >/tmp/site-ray/bin/ray && chmod +x /tmp/site-ray/bin/ray && touch /tmp/site-ray/.ok
+fi
+if [ -f /tmp/site-ray/.ok ]; then  # last on the path: the machine's own packages win
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site-ray PATH=/tmp/site-ray/bin:$PATH
+fi
 q05() { [ -f /tmp/q05/config.json ] || python3 -m bench.gpu_model /tmp/q05; }
 quiet() { grep -v -E "^(INFO|DEBUG)|it/s\]|Loading safetensors|EngineCore" ; }
 steps=${STEPS:-8}
 common=(--model "${MODEL:-0.5b}" --steps "$steps" --set engine.enforce_eager=false
-        --set "sync.transport=${TRANSPORT:-auto}")
+        --set "sync.transport=${TRANSPORT:-auto}" ${GPUS:+--gpus "$GPUS"})
 call_t0=${CALL_T0:-$(date +%s)}  # no guess from the parent process: it may be a long-lived runner
 # Seconds left of CALL_BUDGET since the call began.
 left() { echo $(( ${CALL_BUDGET:-570} - $(date +%s) + call_t0 )); }
@@ -137,6 +160,28 @@ case "${1:?part}" in
     groups=$([ "$1" = split-3x1 ] && echo 15 || echo 16)
     run_bench "$1" --layout "$1" "${common[@]}" --runs sync,async1 --batch-groups "$groups" \
       --gpu-mem 0.4 --run-timeout "${RUN_TIMEOUT:-240}"
+    ;;
+  scale)  # the three layouts back to back; their folders leave as one file
+    for layout in split-3x1 split split-tp2; do
+      runs=$([ "$layout" = split-tp2 ] && echo async1 || echo sync,async1)
+      run_bench "scale-$layout" --layout "$layout" "${common[@]}" --runs "$runs" \
+        --batch-groups 15 --gpu-mem 0.4 --run-timeout "${RUN_TIMEOUT:-240}" || break
+    done
+    (cd "$out" && tar czf scale.tgz scale-split-3x1 scale-split scale-split-tp2 2>/dev/null
+     rm -rf scale-split-3x1 scale-split scale-split-tp2)
+    ;;
+  ray)
+    python3 -c "import ray; print('ray', ray.__version__)" || exit 1
+    run_bench ray --layout split "${common[@]}" --runs "${RUNS:-async1,ray-async1,sync,ray-sync}" \
+      --gpu-mem 0.6 --run-timeout "${RUN_TIMEOUT:-190}"
+    ;;
+  prep)
+    python3 -c "from pathlib import Path; from bench.gpu_bench import prepare_model as p
+for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
+    python3 -c "import ray; print('ray', ray.__version__)" 2>/dev/null || echo "no ray here"
+    ;;
+  tp-test)
+    t=$(budget 300) && gpu_tests "$t" tp tests/e2e/test_gpu_tp.py
     ;;
   gpu-tests)  # the two together fit in one call after a first unpack; each cut at what is left
     t=$(budget 120) && gpu_tests "$t" split tests/e2e/test_gpu_transports.py -k pipeline_train

@@ -34,21 +34,21 @@ PROBE = [ord(c) for c in "The quick brown fox jumps over the lazy dog. Once upon
 class EngineLoop:
     """An AsyncLLM bound to an event loop running in a thread (pytest-asyncio is not used)."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, tensor_parallel_size: int = 1):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.engine = self.run(self._build(model_dir), timeout=600)
+        self.engine = self.run(self._build(model_dir, tensor_parallel_size), timeout=600)
         self._version = 0
 
     @staticmethod
-    async def _build(model_dir: Path):
+    async def _build(model_dir: Path, tensor_parallel_size: int = 1):
         from pipeline.config import EngineConfig, ModelConfig
         from pipeline.producer.engine import build_engine
 
         eng = EngineConfig(max_model_len=2048, enable_chunked_prefill=True,
                            max_num_batched_tokens=256, max_num_seqs=128,
-                           enable_prefix_caching=True)
+                           enable_prefix_caching=True, tensor_parallel_size=tensor_parallel_size)
         return build_engine(ModelConfig(dtype="bfloat16"), eng, str(model_dir), seed=0)
 
     def run(self, coro, timeout: float = 300):

@@ -46,7 +46,12 @@ def test_report_prints_ratios_and_marks_failures(tmp_path):
                                   ["--steps", "3", "--warmup-steps", "2"],
                                   ["--layout", "split-3x1"],  # 16 groups over 3 producers
                                   ["--layout", "split-3x1", "--batch-groups", "15",
-                                   "--trl", "server"]])
+                                   "--trl", "server"],
+                                  ["--layout", "split-tp2", "--trl", "server"],
+                                  ["--layout", "split", "--gpus", "2"],  # needs two ids
+                                  ["--layout", "split", "--gpus", "2,2"],
+                                  ["--layout", "split", "--gpus", "2,x"],
+                                  ["--runs", "ray-turbo"]])
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
@@ -176,20 +181,72 @@ def test_multi_producer_layouts_start_one_producer_per_gpu_entry(tmp_path, monke
     assert cmd[cmd.index("--learner_gpus") + 1] == "3"
 
 
+def _ours_cmd(monkeypatch, tmp_path, argv: list[str], name: str) -> tuple[list[str], dict]:
+    """run_ours's command, env and GPU roles (the subprocess is replaced: pure argument logic)."""
+    import bench.gpu_bench as gb
+
+    seen: dict = {}
+
+    def fake_timed(args, name, cmd, metrics, roles, log, trl=False, env=None):
+        seen.update(cmd=cmd, env=env, roles=roles)
+
+    monkeypatch.setattr(gb, "_timed", fake_timed)
+    gb.run_ours(parse_args([*argv, "--out", str(tmp_path)]), name, "/m", tmp_path)
+    return seen["cmd"], seen
+
+
+def test_gpus_maps_the_layout_onto_other_gpus_of_the_machine(tmp_path, monkeypatch):
+    import json
+
+    cmd, seen = _ours_cmd(monkeypatch, tmp_path, ["--layout", "split", "--gpus", "2,3"], "sync")
+    assert json.loads(cmd[cmd.index("--producer_gpus") + 1]) == ["2"]
+    assert cmd[cmd.index("--learner_gpus") + 1] == "3"
+    assert seen["roles"] == {"generation": [2], "learner": [3]} and seen["env"] is None
+
+
+def test_tensor_parallel_layout_gives_one_producer_both_gpus(tmp_path, monkeypatch):
+    import json
+
+    cmd, _ = _ours_cmd(monkeypatch, tmp_path, ["--layout", "split-tp2"], "async1")
+    assert json.loads(cmd[cmd.index("--producer_gpus") + 1]) == ["0,1"]
+    assert cmd[cmd.index("--engine.tensor_parallel_size") + 1] == "2"
+    assert cmd[cmd.index("--num_producers") + 1] == "1"
+    assert cmd[cmd.index("--learner_gpus") + 1] == "2"
+
+
+def test_a_ray_run_lets_ray_place_the_gpus_the_layout_names(tmp_path, monkeypatch):
+    cmd, seen = _ours_cmd(monkeypatch, tmp_path, ["--layout", "split", "--gpus", "2,3"],
+                          "ray-async1")
+    assert cmd[cmd.index("--launcher") + 1] == "ray"
+    assert "--producer_gpus" not in cmd and "--learner_gpus" not in cmd
+    assert "launch.learner_num_gpus=1" in cmd and "launch.producer_num_gpus=1" in cmd
+    assert cmd[cmd.index("--train.mode") + 1] == "async"
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "2,3" and seen["roles"] == {}
+
+
+def test_the_report_gives_ray_over_local_ratios(tmp_path):
+    args = parse_args(["--runs", "async1,ray-async1", "--out", str(tmp_path)])
+    results = [RunResult("async1", True, 10.0, samples_per_s=40.0),
+               RunResult("ray-async1", True, 10.0, samples_per_s=38.0)]
+    text = write_report(tmp_path, results, args, "test")
+    assert "ray-async1/async1 = 0.95x" in text
+
+
 # ------------------------------------------------------------------ TRL's GPUs, SIGTERM, reports
 
 
 @pytest.mark.parametrize("layout,trl,expect", [
     ("split", "server", {"--trainer-gpus": "0", "--server-gpus": "1"}),
     ("colocated", "colocate", {"--trainer-gpus": "0", "--server-gpus": None}),
-    ("cpu", "colocate", {"--trainer-gpus": None, "--server-gpus": None})])
+    ("cpu", "colocate", {"--trainer-gpus": None, "--server-gpus": None}),
+    ("split --gpus 2,3", "server", {"--trainer-gpus": "2", "--server-gpus": "3"})])
 def test_the_trl_trainer_sees_only_its_own_gpu(tmp_path, monkeypatch, layout, trl, expect):
     """Seeing both GPUs, transformers sets n_gpu=2 and GRPOTrainer refuses DataParallel."""
     import bench.gpu_bench as gb
 
     seen = {}
     monkeypatch.setattr(gb, "_timed", lambda args, name, cmd, *a, **k: seen.setdefault("cmd", cmd))
-    args = parse_args(["--layout", layout, "--trl", trl, "--out", str(tmp_path)])
+    args = parse_args(["--layout", *layout.split(), "--trl", trl, "--out", str(tmp_path)])
     gb.run_trl(args, f"trl-{trl}", "/m", tmp_path)
     cmd = seen["cmd"]
     for flag, value in expect.items():
