@@ -290,8 +290,10 @@ class LearnerActor(_Role):
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
         # This actor owns what its learner leaves in /dev/shm (pipeline.owner): the child
         # inherits the tag.
+        from pipeline.launch.shm import reclaim_dead_owners
         from pipeline.owner import OWNER_ENV, owner_tag
 
+        reclaim_dead_owners()  # what a killed run left in this node's /dev/shm
         os.environ[OWNER_ENV] = owner_tag()
         self.endpoints = {
             "addr": cfg_dict["addr"],
@@ -365,7 +367,7 @@ class ProducerActor(_Role):
         import ray
 
         learner = ray.get(learner.get_endpoints.remote())
-        from pipeline.launch.shm import list_segments, reclaim_orphans
+        from pipeline.launch.shm import list_segments, reclaim_dead_owners, reclaim_orphans
 
         self.name = f"producer {index}"
         from pipeline.owner import OWNER_ENV, owner_tag
@@ -383,6 +385,7 @@ class ProducerActor(_Role):
         # existed before the first incarnation started (recorded on this node).
         shm_file = out / f".shm-before-p{index}.json"
         self._wait_previous(f"p{index}")
+        reclaim_dead_owners()  # what a killed run (or driver) left in this node's /dev/shm
         if self.restarted and shm_file.is_file():
             reclaim_orphans(set(json.loads(shm_file.read_text())))
             log.warning("producer %d actor restarted by Ray", index)
@@ -413,13 +416,27 @@ class ProducerActor(_Role):
                 args=(os.getpid(), cfg_dict, model_path, index),
             )
         )
+        threading.Thread(target=self._record_segments, name="shm-record", daemon=True).start()
+
+    def _record_segments(self) -> None:
+        """Keep a record of the segments its engine made, under this actor's owner tag: if the
+        actor is killed with its engine (kill -9, the driver gone), the next run on this node,
+        or the private node's guard, reclaims them (pipeline.launch.shm.reclaim_dead_owners)."""
+        from pipeline.launch.shm import record_segments
+
+        known: set[str] | None = None
+        while not self.stopping:
+            with contextlib.suppress(OSError):
+                known = record_segments(self.shm_before, known=known)
+            time.sleep(2.0)
 
     def _cleanup(self) -> None:
         super()._cleanup()
-        from pipeline.launch.shm import reclaim_orphans
+        from pipeline.launch.shm import forget_record, reclaim_orphans
 
         with contextlib.suppress(Exception):
             reclaim_orphans(self.shm_before)
+            forget_record()
 
 
 # ---------------------------------------------------------------- driver

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from pipeline.config import ConfigError, RunConfig
+from pipeline.owner import owner_tag
 
 MIN_RAY = (2, 49)  # label selectors on placement-group bundles
 _FORWARDED = ("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_")  # environment the actors get
@@ -63,6 +64,7 @@ def start_private_node(cfg: RunConfig) -> Any:
             **{k: v * cfg.num_producers for k, v in lc.producer_resources.items()},
         },
         object_store_mb=lc.ray_object_store_mb,
+        owner=owner_tag(),  # a guard stops the node if this driver dies without stopping it
     )
 
 

@@ -5,6 +5,11 @@ Used for the Ray launcher's private instance (no ``--ray-address``) and by the t
 clusters. ``ray stop`` would stop every Ray process of the machine (other users' clusters too);
 ``RayNode.stop`` stops only this node: SIGTERM to its ``ray start`` (which drains and stops the
 node's processes), then SIGKILL to whatever is left of its session.
+
+The node lives in a session of its own, so nothing stops it when its owner dies without calling
+``stop`` (kill -9 of the driver, OOM): given ``owner``, a small guard process (``python -m
+pipeline.launch.ray_node guard``, in a session of its own too) does that stop once the owner is
+gone, removes the node's temp dir and reclaims what the node's actors left in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from pipeline.owner import owner_alive
 
 PORT_OPTIONS = (
     "--dashboard-agent-listen-port",
@@ -83,6 +90,7 @@ class RayNode:
         object_store_mb: int = 256,
         temp_dir: str | Path | None = None,
         env: dict[str, str] | None = None,
+        owner: str | None = None,
     ):
         self.ip = ip
         self.own_temp = temp_dir is None
@@ -132,6 +140,14 @@ class RayNode:
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=node_env, start_new_session=True
             )
         self.session = self.proc.pid  # start_new_session: the session id is its pid
+        self.guard: subprocess.Popen | None = None
+        if owner is not None:
+            self.guard = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.launch.ray_node", "guard", owner,
+                 str(self.session), str(self.temp_dir) if self.own_temp else ""],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True,
+            )
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until the node runs its raylet (the log says the node started)."""
@@ -165,24 +181,71 @@ class RayNode:
 
     def processes(self) -> list[psutil.Process]:
         """Every live process of this node (its session: gcs, raylet, agents, workers)."""
-        out = []
-        for p in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                if os.getsid(p.pid) == self.session:
-                    out.append(p)
-        return out
+        return session_processes(self.session)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(grace_s)
-        left = self.processes()
-        for p in left:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(left, timeout=10)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
+        stop_session(self.proc.pid, self.session, grace_s, self.proc)
         if self.own_temp:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+        if self.guard is not None:  # it sees the session gone and exits
+            try:
+                self.guard.wait(5)
+            except subprocess.TimeoutExpired:
+                self.guard.kill()
+                self.guard.wait()
+
+
+def session_processes(session: int) -> list[psutil.Process]:
+    """The live processes of ``session`` (zombies are dead, only not yet reaped)."""
+    out = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(p.pid) == session and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+    return out
+
+
+def stop_session(leader: int, session: int, grace_s: float,
+                 proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM to ``ray start`` (``leader``), up to ``grace_s`` for it to stop its node, then
+    SIGKILL to whatever is left of its session."""
+    with contextlib.suppress(psutil.Error):
+        psutil.Process(leader).send_signal(signal.SIGTERM)
+    if proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+    else:  # not our child: poll (a zombie counts as gone)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(
+            p.pid == leader for p in session_processes(session)
+        ):
+            time.sleep(0.2)
+    left = session_processes(session)
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(left, timeout=10)
+    if proc is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+
+
+def guard(owner: str, session: int, temp_dir: str, period_s: float = 0.5) -> None:
+    """Until the node's session is gone (a normal stop), or its owner is (then stop it)."""
+    while session_processes(session):
+        if not owner_alive(owner):
+            stop_session(session, session, grace_s=20.0)
+            if temp_dir:
+                shutil.rmtree(temp_dir, ignore_errors=True)
+            from pipeline.launch.shm import reclaim_dead_owners
+
+            reclaim_dead_owners()  # what the node's actors recorded in /dev/shm
+            return
+        time.sleep(period_s)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "guard":
+        guard(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    else:
+        sys.exit("usage: python -m pipeline.launch.ray_node guard OWNER SESSION TEMP_DIR")

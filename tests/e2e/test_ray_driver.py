@@ -1,0 +1,90 @@
+"""The driver of `pipeline-train --launcher ray` killed with SIGKILL mid-run, on its private Ray
+node: nothing may outlive it, and `--resume` must finish the run with nothing lost.
+
+Ray stops the actors a dead driver owns; the actors' children (learner, producers, vLLM engine
+cores) kill their groups once their actor is gone; the private node itself (a `ray start` in a
+session of its own) is stopped by its guard (pipeline.launch.ray_node.guard), which also removes
+the node's temp dir. The resumed run starts a new private node, the learner resumes from its last
+checkpoint and the producers resend what their outboxes hold, so every step is trained and
+conservation is exact across both drivers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+
+import psutil
+import pytest
+from conftest import assert_no_process_left
+from test_faults import Launcher, _metrics
+
+from bench.soak import tally
+from pipeline.launch.shm import list_segments, segments_in_use
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+
+def _node_temp_dirs(pids: set[int]) -> set[str]:
+    """The private node's temp dir, from its `ray start --temp-dir DIR` command line."""
+    dirs = set()
+    for pid in pids:
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        if "start" in cmd and "--temp-dir" in cmd:
+            dirs.add(cmd[cmd.index("--temp-dir") + 1])
+    return dirs
+
+
+def test_driver_killed_leaves_nothing_running_and_resume_finishes_the_run(
+    tiny_model, tmp_path, monkeypatch
+):
+    tag = f"raydrv{time.time_ns()}"
+    monkeypatch.setenv("PIPELINE_TEST_RUN", tag)
+    shm_before = list_segments()
+    run_dir = tmp_path / "run"
+    steps = 40  # a tiny-model step takes ~0.25 s: enough left to kill mid-run
+    args = ("--launcher", "ray", "--mode", "async", "--steps", str(steps),
+            "--train.checkpoint_every", "1")
+    first = Launcher(tiny_model, run_dir, *args)
+    try:
+        first.wait_for(lambda: first.steps_done() >= 2, 400, "two trained steps")
+        victims = set(first.descendants)
+        temp_dirs = _node_temp_dirs(victims)
+        assert temp_dirs, "no `ray start --temp-dir` among the driver's processes"
+        assert first.steps_done() < steps, "run finished before the kill"
+        os.kill(first.proc.pid, signal.SIGKILL)
+        first.proc.wait()
+        procs = []
+        for pid in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs.append(psutil.Process(pid))
+        _gone, alive = psutil.wait_procs(procs, timeout=60)
+        assert not alive, f"left behind by the killed driver: {[p.pid for p in alive]}"
+        assert_no_process_left(tag)
+        assert not any(os.path.exists(d) for d in temp_dirs), temp_dirs
+    finally:
+        first.stop()
+        (tmp_path / "first.log").write_text("\n".join(first.lines))
+    killed_at = len(_metrics(run_dir))
+
+    second = Launcher(tiny_model, run_dir, *args, "--resume")
+    try:
+        code = second.wait(600)
+    finally:
+        second.stop()
+        (tmp_path / "second.log").write_text("\n".join(second.lines))
+    assert code == 0, second.tail(60)
+    rows = _metrics(run_dir)
+    assert len(rows) > killed_at
+    assert {r["step"] for r in rows} == set(range(1, steps + 1)), [r["step"] for r in rows]
+    t = tally(run_dir)
+    assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
+    assert t["steps"] == steps, t
+    assert_no_process_left(tag)
+    assert (list_segments() - shm_before) - segments_in_use() == set()
