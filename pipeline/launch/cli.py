@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_ray(cfg, resume=args.resume,
                            max_producer_restarts=args.max_producer_restarts,
-                           max_learner_restarts=args.max_learner_restarts)
+                           max_learner_restarts=args.max_learner_restarts, verbose=args.verbose)
         return run(cfg, role=args.role, resume=args.resume, producer_index=args.producer_index,
                    max_producer_restarts=args.max_producer_restarts,
                    max_learner_restarts=args.max_learner_restarts, verbose=args.verbose)

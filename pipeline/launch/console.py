@@ -91,9 +91,10 @@ class LineFilter:
 
 
 class LogFollower:
-    """Follows every ``*.log`` file under ``logs_dir`` but the launcher's own and copies to
-    the console what ``LineFilter`` lets through. Files that exist when it starts are followed
-    from their end (a resumed run does not replay its earlier logs); new ones from the start."""
+    """Follows every ``*.log`` file under ``logs_dir`` but the launcher's own (or those named
+    in ``only``) and copies to the console what ``LineFilter`` lets through. Files that exist
+    when it starts are followed from their end (a resumed run does not replay its earlier
+    logs); new ones from the start."""
 
     def __init__(
         self,
@@ -102,15 +103,17 @@ class LogFollower:
         out: TextIO | None = None,
         err: TextIO | None = None,
         skip: tuple[str, ...] = ("launcher.log",),
+        only: tuple[str, ...] | None = None,
     ) -> None:
-        self.dir, self.verbose, self.skip = Path(logs_dir), verbose, skip
+        self.dir, self.verbose, self.skip, self.only = Path(logs_dir), verbose, skip, only
         self._out, self._err = out, err
         self._offsets = {p.name: p.stat().st_size for p in self._files()}
         self._partial: dict[str, bytes] = {}
         self._filters: dict[str, LineFilter] = {}
 
     def _files(self) -> list[Path]:
-        return sorted(p for p in self.dir.glob("*.log") if p.name not in self.skip)
+        return sorted(p for p in self.dir.glob("*.log") if p.name not in self.skip
+                      and (self.only is None or p.name in self.only))
 
     def pump(self, final: bool = False) -> None:
         """Copy what the files gained since the last call; ``final``: also a last line that

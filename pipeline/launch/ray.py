@@ -23,7 +23,9 @@ same ports, so producers reconnect by themselves.
 Files: actors on the driver's node (or with ``launch.shared_run_dir``) write into ``run_dir``;
 others into a directory of their node, and the driver mirrors the learner's metrics into
 ``run_dir`` as they are written and the small files (summary plot, checkpoint state, producers'
-sent logs) at the end. Consoles: the actors' output reaches the driver's console through Ray.
+sent logs, every role's ``logs/<process>.log``) at the end. Consoles: each role writes everything
+to its log file, as under the local launcher; its actor shows on the driver's console (through
+Ray) what the local launcher's console would show of it (every line with ``--verbose``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ MIRROR_MAX_BYTES = 64 << 20  # files the driver copies back at the end (checkpoi
 KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
 OLD_CHILD_WAIT_S = 30.0  # a dead actor's child kills its group 5 s after noticing
 PRODUCER_KEY_FILES = ("server.key", "client.key", "client.key_secret")
+VERBOSE_ENV = "PIPELINE_GRPO_VERBOSE"  # the driver's --verbose, for the actors' consoles
 
 
 # ---------------------------------------------------------------- shared by both actors
@@ -97,14 +100,14 @@ def _learner_child(parent: int, cfg_dict: dict, model_path: str, resume: bool) -
     from pipeline.launch.local import learner_entry
 
     _watch_parent(parent, cfg_dict["curve_keys"])
-    learner_entry(cfg_dict, model_path, resume)
+    learner_entry(cfg_dict, model_path, resume, log_to_file=True)
 
 
 def _producer_child(parent: int, cfg_dict: dict, model_path: str, index: int) -> None:
     from pipeline.launch.local import producer_entry
 
     _watch_parent(parent, cfg_dict["curve_keys"])
-    producer_entry(cfg_dict, model_path, index)
+    producer_entry(cfg_dict, model_path, index, log_to_file=True)
 
 
 def _local_model(model_path: str, cfg: RunConfig) -> str:
@@ -140,6 +143,7 @@ class _Role:
         self.keys_dir: Path | None = None
         self.workdir = Path(".")
         self.tag = "role"
+        self.log_name = "role.log"  # the child's file under workdir/logs (pipeline.procs)
 
     def _wait_previous(self, tag: str) -> None:
         """On a restart: wait until the child of the actor's previous incarnation is gone. It may
@@ -166,13 +170,29 @@ class _Role:
     def _start(self, proc: Any) -> None:
         import psutil
 
+        from pipeline.launch.console import LogFollower
+
         self.proc = proc
+        # The child writes everything to its log file; this actor's console (which Ray brings to
+        # the driver's) gets what the local launcher's console would show of it.
+        follower = LogFollower(self.workdir / "logs", verbose=os.environ.get(VERBOSE_ENV) == "1",
+                               only=(self.log_name,))
         proc.start()
+        threading.Thread(target=self._follow, args=(follower,), name="log-follow",
+                         daemon=True).start()
         with contextlib.suppress(psutil.Error):
             created = psutil.Process(proc.pid).create_time()
             record = self.workdir / f".ray-child-{self.tag}.json"
             record.write_text(json.dumps({"pid": proc.pid, "created": created}))
         threading.Thread(target=self._monitor, name="child-monitor", daemon=True).start()
+
+    def _follow(self, follower: Any) -> None:
+        while self.proc.exitcode is None:
+            with contextlib.suppress(OSError):
+                follower.pump()
+            time.sleep(0.5)
+        with contextlib.suppress(OSError):
+            follower.pump(final=True)
 
     def _monitor(self) -> None:
         proc = self.proc
@@ -187,11 +207,16 @@ class _Role:
         os._exit(1)
 
     def _kill(self, sig: int) -> None:
+        """``sig`` once to the child's group (the child and its engines), or to the child alone
+        before it has made its group. Once: a second SIGINT would interrupt the learner's final
+        checkpoint (the first cancels its main task, the next raises KeyboardInterrupt)."""
         if self.proc is None or self.proc.pid is None:
             return
-        for kill in (os.killpg, os.kill):
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                kill(self.proc.pid, sig)
+                os.kill(self.proc.pid, sig)
 
     def _cleanup(self) -> None:
         if self.keys_dir is not None:
@@ -288,6 +313,7 @@ class LearnerActor(_Role):
             sync=dict(cfg_dict["sync"], serve_stream=f"tcp://{ip}:{ports['stream']}"),
         )
         (self.workdir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
+        self.log_name = "learner.log"
         # This actor owns what its learner leaves in /dev/shm (pipeline.owner): the child
         # inherits the tag.
         from pipeline.launch.shm import reclaim_dead_owners
@@ -370,6 +396,7 @@ class ProducerActor(_Role):
         from pipeline.launch.shm import list_segments, reclaim_dead_owners, reclaim_orphans
 
         self.name = f"producer {index}"
+        self.log_name = f"producer-{index}.log"
         from pipeline.owner import OWNER_ENV, owner_tag
 
         os.environ[OWNER_ENV] = owner_tag()  # owns its engines' shared memory (pipeline.owner)
@@ -546,8 +573,11 @@ def run(
     resume: bool = False,
     max_producer_restarts: int = 0,
     max_learner_restarts: int = 0,
+    verbose: bool = False,
 ) -> int:
-    """Run the whole job on Ray; returns an exit code (like ``pipeline.launch.local.run``)."""
+    """Run the whole job on Ray; returns an exit code (like ``pipeline.launch.local.run``).
+    ``verbose``: the actors' consoles show every line of their roles' logs, not only what the
+    local launcher's console shows."""
     from pipeline.launch.local import prepare, set_aside_previous_run
 
     # Every actor's lines on the console, as with the local launcher (Ray folds similar lines
@@ -619,7 +649,8 @@ def run(
         )
         keys = make_keys()
         producer_keys = {k: keys[k] for k in PRODUCER_KEY_FILES}
-        env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}}
+        env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}
+               | {VERBOSE_ENV: "1" if verbose else "0"}}
         from pipeline.producer.ray_rewards import HANDLE_ENV, ray_specs, start_replicas
 
         if ray_specs(cfg.rewards.specs):  # executor: ray, shared by every producer
@@ -909,13 +940,15 @@ def _teardown(
 
 
 def _copy_sent_logs(ray: Any, actor: Any, run_dir: Path) -> None:
-    """A producer's records of what it sent (and its outbox) into run_dir/producers: the
-    conservation check's producer side (bench/soak.py tally)."""
+    """A producer's records of what it sent (and its outbox) into run_dir/producers, the
+    conservation check's producer side (bench/soak.py tally), and its log into run_dir/logs."""
     info = ray.get(actor.info.remote(), timeout=10)
     if Path(info["workdir"]) == run_dir:
         return
-    for rel, size in ray.get(actor.files.remote("producers"), timeout=10):
-        if rel.endswith((".jsonl", ".wal")) and size <= MIRROR_MAX_BYTES:
+    files = [*ray.get(actor.files.remote("producers"), timeout=10),
+             *ray.get(actor.files.remote("logs"), timeout=10)]
+    for rel, size in files:
+        if rel.endswith((".jsonl", ".wal", ".log")) and size <= MIRROR_MAX_BYTES:
             dest = run_dir / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(ray.get(actor.read.remote(rel), timeout=30))

@@ -153,6 +153,10 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(
     learner_dir = next((cluster["127.0.0.3"].temp_dir / "tmp" / "pipeline-grpo-ray").iterdir())
     assert (learner_dir / "checkpoints").is_dir()  # checkpoints stay on the learner's node
     assert (run_dir / "checkpoints" / f"step_{steps}" / "state.json").is_file()  # mirrored
+    # Every role's log file is in run_dir/logs, copied back from the other nodes.
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    assert {"learner.log", "producer-0.log", "producer-1.log"} <= set(logs), sorted(logs)
+    assert "producer 1 stopped" in logs["producer-1.log"]
 
     # Conservation, exact: what the producers (the killed one too) sent = trained + dropped +
     # held, nothing lost.

@@ -125,6 +125,19 @@ def test_follower_copies_new_lines_of_every_process_and_skips_the_launchers_own(
     assert "from before" not in err.getvalue() and "shown already" not in err.getvalue()
 
 
+def test_a_follower_limited_to_one_file_shows_only_that_process(tmp_path):
+    """A Ray actor follows only its own role's file in a log directory other roles share."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    out, err = io.StringIO(), io.StringIO()
+    follower = LogFollower(logs, out=out, err=err, only=("producer-1.log",))
+    for name in ("learner.log", "producer-0.log", "producer-1.log"):
+        (logs / name).write_text(OURS.format(level="ERROR", msg=f"from {name}") + "\n")
+    follower.pump()
+    assert err.getvalue() == OURS.format(level="ERROR", msg="from producer-1.log") + "\n"
+    assert out.getvalue() == ""
+
+
 def test_a_process_and_the_process_it_starts_write_into_its_log_file(tmp_path):
     """Real processes: what the child prints, logs and leaves as a traceback, and what its own
     child (as vLLM's engine core) prints, all land in the child's file, none on its console."""
