@@ -103,3 +103,30 @@ def test_workdir_is_run_dir_on_the_driver_node_else_node_local(tmp_path, monkeyp
     local = _workdir("/runs/a", False)
     assert local.parent == tmp_path / "pipeline-grpo-ray" and local.name.startswith("a-")
     assert _workdir("/runs/a", False) == local and _workdir("/other/a", False) != local
+
+
+
+@pytest.mark.parametrize("group_exists", [True, False])
+def test_stopping_a_role_signals_its_child_once_mocked_kill(monkeypatch, group_exists):
+    """Two SIGINTs would interrupt the learner's final checkpoint (the first cancels its main
+    task, the second raises KeyboardInterrupt inside it): the actor's stop sends one, to the
+    child's group, or to the child alone before it has made its group. Pure signalling logic:
+    os.killpg / os.kill are replaced by recorders, the actor object is made without Ray."""
+    import signal
+    import types
+
+    import pipeline.launch.ray as ray_launch
+
+    sent = []
+
+    def killpg(pid, sig):
+        if not group_exists:
+            raise ProcessLookupError
+        sent.append(("group", pid, sig))
+
+    monkeypatch.setattr(ray_launch.os, "killpg", killpg)
+    monkeypatch.setattr(ray_launch.os, "kill", lambda pid, sig: sent.append(("pid", pid, sig)))
+    role = object.__new__(ray_launch._Role)
+    role.proc = types.SimpleNamespace(pid=4242)
+    role._kill(signal.SIGINT)
+    assert sent == [("group" if group_exists else "pid", 4242, signal.SIGINT)]
