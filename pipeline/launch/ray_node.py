@@ -237,10 +237,16 @@ def guard(owner: str, session: int, temp_dir: str, period_s: float = 0.5) -> Non
             stop_session(session, session, grace_s=20.0)
             if temp_dir:
                 shutil.rmtree(temp_dir, ignore_errors=True)
-            from pipeline.launch.shm import reclaim_dead_owners
+            from pipeline.launch.shm import dead_owned, reclaim_dead_owners
 
-            reclaim_dead_owners()  # what the node's actors recorded in /dev/shm
-            return
+            # What the node's actors recorded in /dev/shm; their engines may outlive them by a
+            # few seconds (their children's parent watch), and a segment still mapped stays.
+            deadline = time.monotonic() + 30.0
+            while True:
+                reclaim_dead_owners()
+                if not any(p.is_file() for p in dead_owned()) or time.monotonic() > deadline:
+                    return
+                time.sleep(1.0)
         time.sleep(period_s)
 
 

@@ -135,12 +135,10 @@ def _size(path: Path) -> int:
     return 0
 
 
-def reclaim_dead_owners(shm_dir: Path = SHM_DIR) -> tuple[int, int]:
-    """Remove this user's snapshot directories and recorded engine segments whose owner
-    process is dead, except segments a live process still maps or holds open. Logs one line
-    when anything was freed; returns (entries removed, bytes freed)."""
+def dead_owned(shm_dir: Path = SHM_DIR) -> list[Path]:
+    """This user's owned entries (snapshot dirs, segment records) whose owner is dead."""
     if not shm_dir.is_dir():
-        return 0, 0
+        return []
     uid = os.getuid()
     dead: list[Path] = []
     for p in shm_dir.glob(f"{OWNED}*"):
@@ -148,16 +146,25 @@ def reclaim_dead_owners(shm_dir: Path = SHM_DIR) -> tuple[int, int]:
         with contextlib.suppress(OSError):
             if m and p.lstat().st_uid == uid and not owner_alive(m.group(1)):
                 dead.append(p)
+    return dead
+
+
+def reclaim_dead_owners(shm_dir: Path = SHM_DIR) -> tuple[int, int]:
+    """Remove this user's snapshot directories and recorded engine segments whose owner
+    process is dead, except segments a live process still maps or holds open: a record keeps
+    those (an engine core may outlive its owner by seconds), so a later call frees them. Logs
+    one line when anything was freed; returns (entries removed, bytes freed)."""
+    dead = dead_owned(shm_dir)
     if not dead:
         return 0, 0
     records = [p for p in dead if p.is_file()]
-    recorded: set[str] = set()
+    recorded: dict[Path, set[str]] = {}
     for r in records:
         with contextlib.suppress(OSError):
-            recorded.update(n for n in r.read_text().split() if n.startswith(PREFIX))
-    segments = (
-        sorted((recorded & list_segments(shm_dir)) - segments_in_use(shm_dir)) if recorded else []
-    )
+            recorded[r] = {n for n in r.read_text().split() if n.startswith(PREFIX)}
+    existing = list_segments(shm_dir) if recorded else set()
+    in_use = segments_in_use(shm_dir) if recorded else set()
+    segments = sorted((set().union(*recorded.values()) & existing) - in_use) if recorded else []
     freed = removed_dirs = 0
     for d in (p for p in dead if p.is_dir() and not p.is_symlink()):
         freed += _size(d)
@@ -170,8 +177,12 @@ def reclaim_dead_owners(shm_dir: Path = SHM_DIR) -> tuple[int, int]:
             seg.unlink()
             freed += size
     for r in records:
-        with contextlib.suppress(FileNotFoundError):
-            r.unlink()
+        kept = recorded.get(r, set()) & existing & in_use
+        with contextlib.suppress(OSError):
+            if kept:
+                r.write_text("".join(f"{n}\n" for n in sorted(kept)))
+            else:
+                r.unlink()
     if removed_dirs or segments:
         log.warning(
             "reclaimed %.1f MB in %s left by killed runs: %d snapshot dir(s), %d engine segment(s)",

@@ -190,6 +190,10 @@ def test_a_recorded_segment_still_mapped_by_a_live_process_is_kept(tmp_path):
         assert kept.exists() and not gone.exists()
     finally:
         m.close()
+    # Its user gone, the segment goes at the next reclaim: the record kept it.
+    assert reclaim_dead_owners(tmp_path)[0] == 1
+    assert not kept.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("pipeline-grpo-segments")]
 
 
 def test_owner_tags_see_through_reused_pids_and_zombies():
