@@ -169,7 +169,18 @@ async def fetch_snapshot(
             async def ask() -> None:
                 nonlocal next_off, pending
                 req = {"path": ref.uri, "offset": next_off, "size": chunk}
-                await sock.send_multipart([b"", msgpack.packb(req, use_bin_type=True)])
+                # Bounded too: a DEALER whose only connection failed (a CURVE handshake with
+                # the wrong keys) has no peer, and its send would wait for one for ever.
+                try:
+                    await asyncio.wait_for(
+                        sock.send_multipart([b"", msgpack.packb(req, use_bin_type=True)]),
+                        timeout_s,
+                    )
+                except TimeoutError:
+                    raise SnapshotError(
+                        f"snapshot v{ref.version}: no reply from {addr} within {timeout_s:.0f}s "
+                        f"(no connection to send the request on)"
+                    ) from None
                 next_off += chunk
                 pending += 1
 
