@@ -184,7 +184,7 @@ class RayNode:
         return session_processes(self.session)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        stop_session(self.proc.pid, self.session, grace_s, self.proc)
+        stop_session(self.session, grace_s, self.proc)
         if self.own_temp:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
         if self.guard is not None:  # it sees the session gone and exits
@@ -205,19 +205,21 @@ def session_processes(session: int) -> list[psutil.Process]:
     return out
 
 
-def stop_session(leader: int, session: int, grace_s: float,
-                 proc: subprocess.Popen | None = None) -> None:
-    """SIGTERM to ``ray start`` (``leader``), up to ``grace_s`` for it to stop its node, then
-    SIGKILL to whatever is left of its session."""
-    with contextlib.suppress(psutil.Error):
-        psutil.Process(leader).send_signal(signal.SIGTERM)
+def stop_session(session: int, grace_s: float, proc: subprocess.Popen | None = None) -> None:
+    """SIGTERM to ``ray start`` (the session's leader: its pid is the session id; ``proc`` when
+    it is our child), up to ``grace_s`` for it to stop its node, then SIGKILL to whatever is
+    left of its session."""
     if proc is not None:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(grace_s)
+        if proc.poll() is None:  # a reaped child's pid may belong to another process by now
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(grace_s)
     else:  # not our child: poll (a zombie counts as gone)
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(session).send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(
-            p.pid == leader for p in session_processes(session)
+            p.pid == session for p in session_processes(session)
         ):
             time.sleep(0.2)
     left = session_processes(session)
@@ -234,7 +236,7 @@ def guard(owner: str, session: int, temp_dir: str, period_s: float = 0.5) -> Non
     """Until the node's session is gone (a normal stop), or its owner is (then stop it)."""
     while session_processes(session):
         if not owner_alive(owner):
-            stop_session(session, session, grace_s=20.0)
+            stop_session(session, grace_s=20.0)
             if temp_dir:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             from pipeline.launch.shm import dead_owned, reclaim_dead_owners

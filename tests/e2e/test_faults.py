@@ -127,12 +127,12 @@ def _metrics(run_dir: Path) -> list[dict]:
             if line.strip()]
 
 
-def _assert_gone(pids, what: str = "processes") -> None:
+def _assert_gone(pids, what: str = "processes", timeout: float = 15.0) -> None:
     procs = []
     for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess):
             procs.append(psutil.Process(pid))
-    _gone, alive = psutil.wait_procs(procs, timeout=15)
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
     assert not alive, f"{what} left behind: {[p.pid for p in alive]}"
 
 

@@ -11,7 +11,6 @@ conservation is exact across both drivers.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import time
@@ -19,7 +18,7 @@ import time
 import psutil
 import pytest
 from conftest import assert_no_process_left
-from test_faults import Launcher, _metrics
+from test_faults import Launcher, _assert_gone, _metrics
 
 from bench.soak import tally
 from pipeline.launch.shm import list_segments, segments_in_use
@@ -60,12 +59,7 @@ def test_driver_killed_leaves_nothing_running_and_resume_finishes_the_run(
         assert first.steps_done() < steps, "run finished before the kill"
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait()
-        procs = []
-        for pid in victims:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                procs.append(psutil.Process(pid))
-        _gone, alive = psutil.wait_procs(procs, timeout=60)
-        assert not alive, f"left behind by the killed driver: {[p.pid for p in alive]}"
+        _assert_gone(victims, "left behind by the killed driver", timeout=60)
         assert_no_process_left(tag)
         assert not any(os.path.exists(d) for d in temp_dirs), temp_dirs
     finally:
