@@ -549,8 +549,11 @@ def _device_name() -> str:
 
 
 def prepare_model(spec: str, root: Path) -> str:
-    """'0.5b'/'1.5b' -> a random-init Qwen2 of that shape (written once); else a path/name."""
-    if spec not in ("0.5b", "1.5b"):
+    """A size of bench.gpu_model ('0.5b', '1.5b', '3b', '7b') -> a random-init Qwen2 of that
+    shape (written once); else a path/name."""
+    from bench.gpu_model import SIZES
+
+    if spec not in SIZES:
         return spec
     path = root / f"qwen2-{spec}"
     if not (path / "config.json").exists():
@@ -563,7 +566,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_bench",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="split")
-    p.add_argument("--model", default="0.5b", help="0.5b | 1.5b (random init) | path | tiny")
+    p.add_argument("--model", default="0.5b", help="0.5b | 1.5b | 3b | 7b (random init, bench/gpu_model.py) | path | tiny")
     p.add_argument("--runs", default="sync,async1,async2",
                    help=f"comma list of {', '.join(RUNS)}, each also as ray-<name> (--launcher "
                         "ray)")

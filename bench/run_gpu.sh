@@ -32,7 +32,9 @@
 #   reward         reward vs wall-clock of SmolLM2-135M, ours sync vs async1, colocated (1 GPU)
 #
 # Environment:
-#   MODEL=0.5b|1.5b   random-init model of colocated/split (default 0.5b; bench/gpu_model.py)
+#   MODEL=0.5b|1.5b|3b|7b  random-init model of colocated/split/trl-async (default 0.5b;
+#                     bench/gpu_model.py: Qwen2-0.5B/1.5B, Qwen2.5-3B/7B shapes, drawn in bf16
+#                     on the GPU and written straight to safetensors)
 #   GPUS              the machine's GPU ids the part's GPUs 0, 1, ... are (gpu_bench --gpus), e.g.
 #                     GPUS=0,1 bash bench/run_gpu.sh split & GPUS=2,3 bash bench/run_gpu.sh ray &
 #                     wait  (run `prep` first; two parts side by side leave at most 8 files)

@@ -9,20 +9,33 @@ Under DeepSpeed a ``shards`` callback lets every learner rank write its partitio
 state, ZeRO-3 parameters) into the same temporary directory (``step_<N>/deepspeed/``, DeepSpeed's
 own format, read back only by DeepSpeed on resume) before it is fsynced and renamed: a checkpoint
 is all ranks' files or none.
+
+Off the training path (``CheckpointWriter``): the training loop stops only while the state is
+copied to host memory (``host_copy``: pinned, reused buffers for GPU tensors); the file write,
+fsync and renames of ``save_checkpoint`` then run in a thread while training goes on. At most one
+write is in flight: the next checkpoint first waits for the previous one. ``on_durable`` runs only
+once a write is complete and named by ``LATEST`` (what the learner tells producers they may forget
+must be on disk). A process killed mid-write leaves ``LATEST`` naming the previous checkpoint and
+a ``.tmp_step_*`` directory, removed by the next writer once its process is gone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import pickle
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
@@ -118,3 +131,145 @@ def load_checkpoint(path: Path, map_location: str = "cpu"
             ) as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from e
     return state, tensors, buf
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_partial(run_dir: Path) -> list[Path]:
+    """Remove the temporary directories of writes whose process is gone (killed mid-write);
+    a live process's write in progress is left alone."""
+    removed = []
+    for tmp in (Path(run_dir) / "checkpoints").glob(".tmp_step_*_*"):
+        pid = tmp.name.rsplit("_", 1)[1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def host_copy(obj: Any, staging: dict[tuple, torch.Tensor] | None = None) -> Any:
+    """A copy of a nested state dict (dicts, lists, tuples) whose tensors are host-memory
+    copies: what the live tensors hold now, unaffected by later training steps.
+
+    GPU tensors land in pinned memory, copied asynchronously and synchronised once at the end.
+    ``staging`` (kept by the caller, keyed by position in the structure) holds the host buffers
+    for reuse by the next copy, which then costs the copy alone: pinning or faulting in fresh
+    memory costs more than the copy itself. The caller must not reuse ``staging`` while an
+    earlier copy is still being read. Tensors sharing memory (tied weights) stay shared, so the
+    file holds them once."""
+    seen: dict[tuple, torch.Tensor] = {}
+    devices: set[torch.device] = set()
+
+    def copy(x: Any, path: tuple) -> Any:
+        if isinstance(x, torch.Tensor):
+            t = x.detach()
+            key = (t.device, t.dtype, t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if t.numel() and key in seen:
+                return seen[key]
+            buf = staging.get(path) if staging is not None else None
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                if staging is not None:
+                    staging[path] = buf
+            buf.copy_(t, non_blocking=t.is_cuda)
+            if t.is_cuda:
+                devices.add(t.device)
+            seen[key] = buf
+            return buf
+        if isinstance(x, dict):
+            return {k: copy(v, (*path, k)) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            items = [copy(v, (*path, i)) for i, v in enumerate(x)]
+            return items if isinstance(x, list) else tuple(items)
+        return x  # numbers, strings, None: immutable
+
+    out = copy(obj, ())
+    for device in devices:
+        torch.cuda.synchronize(device)  # every non_blocking copy is complete
+    return out
+
+
+class CheckpointWriter:
+    """Saves checkpoints with the training loop stopped only for the copy to host memory.
+
+    ``save`` waits for the previous write (at most one in flight), copies the trainer's state
+    with ``host_copy`` (in a thread: the event loop keeps answering producers), and hands the
+    write to a background task; it returns the seconds the caller was stopped. With ``shards``
+    (DeepSpeed: every rank writes its partitions, a collective on the live engine, which the
+    next training step would change under it) or ``background=False``, the whole save runs before
+    ``save`` returns, as the ranks must not train while their partitions are being written.
+
+    A failed background write is logged at once, raised by ``raise_if_failed`` (the learner calls
+    it every step) or the next ``wait``/``save``, once; ``on_durable`` is never called for it.
+    """
+
+    def __init__(self, run_dir: Path, keep: int = 2):
+        self.run_dir = Path(run_dir)
+        self.keep = keep
+        self.written: Path | None = None   # the newest complete checkpoint this writer wrote
+        self.write_s: float | None = None  # seconds the newest complete write took
+        self.completed = 0                 # writes completed (a new write_s each)
+        self._staging: dict[tuple, torch.Tensor] = {}
+        self._task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        remove_partial(self.run_dir)
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    async def wait(self) -> Path | None:
+        """Wait for the write in flight, if any; raise its error. Returns the newest checkpoint."""
+        if self._task is not None:
+            await asyncio.shield(self._task)  # a cancelled waiter leaves the write running
+        self.raise_if_failed()
+        return self.written
+
+    async def save(self, state: LearnerState, tensors: Callable[[], dict[str, Any]],
+                   buffer_bytes: bytes, on_durable: Callable[[Path], None],
+                   shards: Callable[[Path], None] | None = None,
+                   background: bool = True) -> float:
+        """Checkpoint ``state`` (a copy the caller will not change), ``tensors()`` (the live
+        trainer state, read now) and ``buffer_bytes``; returns the seconds spent before the
+        caller may go on training."""
+        t0 = time.monotonic()
+        await self.wait()
+        if shards is not None or not background:
+            path = await asyncio.to_thread(save_checkpoint, self.run_dir, state, tensors(),
+                                           buffer_bytes, self.keep, shards)
+            self._done(path, time.monotonic() - t0, on_durable)
+            return time.monotonic() - t0
+        host = await asyncio.to_thread(lambda: host_copy(tensors(), self._staging))
+        self._task = asyncio.get_running_loop().create_task(
+            self._write(state, host, buffer_bytes, on_durable))
+        return time.monotonic() - t0
+
+    async def _write(self, state: LearnerState, host: dict[str, Any], buffer_bytes: bytes,
+                     on_durable: Callable[[Path], None]) -> None:
+        t0 = time.monotonic()
+        try:
+            path = await asyncio.to_thread(save_checkpoint, self.run_dir, state, host,
+                                           buffer_bytes, self.keep)
+        except Exception as e:
+            log.error("checkpoint at step %d: background write failed: %s", state.step, e)
+            self._error = e
+            return
+        self._done(path, time.monotonic() - t0, on_durable)
+
+    def _done(self, path: Path, seconds: float, on_durable: Callable[[Path], None]) -> None:
+        self.written, self.write_s = path, seconds
+        self.completed += 1
+        on_durable(path)

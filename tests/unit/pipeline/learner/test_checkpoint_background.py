@@ -1,0 +1,336 @@
+"""Checkpoints off the training path: the host copy is the state at capture time, the write runs
+in the background one at a time, ``durable`` advances only once it is complete, and a process
+killed (SIGKILL) mid-write leaves ``LATEST`` naming the previous, loadable checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.learner import checkpoint as ck
+from pipeline.learner.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    LearnerState,
+    host_copy,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial,
+)
+from pipeline.learner.loop import Learner
+
+REPO = Path(__file__).resolve().parents[4]
+
+
+def _live() -> dict:
+    w = torch.randn(4, 3)
+    return {"model": {"w": w, "tied": w, "b": torch.arange(3)},
+            "optimizer": {"state": {0: {"exp_avg": torch.ones(2), "step": torch.tensor(5.0)}},
+                          "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.99), "params": [0]}]},
+            "scheduler": {"last_epoch": 5, "_last_lr": [1e-3]}}
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    return x
+
+
+def _assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            _assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _assert_same(x, y)
+    else:
+        assert a == b
+
+
+def _train_on(live: dict) -> None:
+    """What the next optimiser step does to the live state: everything changes in place."""
+    live["model"]["w"].add_(1.0)
+    live["model"]["b"].mul_(7)
+    live["optimizer"]["state"][0]["exp_avg"].zero_()
+    live["optimizer"]["state"][0]["step"] += 1
+    live["optimizer"]["param_groups"][0]["lr"] = 5.0
+    live["scheduler"]["_last_lr"].append(9.0)
+
+
+def test_host_copy_is_the_state_at_capture_time():
+    live = _live()
+    expected = _clone(live)
+    staging: dict = {}
+    copy = host_copy(live, staging)
+    _train_on(live)
+    _assert_same(expected, copy)
+    assert copy["model"]["tied"] is copy["model"]["w"]  # tied weights stay one tensor
+    assert copy["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
+    # The next copy reuses the staged buffers (no new allocation) and holds the new state.
+    again = host_copy(live, staging)
+    assert again["model"]["w"].data_ptr() == copy["model"]["w"].data_ptr()
+    _assert_same(_clone(live), again)
+
+
+def test_host_copy_without_staging_allocates_fresh_buffers():
+    live = _live()
+    a, b = host_copy(live), host_copy(live)
+    assert a["model"]["w"].data_ptr() != b["model"]["w"].data_ptr()
+    assert a["model"]["w"].data_ptr() != live["model"]["w"].data_ptr()
+
+
+class _Gate:
+    """Holds every background write just before its fsync and rename, until opened."""
+
+    def __init__(self, monkeypatch):
+        self.open = threading.Event()
+        self.reached = threading.Event()
+        real = ck._fsync_tree
+
+        def gated(top):
+            self.reached.set()
+            assert self.open.wait(30), "gate never opened"
+            real(top)
+
+        monkeypatch.setattr(ck, "_fsync_tree", gated)
+
+
+def _state(step: int) -> LearnerState:
+    return LearnerState(step=step, version=step, received={"p0": step})
+
+
+async def _until(event: threading.Event) -> None:
+    for _ in range(3000):
+        if event.is_set():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+def test_durable_only_after_the_write_completes(tmp_path, monkeypatch):
+    gate = _Gate(monkeypatch)
+    done: list[Path] = []
+
+    async def main():
+        w = CheckpointWriter(tmp_path)
+        live = _live()
+        stall = await w.save(_state(1), lambda: live, b"buf", done.append)
+        assert stall < 10
+        _train_on(live)  # training goes on while the write is held
+        await _until(gate.reached)
+        assert done == [] and w.busy and latest_checkpoint(tmp_path) is None
+        assert w.written is None and w.completed == 0
+        gate.open.set()
+        assert await w.wait() == tmp_path / "checkpoints" / "step_1"
+        assert done == [tmp_path / "checkpoints" / "step_1"] and not w.busy
+        assert w.completed == 1 and w.write_s is not None and w.write_s > 0
+
+    asyncio.run(main())
+    state, tensors, buf = load_checkpoint(latest_checkpoint(tmp_path))
+    assert state == _state(1) and buf == b"buf"
+    assert tensors["model"]["tied"].data_ptr() == tensors["model"]["w"].data_ptr()
+
+
+def test_one_write_in_flight_the_next_save_waits_for_it(tmp_path, monkeypatch):
+    gate = _Gate(monkeypatch)
+    order: list[str] = []
+
+    async def main():
+        w = CheckpointWriter(tmp_path)
+        live = _live()
+        await w.save(_state(1), lambda: live, b"1", lambda p: order.append(p.name))
+        await _until(gate.reached)
+        second = asyncio.create_task(
+            w.save(_state(2), lambda: live, b"2", lambda p: order.append(p.name)))
+        await asyncio.sleep(0.3)
+        assert not second.done() and order == []  # held behind the first write
+        gate.open.set()
+        stall = await second
+        assert order[0] == "step_1" and stall >= 0.3  # the wait counts as a stall
+        await w.wait()
+        assert order == ["step_1", "step_2"]
+
+    asyncio.run(main())
+    assert latest_checkpoint(tmp_path).name == "step_2"
+
+
+def test_a_failed_background_write_is_raised_once_and_durable_stays(tmp_path, monkeypatch):
+    done: list[Path] = []
+
+    async def main():
+        w = CheckpointWriter(tmp_path)
+        await w.save(_state(1), _live, b"1", done.append)
+        await w.wait()
+        monkeypatch.setattr(ck.torch, "save", lambda *a, **k: (_ for _ in ()).throw(
+            OSError(28, "No space left on device")))
+        await w.save(_state(2), _live, b"2", done.append)  # returns: the write is behind
+        while w.busy:
+            await asyncio.sleep(0.01)
+        with pytest.raises(CheckpointError, match=r"step 2.*No space left"):
+            w.raise_if_failed()
+        w.raise_if_failed()  # once
+        monkeypatch.undo()
+        await w.save(_state(3), _live, b"3", done.append)
+        await w.wait()
+
+    asyncio.run(main())
+    assert [p.name for p in done] == ["step_1", "step_3"]
+    assert latest_checkpoint(tmp_path).name == "step_3"
+
+
+def test_with_shards_the_save_is_synchronous(tmp_path):
+    """DeepSpeed: the ranks write their partitions of the live engine before save returns."""
+    calls: list[Path] = []
+
+    async def main():
+        w = CheckpointWriter(tmp_path)
+        done: list[Path] = []
+        await w.save(_state(1), _live, b"", done.append,
+                     shards=lambda d: (calls.append(d), (d / "deepspeed").mkdir()))
+        assert done == [tmp_path / "checkpoints" / "step_1"] and not w.busy
+        assert (done[0] / "deepspeed").is_dir()
+
+    asyncio.run(main())
+    assert len(calls) == 1 and calls[0].name.startswith(".tmp_step_1")
+
+
+def _fake_learner(tmp_path, live) -> SimpleNamespace:
+    return SimpleNamespace(
+        state=LearnerState(step=3, version=2, received={"p0": 6}), counters={"x": 1.0},
+        ledger=SimpleNamespace(prefixes=lambda: {"p0-a": 6}, to_dict=lambda: {"p0-a": [6]}),
+        buffer=SimpleNamespace(snapshot=lambda: b"buffer"),
+        trainer=SimpleNamespace(state=lambda: live, deepspeed=None, save_shards=None),
+        checkpoints=CheckpointWriter(tmp_path), durable={"p0-a": 2})
+
+
+def test_learner_checkpoint_advances_durable_after_the_write(tmp_path, monkeypatch):
+    gate = _Gate(monkeypatch)
+    live = _live()
+    me = _fake_learner(tmp_path, live)
+
+    async def main():
+        stall = await Learner.checkpoint(me)
+        assert stall >= 0
+        me.state.step = 4  # the next step begins at once
+        me.state.received["p0"] = 8
+        _train_on(live)
+        await _until(gate.reached)
+        assert me.durable == {"p0-a": 2}  # not yet: the write is held
+        gate.open.set()
+        await me.checkpoints.wait()
+        assert me.durable == {"p0-a": 6}
+
+    asyncio.run(main())
+    state, tensors, buf = load_checkpoint(latest_checkpoint(tmp_path))
+    assert state.step == 3 and state.received == {"p0": 6} and state.counters == {"x": 1.0}
+    assert buf == b"buffer"
+    _assert_same(_clone(_live()["scheduler"]), tensors["scheduler"])
+    assert torch.equal(tensors["optimizer"]["state"][0]["exp_avg"], torch.ones(2))
+
+
+def test_learner_final_checkpoint_waits_for_the_write(tmp_path):
+    me = _fake_learner(tmp_path, _live())
+
+    async def main():
+        await Learner.checkpoint(me, final=True)
+        assert not me.checkpoints.busy and me.durable == {"p0-a": 6}
+
+    asyncio.run(main())
+    assert latest_checkpoint(tmp_path).name == "step_3"
+
+
+# A process that writes checkpoint 1, then checkpoint 2 in the background, and is killed with
+# SIGKILL mid-write: while torch.save streams to a slow disk, or just before fsync and rename.
+_WRITER = textwrap.dedent("""
+    import asyncio, sys, time
+    from pathlib import Path
+    import torch
+    from pipeline.learner import checkpoint as ck
+
+    run_dir, where = Path(sys.argv[1]), sys.argv[2]
+    big = {"model": {"w": torch.arange(4_000_000, dtype=torch.float32)}}
+
+    class SlowDisk:
+        def __init__(self, path):
+            self.f = open(path, "wb")
+        def write(self, b):
+            b = memoryview(b).cast("B")
+            for i in range(0, len(b), 1 << 20):  # 1 MiB every 50 ms
+                time.sleep(0.05)
+                self.f.write(b[i:i + (1 << 20)])
+            return len(b)
+        def flush(self):
+            self.f.flush()
+
+    async def main():
+        w = ck.CheckpointWriter(run_dir)
+        await w.save(ck.LearnerState(step=1), lambda: big, b"one", lambda p: None)
+        await w.wait()
+        if where == "torch.save":
+            real = torch.save
+            ck.torch.save = lambda obj, path: real(obj, SlowDisk(path))
+        else:
+            ck._fsync_tree = lambda top: time.sleep(600)
+        big["model"]["w"].add_(1)
+        await w.save(ck.LearnerState(step=2), lambda: big, b"two", lambda p: None)
+        print("writing", flush=True)
+        await w.wait()
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("where", ["torch.save", "before the rename"])
+def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(tmp_path, where):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), where], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    root = tmp_path / "checkpoints"
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        tmp = root / f".tmp_step_2_{proc.pid}"
+        deadline = time.monotonic() + 60
+        target = tmp / ("trainer.pt" if where == "torch.save" else "state.json")
+        while not (target.is_file() and target.stat().st_size > 0):
+            assert time.monotonic() < deadline and proc.poll() is None, "never started writing"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        proc.stdout.close()
+    assert tmp.is_dir() and not (root / "step_2").exists()  # killed mid-write
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt == root / "step_1"
+    state, tensors, buf = load_checkpoint(ckpt)
+    assert state.step == 1 and buf == b"one"
+    assert torch.equal(tensors["model"]["w"], torch.arange(4_000_000, dtype=torch.float32))
+    assert remove_partial(tmp_path) == [tmp]  # the next learner removes the dead write
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step_1"]
+
+
+def test_remove_partial_leaves_a_live_write_alone(tmp_path):
+    root = tmp_path / "checkpoints"
+    mine = root / f".tmp_step_3_{os.getpid()}"
+    mine.mkdir(parents=True)
+    assert remove_partial(tmp_path) == [] and mine.is_dir()
