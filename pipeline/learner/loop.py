@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hashlib
 import logging
 import os
@@ -55,10 +56,10 @@ from buffer.transport import LearnerEndpoint
 from pipeline.config import RunConfig, completion_max_tokens, curve_keys, to_dict
 from pipeline.learner.checkpoint import (
     CheckpointError,
+    CheckpointWriter,
     LearnerState,
     latest_checkpoint,
     load_checkpoint,
-    save_checkpoint,
 )
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
 from pipeline.learner.trackers import Trackers
@@ -66,7 +67,7 @@ from pipeline.learner.trainer import PolicyTrainer
 from pipeline.owner import owned_name
 from pipeline.procs import LOGS_DIR, ConsoleStream
 from pipeline.producer.evaluate import is_due, last_version
-from sync.packing import Layout, pack, plan_layout
+from sync.packing import Layout, pack_buckets, plan_layout, plan_layout_of, total_bytes
 from sync.snapshot import SnapshotRef
 from sync.transfer import TransportChoiceError, choose_transport
 from sync.writer import SnapshotWriter
@@ -107,6 +108,28 @@ def snapshot_dir(configured: str, run_dir: Path, run_key: str, need_bytes: int,
                     "(set sync.snapshot_dir to choose)", shm, free / 1e9, need_bytes / 1e9,
                     run_dir / "snapshots")
     return run_dir / "snapshots"
+
+
+def capture_device(model_device: Any, publisher_device: Any, gpu_routes: bool,
+                   sharded: bool) -> Any:
+    """Where a version's packed buffer goes (a ``torch.device``).
+
+    - Live ipc/nccl producers: the publisher's GPU, whatever the model's state is on. A
+      ZeRO-3 state dict comes gathered onto the CPU, and packing "next to the tensors" put
+      the buffer there: every IPC export then failed ("ipc_export needs a contiguous CUDA
+      buffer at storage offset 0") and each version fell back to the file.
+    - An unsharded model on a GPU: that GPU (a device-local copy, milliseconds; the writer
+      copies it to the host on a side stream while training goes on).
+    - Otherwise (CPU, or a sharded learner feeding only the file route): host memory, so a
+      sharded learner never holds a second whole model on a GPU for a file."""
+    import torch
+
+    if gpu_routes and publisher_device is not None:
+        return torch.device(publisher_device)
+    model_device = torch.device(model_device)
+    if model_device.type == "cuda" and not sharded:
+        return model_device
+    return torch.device("cpu")
 
 
 class Learner:
@@ -156,6 +179,8 @@ class Learner:
             self.counters.setdefault(k, 0)
         self.ledger = GroupLedger.from_dict(self.state.ledger)
         self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
+        self.checkpoints = CheckpointWriter(self.run_dir)
+        self._write_s_reported = 0  # background checkpoint writes whose time a row has shown
         self.learner_gpu: str | None = None  # set in run() when the trainer is on CUDA
         self.publisher = None  # sync.publish.WeightPublisher, for ipc/nccl routes
         self._transfer_tasks: set[asyncio.Task] = set()
@@ -396,31 +421,51 @@ class Learner:
 
     # ------------------------------------------------------------------ snapshots
     def _capture(self, version: int) -> tuple[Any, Layout]:
-        """Pack the weights into one buffer on the model's device (blocking: run in a thread).
+        """Pack the weights into one buffer (blocking: run in a thread), bucket by bucket.
 
-        The only weight copy on the training path, and a device-local one (milliseconds on a
-        GPU): the next step may change the parameters at once. Producers on a GPU route are
-        offered this buffer right away (``sync.publish``); the snapshot file is written from
-        it by ``self.writer``, in the background."""
-        tensors = self.trainer.snapshot_tensors()
-        layout = plan_layout(tensors)
-        device = next(iter(tensors.values())).device if tensors else "cpu"
-        flat = pack(tensors, layout, device)
+        The only weight copy on the training path: the next step may change the parameters at
+        once. The layout is planned before anything is copied (``trainer.snapshot_plan``), and
+        the weights arrive ``sync.bucket_mb`` at a time (``trainer.snapshot_buckets``: under
+        ZeRO-3 one all-gather per bucket, so the whole model is never gathered anywhere but in
+        this buffer). Where the buffer lives: ``capture_device``. Producers on a GPU route are
+        offered it right away (``sync.publish``); the snapshot file is written from it by
+        ``self.writer``, in the background."""
+        import torch
+
+        tr = self.trainer
         routes = self._gpu_routes()
-        if self.publisher is not None and routes:
+        gpu_routes = self.publisher is not None and bool(routes)
+        plan = tr.snapshot_plan()
+        # LoRA versions are computed from the whole state (merged, or the adapter alone).
+        tensors = tr.snapshot_tensors() if plan is None else None
+        layout = plan_layout(tensors) if tensors is not None else plan_layout_of(plan)
+        device = capture_device(tr.device, getattr(self.publisher, "device", None),
+                                gpu_routes, tr.zero_stage == 3)
+        try:
+            flat = torch.empty(total_bytes(layout), dtype=torch.uint8, device=device,
+                               pin_memory=device.type == "cpu" and torch.cuda.is_available())
+        except torch.OutOfMemoryError as e:  # no room for a GPU copy: the file still works
+            self._count_gpu_failure(version, e)
+            gpu_routes, device = False, torch.device("cpu")
+            flat = torch.empty(total_bytes(layout), dtype=torch.uint8,
+                               pin_memory=torch.cuda.is_available())
+        buckets = [tensors] if tensors is not None else \
+            tr.snapshot_buckets(self.cfg.sync.bucket_mb << 20)
+        pack_buckets(buckets, layout, flat)
+        if gpu_routes:
             try:
                 self.publisher.publish_packed(version, flat, layout,
                                               ipc=[p for p, r in routes.items() if r == "ipc"])
             except Exception as e:  # e.g. an IPC export failed: the file still works
-                self.counters["gpu_publish_failures"] = \
-                    self.counters.get("gpu_publish_failures", 0) + 1
-                log.error("v%d: GPU copy for ipc/nccl producers failed (%r); they load it from "
-                          "the snapshot file", version, e)
+                self._count_gpu_failure(version, e)
         elif flat.is_cuda:
-            import torch
-
             torch.cuda.current_stream(flat.device).synchronize()  # the writer's stream reads it
         return flat, layout
+
+    def _count_gpu_failure(self, version: int, e: BaseException) -> None:
+        self.counters["gpu_publish_failures"] = self.counters.get("gpu_publish_failures", 0) + 1
+        log.error("v%d: GPU copy for ipc/nccl producers failed (%r); they load it from the "
+                  "snapshot file", version, e)
 
     async def _on_written(self, ref: SnapshotRef, seconds: float) -> None:
         """A snapshot file is on disk: announce it (producers on the file route take it now)."""
@@ -534,10 +579,13 @@ class Learner:
             last_end = now
             if st.first_reward is None:
                 st.first_reward = m["reward_mean"]
-            self.metrics.log(st.step, m)
+            self.checkpoints.raise_if_failed()  # a background write failed: stop, as a save would
             ce = t.checkpoint_every
-            if ce and st.step % ce == 0 and st.step < t.steps:
-                await self.checkpoint()
+            if ce:  # the stall lands in the next step's step_s, as the snapshot copy's does
+                m["checkpoint_stall_s"] = await self.checkpoint() \
+                    if st.step % ce == 0 and st.step < t.steps else 0.0
+            m.update(self._take_checkpoint_write())
+            self.metrics.log(st.step, m)
         await self._await_last_eval()
         await self.writer.flush()  # a failed write raises here, not silently
 
@@ -577,18 +625,59 @@ class Learner:
         out, self.last_sync = self.last_sync, {}
         return out
 
-    async def checkpoint(self) -> Path:
+    async def checkpoint(self, final: bool = False) -> float:
+        """Save a checkpoint; returns the seconds training was stopped for it.
+
+        Training stops only while the trainer's state is copied to host memory (and for a
+        previous checkpoint still being written); the write runs in the background
+        (``CheckpointWriter``). Under DeepSpeed the ranks write their partitions before this
+        returns. ``durable`` advances only once the write is complete. ``final``: the process
+        exits next, so wait for the write too, and write even if an earlier one failed."""
+        if final:
+            try:
+                await self.checkpoints.wait()
+            except Exception as e:  # logged when it failed; the final one may still succeed
+                log.error("an earlier checkpoint failed (%s); writing the final one", e)
         self.state.counters = dict(self.counters)
         self.state.ledger = self.ledger.to_dict()
-        # Buffer and ledger are captured together, before any await, so they agree exactly.
+        # Buffer and ledger are captured together, before any await, so they agree exactly;
+        # the state is a copy, as the background write reads it while training goes on.
         prefixes = self.ledger.prefixes()
-        state = self.trainer.state()
+        state = copy.deepcopy(self.state)
         buf = self.buffer.snapshot()
-        path = await asyncio.to_thread(save_checkpoint, self.run_dir, self.state, state, buf,
-                                       shards=self.trainer.save_shards)
-        self.durable = prefixes  # producers may now forget these groups
-        log.info("checkpoint saved: %s", path)
-        return path
+
+        def durable(path: Path) -> None:
+            self.durable = prefixes  # producers may now forget these groups
+            log.info("checkpoint saved: %s", path)
+
+        shards = self.trainer.save_shards if self.trainer.deepspeed is not None else None
+        stall = await self.checkpoints.save(state, self.trainer.state, buf, durable,
+                                            shards=shards)
+        if final:
+            await self.checkpoints.wait()
+        return stall
+
+    def _take_checkpoint_write(self) -> dict[str, float]:
+        """``checkpoint_write_s`` of a write completed since the last row, reported once."""
+        c = self.checkpoints
+        if c.completed == self._write_s_reported or c.write_s is None:
+            return {}
+        self._write_s_reported = c.completed
+        return {"checkpoint_write_s": c.write_s}
+
+    async def _final_checkpoint(self) -> None:
+        """The checkpoint at the end (or stop) of the run, written before the process exits;
+        its times in one console line (no metrics row: the last row is the last step's)."""
+        t0 = time.monotonic()
+        try:
+            stall = await self.checkpoint(final=True)
+        except Exception as e:
+            log.error("final checkpoint at step %d failed: %s", self.state.step, e)
+            return
+        total = time.monotonic() - t0
+        c = self.checkpoints
+        print(f"final checkpoint {c.written}: {total:.1f} s ({stall:.1f} s copying the state, "
+              f"{c.write_s or 0.0:.1f} s writing)", file=ConsoleStream(), flush=True)
 
     async def run(self) -> None:
         log.info("learner pid %d, session %s, step %d, version %d", os.getpid(), self.session,
@@ -620,7 +709,7 @@ class Learner:
                     task.cancel()
         finally:
             with contextlib.suppress(Exception):
-                await asyncio.shield(self.checkpoint())
+                await asyncio.shield(self._final_checkpoint())
             if finished:  # producers of other launchers (--role producer) exit on this
                 with contextlib.suppress(Exception):
                     await self.endpoint.publish(self.announcement(finished=True))
