@@ -8,6 +8,7 @@ Importing this module must stay cheap (no torch, no vLLM): ``--help`` answers in
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import sys
 import typing
@@ -31,6 +32,44 @@ ALIASES = {
     "sync-every": "sync.sync_every", "allow-untested-vllm": "engine.allow_untested_vllm",
     "launcher": "launch.backend", "ray-address": "launch.ray_address",
 }
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose mistakes end like every config error: exit code 2 and one line on stderr
+    (argparse prints its usage lines first; ``--help`` still shows them)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        argv = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args(attach_negative_values(argv), namespace)
+
+
+def _is_negative_number(text: str) -> bool:
+    if not text.startswith("-") or text.startswith("--"):
+        return False
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def attach_negative_values(argv: list[str]) -> list[str]:
+    """``--lr -1e-5`` as ``--lr=-1e-5``: argparse takes a token that starts with ``-`` and is not
+    a plain integer or decimal (``-1e-5``, ``-inf``) for a flag ("expected one argument"), so a
+    negative number right after a ``--flag`` is joined to it and reaches validation as its
+    value. Short flags never look like numbers, so nothing else changes meaning."""
+    out: list[str] = []
+    for token in argv:
+        prev = out[-1] if out else ""
+        if (_is_negative_number(token) and prev.startswith("--") and prev != "--"
+                and "=" not in prev):
+            out[-1] = f"{prev}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -77,7 +116,7 @@ def _count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="pipeline-train",
         usage="%(prog)s [--config FILE] [--OPTION VALUE ...] [--set KEY=VALUE ...]\n"
               "       %(prog)s eval --checkpoint DIR [--config FILE] [--set KEY=VALUE ...]",
@@ -157,7 +196,9 @@ def parse(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]
             parser.error(f"--set expects KEY=VALUE, got {item!r}")
         key, text = item.split("=", 1)
         if key not in types:
-            parser.error(f"--set: unknown option {key!r}")
+            close = difflib.get_close_matches(key, types, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            parser.error(f"--set: unknown option {key!r}{hint}")
         overrides[key] = parse_value(text, types[key], key)
     for name, tp in types.items():
         text = getattr(args, name, None)

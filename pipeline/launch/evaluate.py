@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, RunConfig, flatten, iter_options, load_config, parse_value
+from pipeline.launch.cli import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="pipeline-train eval",
         description="Evaluate a checkpoint on held-out prompts (eval.data) and print/write "
         "eval/reward_mean, eval/pass@k and each reward's mean.",

@@ -96,6 +96,51 @@ def test_each_mistake_exits_2_with_one_line_naming_the_option(fake_run, capsys, 
     assert fake_run == []  # nothing started
 
 
+# argparse's own errors printed its two usage lines first; a negative number in scientific
+# notation after a flag was read as a flag ("expected one argument").
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--set", "train.nope=1"], "--set: unknown option 'train.nope'"),
+        (["--bogus-opt", "1"], "unrecognized arguments: --bogus-opt 1"),
+        (["--set", "train.lr"], "--set expects KEY=VALUE, got 'train.lr'"),
+        (["--lr", "-1e-5"], "train.lr: must be > 0"),
+        (["--lr", "-inf"], "train.lr: expected a finite number"),
+        (["--train.loss.kl_coef", "-.5"], "train.loss.kl_coef: must be >= 0"),
+        (["--resume", "-1e-5"], "--resume"),
+        (["--steps"], "--steps"),
+    ],
+)
+def test_argparse_mistakes_are_one_line_on_stderr_too(fake_run, capsys, argv, names):
+    code, err = _main(argv, capsys)
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("pipeline-train: "), err
+    assert names in err
+    assert fake_run == []
+
+
+def test_a_negative_value_after_a_flag_reaches_validation():
+    assert cli.attach_negative_values(["--lr", "-1e-5", "--steps", "3"]) == [
+        "--lr=-1e-5", "--steps", "3"]
+    # Values already attached, short flags and words are left as they are.
+    assert cli.attach_negative_values(["--lr=1", "-1", "-h", "--name", "-x"]) == [
+        "--lr=1", "-1", "-h", "--name", "-x"]
+    cfg, _args = cli.parse(["--set", "train.loss.kl_coef=0.1", "--train.loss.clip_eps_low",
+                            "2e-1"])
+    assert cfg.train.loss.clip_eps_low == 0.2
+
+
+def test_a_mistyped_set_key_is_answered_with_the_closest_option(fake_run, capsys):
+    code, err = _main(["--set", "train.lrr=1"], capsys)
+    assert code == 2 and "did you mean 'train.lr'?" in err, err
+
+
+def test_the_eval_subcommand_errors_are_one_line_too(capsys):
+    code, err = _main(["eval", "--bogus"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("pipeline-train eval: error: ")
+
+
 def test_cli_only_counts_are_checked_by_argparse(fake_run, capsys):
     code, err = _main(["--max-producer-restarts", "-1"], capsys)
     assert code == 2 and "--max-producer-restarts" in _error_line(err)
