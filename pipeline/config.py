@@ -15,6 +15,7 @@ import inspect
 import itertools
 import logging
 import math
+import numbers
 import re
 import textwrap
 import types
@@ -781,15 +782,36 @@ def _describe(tp: Any) -> str:
                                         else getattr(tp, "__name__", str(tp)))
 
 
+def _plain(value: Any) -> Any:
+    """A scalar of a type that stands for a str, bool, int or float (a str subclass such as
+    ``np.str_``, numpy's ``bool_``, ``int64``, ``float32`` ...) as that builtin, so that the
+    checks below see one type per kind and the config stays YAML- and msgpack-safe; anything
+    else unchanged. numpy is recognised by the abstract number types it registers (and a
+    ``bool_`` by its dtype), never imported."""
+    if type(value) in (str, bool, int, float) or value is None:
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if getattr(getattr(value, "dtype", None), "kind", None) == "b":
+        return bool(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def _coerce(value: Any, tp: Any, option: str) -> Any:
     """``value`` checked against the annotation ``tp``; returns it, converted where that loses
     nothing (an int for a float, a YAML 1.1 string like ``5e-5`` for a float, an int for a
-    string such as a GPU index, a mapping for a nested section). Raises ConfigError naming
-    ``option`` and what it accepts."""
+    string such as a GPU index, a mapping for a nested section, a str subclass or a numpy
+    scalar for the builtin it stands for). Raises ConfigError naming ``option`` and what it
+    accepts."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     bad = ConfigError(f"{option}: expected {_describe(tp)}, got {_short(value)}")
     if tp is Any:
         return value
+    value = _plain(value)
     if origin in (typing.Union, types.UnionType):
         if value is None:
             if type(None) in args:

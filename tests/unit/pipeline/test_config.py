@@ -279,3 +279,48 @@ def test_adapter_only_versions_are_refused_where_weights_are_streamed():
             load_config(None, {**lora, **extra})
         load_config(None, {**lora, **extra, "sync.lora_adapters": "off"})
     load_config(None, {**lora, "launch.backend": "ray", "launch.stream_weights": "never"})
+
+
+def test_numpy_scalars_and_str_subclasses_stand_for_their_builtin():
+    """The Python API takes what a notebook holds: np.str_ is a str, np.float64/np.int64 are
+    numbers; each is stored as the builtin so the config stays YAML- and msgpack-safe."""
+    import numpy as np
+    import yaml
+
+    from pipeline.config import LossConfig, TrainConfig, to_dict
+
+    class Name(str):
+        pass
+
+    loss = LossConfig(off_policy=np.str_("ppo"), kl_coef=np.float32(0.5), is_cap=np.int64(4))
+    assert loss.off_policy == "ppo" and type(loss.off_policy) is str
+    assert type(loss.kl_coef) is float and loss.kl_coef == 0.5
+    assert type(loss.is_cap) is float and loss.is_cap == 4.0
+    train = TrainConfig(lr=np.float64(2e-5), batch_groups=np.int64(4), steps=np.uint16(3),
+                        mode=Name("sync"), loss=loss)
+    assert (train.lr, train.batch_groups, train.steps, train.mode) == (2e-5, 4, 3, "sync")
+    assert [type(v) for v in (train.lr, train.batch_groups, train.steps, train.mode)] == [
+        float, int, int, str]
+    cfg = load_config(overrides={"name": np.str_("exp"), "tensorboard": np.bool_(False),
+                                 "generation.stop": [np.str_("\n")],
+                                 "producer_gpus": [np.int64(1)]})
+    assert cfg.name == "exp" and cfg.tensorboard is False and cfg.producer_gpus == ["1"]
+    assert type(cfg.generation.stop[0]) is str
+    yaml.safe_dump(to_dict(cfg))  # plain builtins only
+
+
+def test_numpy_scalars_keep_their_checks():
+    import numpy as np
+
+    from pipeline.config import LossConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"train\.batch_groups: expected an integer"):
+        TrainConfig(batch_groups=np.bool_(True))  # a bool is not an int here either
+    with pytest.raises(ConfigError, match=r"train\.batch_groups: expected an integer"):
+        TrainConfig(batch_groups=np.float64(2.5))
+    with pytest.raises(ConfigError, match=r"train\.lr: expected a finite number"):
+        TrainConfig(lr=np.float64("nan"))
+    with pytest.raises(ConfigError, match=r"train\.loss\.off_policy: must be decoupled or ppo"):
+        LossConfig(off_policy=np.str_("vtrace"))
+    with pytest.raises(ConfigError, match=r"train\.loss\.clip_eps_low: must be in \(0, 1\)"):
+        LossConfig(clip_eps_low=np.float64(2.0))
