@@ -12,12 +12,15 @@ the only process that writes to the console, so lines of different processes nev
 - with ``verbose``, every line (the libraries' INFO and warnings too): on stderr.
 
 The launcher's own records go to ``logs/launcher.log`` and, from WARNING up (every level with
-``verbose``), to stderr.
+``verbose``), to stderr. Multiprocessing's resource tracker, which the launcher starts with
+its stderr in ``launcher.log``, writes there too: its exit-time warnings about what killed
+children left ("leaked semaphore objects") stay in that file.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -159,6 +162,31 @@ def launcher_logging(verbose: bool) -> None:
         handler.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
+def resource_tracker_to(path: Path) -> None:
+    """Start multiprocessing's resource tracker with its stderr appended to ``path`` (the
+    launcher's log file), before the first child is spawned.
+
+    Every spawned child (producers, learner, their vLLM engine cores) shares the launcher's
+    tracker, which starts on the first spawn and inherits the launcher's stderr, the console.
+    When the launcher exits, the tracker cleans up what killed children registered and warns
+    about each ("There appear to be N leaked semaphore objects", "leaked shared_memory objects",
+    "No such file or directory" for a segment someone else already unlinked) after the log
+    follower has stopped: those library lines belong in the log, like other library warnings.
+    A tracker already running (the launcher embedded in another program) is left as it is."""
+    from multiprocessing import resource_tracker
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    console = os.dup(2)
+    try:
+        with path.open("ab") as f:
+            os.dup2(f.fileno(), 2)  # what the tracker process inherits as its stderr
+            resource_tracker.ensure_running()
+    finally:
+        os.dup2(console, 2)
+        os.close(console)
+
+
 def log_to_run_dir(run_dir: Path) -> logging.Handler:
     """Add ``run_dir/logs/launcher.log`` to the launcher's records (every level from INFO)."""
     path = log_file(run_dir, "launcher")
@@ -170,4 +198,5 @@ def log_to_run_dir(run_dir: Path) -> logging.Handler:
     return handler
 
 
-__all__ = ["LOGS_DIR", "LineFilter", "LogFollower", "launcher_logging", "log_to_run_dir"]
+__all__ = ["LOGS_DIR", "LineFilter", "LogFollower", "launcher_logging", "log_to_run_dir",
+           "resource_tracker_to"]

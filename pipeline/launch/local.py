@@ -34,7 +34,7 @@ from pipeline.config import (
     producer_gpu_env,
     to_dict,
 )
-from pipeline.launch.console import LogFollower, log_to_run_dir
+from pipeline.launch.console import LogFollower, log_to_run_dir, resource_tracker_to
 from pipeline.launch.shm import (
     forget_record,
     forget_tracked,
@@ -323,6 +323,7 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         set_aside_previous_run(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     file_log = log_to_run_dir(run_dir)
+    resource_tracker_to(log_file(run_dir, "launcher"))  # before the first child shares it
     follower = LogFollower(run_dir / LOGS_DIR, verbose=verbose)  # before any child writes
     if not resume:
         # A fresh run must not resend the outbox of an earlier run in the same run_dir.

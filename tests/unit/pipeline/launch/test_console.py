@@ -4,9 +4,11 @@ and a real child process (and its own child) writing into its log file."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from pipeline.launch.console import LineFilter, LogFollower
@@ -174,3 +176,54 @@ def test_a_process_and_the_process_it_starts_write_into_its_log_file(tmp_path):
         "dying words",
     ):
         assert expected in text, text
+
+
+_LEAKY = """
+import multiprocessing as mp, os, sys
+from multiprocessing import shared_memory
+from pathlib import Path
+from pipeline.launch.console import resource_tracker_to
+
+def child(conn):
+    sem = mp.get_context("spawn").Semaphore()  # registered with the parent's tracker
+    seg = shared_memory.SharedMemory(create=True, size=64)
+    conn.send(seg.name)
+    os._exit(0)  # dies like a killed producer: nothing unlinked, nothing unregistered
+
+if __name__ == "__main__":
+    if sys.argv[2] == "log":
+        resource_tracker_to(Path(sys.argv[1]))
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=child, args=(there,))
+    p.start()
+    name = here.recv()
+    p.join()
+    os.unlink(f"/dev/shm/{name}")  # someone else removed it: the tracker's unlink fails
+    print("done", flush=True)
+"""
+
+
+def test_the_resource_trackers_exit_warnings_go_to_the_log_not_the_console(tmp_path):
+    """Real spawn child that leaks a semaphore and a shared-memory segment: the tracker's
+    "leaked ..." and "No such file" warnings, printed after the launcher exits, land in the
+    launcher's log file; without it they reach the console (what users saw)."""
+    script = tmp_path / "leaky.py"
+    script.write_text(_LEAKY)
+    root = Path(__file__).resolve().parents[4]
+    launcher_log = tmp_path / "logs" / "launcher.log"
+    for where in ("console", "log"):
+        out = subprocess.run([sys.executable, str(script), str(launcher_log), where],
+                             capture_output=True, text=True, timeout=120, cwd=root,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+        assert out.returncode == 0 and out.stdout == "done\n", out.stderr
+        if where == "console":
+            assert "leaked semaphore" in out.stderr, out.stderr
+            continue
+        assert out.stderr == ""
+        deadline = time.monotonic() + 30  # the tracker writes once its launcher is gone
+        while "No such file" not in launcher_log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        text = launcher_log.read_text()
+        assert "leaked semaphore" in text and "leaked shared_memory" in text, text
+        assert "No such file or directory" in text, text
