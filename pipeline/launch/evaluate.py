@@ -1,11 +1,13 @@
 """``pipeline-train eval --checkpoint DIR``: evaluate one checkpoint's weights on held-out prompts.
 
 The figures are the ones a run logs during training (``pipeline.producer.evaluate``), computed
-the same way: the checkpoint's model is loaded into a learner-side trainer on the CPU, its
-weights go into one vLLM engine as a snapshot (the producers' load path), and the ``eval.*``
+the same way: the checkpoint's weights are read on the CPU whatever its kind (full, LoRA merged,
+DeepSpeed ZeRO-2/3 consolidated: ``pipeline.launch.checkpoint_weights``), checked against the
+model, and go into one vLLM engine as a snapshot (the producers' load path); the ``eval.*``
 options of the run's config (or ``--config``/``--set``) choose prompts, samples and threshold.
-A checkpoint holds the weights after its step: for the final one, newer than the last version
-the producers ran.
+A checkpoint that cannot be read, or holds another model's weights, exits 2 with one line before
+any engine starts. A checkpoint holds the weights after its step: for the final one, newer than
+the last version the producers ran.
 """
 
 from __future__ import annotations
@@ -92,20 +94,24 @@ def config_for(ckpt: Path, config: str | None, sets: list[str]) -> RunConfig:
 
 
 def checkpoint_snapshot(cfg: RunConfig, model_path: str, ckpt: Path, directory: Path) -> Any:
-    """The checkpoint's weights as a snapshot file in ``directory`` (LoRA merged, as the
-    learner publishes them) and the learner state: ``(SnapshotRef, LearnerState)``."""
-    from pipeline.learner.checkpoint import load_checkpoint
-    from pipeline.learner.trainer import PolicyTrainer
+    """The checkpoint's weights as a snapshot file in ``directory`` and its learner state:
+    ``(SnapshotRef, LearnerState, kind)``. Whatever the checkpoint's kind (full weights, LoRA,
+    DeepSpeed ZeRO-2/3: ``pipeline.launch.checkpoint_weights``), the snapshot holds every tensor
+    of the model, LoRA merged; CheckpointError (one line) if the checkpoint is unreadable or
+    another model's."""
+    import torch
+
+    from pipeline.launch.checkpoint_weights import checkpoint_weights
     from sync.snapshot import write_snapshot
 
-    state, tensors, _buffer = load_checkpoint(ckpt)
-    trainer = PolicyTrainer(cfg, model_path, device="cpu")
-    trainer.load_state(tensors, ckpt)
+    state, weights, kind = checkpoint_weights(
+        ckpt, model_path, cfg.train.lora_alpha, getattr(torch, cfg.model.dtype)
+    )
     # One past the run's last version: a version the freshly started engine has not run.
-    ref = write_snapshot(trainer.snapshot_tensors(), state.version + 1, directory)
-    del trainer, tensors
+    ref = write_snapshot(weights, state.version + 1, directory)
+    del weights
     gc.collect()
-    return ref, state
+    return ref, state, kind
 
 
 async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, float]:
@@ -169,29 +175,36 @@ def _reward_cluster(cfg: RunConfig) -> Any:
 
 
 def main(argv: list[str]) -> int:
-    """Run the subcommand; bad input exits 2 with one line naming the option."""
+    """Run the subcommand; bad input (options, or a checkpoint it cannot read) exits 2 with one
+    line, before any engine starts."""
     args = build_parser().parse_args(argv)
-    try:
-        ckpt = resolve_checkpoint(Path(args.checkpoint))
-        cfg = config_for(ckpt, args.config, args.set)
-        if not cfg.eval.data:
-            raise ConfigError("eval.data: name the held-out prompts (--set eval.data=FILE)")
-        from pipeline.launch.local import prepare
-        from pipeline.producer.evaluate import eval_records
+    with tempfile.TemporaryDirectory(prefix="pipeline-eval-") as tmp:
+        from pipeline.learner.checkpoint import CheckpointError
 
-        model_path = prepare(cfg, role="producer")
-        eval_records(cfg.data, cfg.eval)  # a bad eval.data fails here, before any engine
-        reward_cluster = _reward_cluster(cfg)
-    except ConfigError as e:
-        print(f"pipeline-train eval: config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        with tempfile.TemporaryDirectory(prefix="pipeline-eval-") as tmp:
-            ref, state = checkpoint_snapshot(cfg, model_path, ckpt, Path(tmp))
+        try:
+            ckpt = resolve_checkpoint(Path(args.checkpoint))
+            cfg = config_for(ckpt, args.config, args.set)
+            if not cfg.eval.data:
+                raise ConfigError("eval.data: name the held-out prompts (--set eval.data=FILE)")
+            from pipeline.launch.local import prepare
+            from pipeline.producer.evaluate import eval_records
+
+            model_path = prepare(cfg, role="producer")
+            eval_records(cfg.data, cfg.eval)  # a bad eval.data fails here, before any engine
+            ref, state, kind = checkpoint_snapshot(cfg, model_path, ckpt, Path(tmp))
+            reward_cluster = _reward_cluster(cfg)
+        except ConfigError as e:
+            print(f"pipeline-train eval: config error: {e}", file=sys.stderr)
+            return 2
+        except CheckpointError as e:
+            print(f"pipeline-train eval: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        print(f"checkpoint {ckpt} (step {state.step}, version {state.version}): {kind}")
+        try:
             stats = asyncio.run(_evaluate(cfg, model_path, ref))
-    finally:
-        if reward_cluster is not None:
-            reward_cluster.stop()
+        finally:
+            if reward_cluster is not None:
+                reward_cluster.stop()
     result = {"checkpoint": str(ckpt), "step": state.step, "version": state.version, **stats}
     out = Path(args.out) if args.out else ckpt / "eval.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
