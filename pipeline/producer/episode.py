@@ -463,6 +463,45 @@ async def run_episode(
     )
 
 
+class FailureLog:
+    """How failed episodes are logged without flooding the console (pure; one per producer).
+
+    The first ``first`` failures are warnings, which the launcher shows on the console; later
+    ones are INFO records, kept in the producer's log file only, and counted by kind until
+    ``summary`` turns the count into one warning line, which the producer calls once per
+    learner step. So a tool that raises in every episode costs a few console lines, then one
+    line per step; the log file holds every failure with its detail."""
+
+    def __init__(self, first: int = 5):
+        self.first = first
+        self.failures = 0
+        self.quiet: dict[str, int] = {}
+        """Failures by kind (``EpisodeResult.failure``) logged since the last summary."""
+
+    def record(self, prompt_id: str, failure: str, detail: str) -> tuple[int, str]:
+        """(logging level, message) for one failed episode."""
+        self.failures += 1
+        message = f"prompt {prompt_id}: episode failed ({failure}): {detail}"
+        if self.failures < self.first:
+            return logging.WARNING, message
+        if self.failures == self.first:
+            return logging.WARNING, (f"{message} (further failures: one line per step here, "
+                                     "each one in the log file)")
+        self.quiet[failure] = self.quiet.get(failure, 0) + 1
+        return logging.INFO, message
+
+    def summary(self, version: int) -> str | None:
+        """One line counting the failures logged quietly since the last summary (None when
+        there were none), and a new count from here; ``version``: the learner's now."""
+        if not self.quiet:
+            return None
+        n = sum(self.quiet.values())
+        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(self.quiet.items()))
+        self.quiet = {}
+        return (f"{n} more episode{'s' * (n != 1)} failed ({kinds}) up to learner version "
+                f"{version}; {self.failures} in all, each one in the log file")
+
+
 async def score_episodes(
     rewards: Any, prompt: Any, episodes: Sequence[EpisodeResult], meta: dict[str, Any]
 ) -> tuple[list[float], list[dict[str, float]]] | None:

@@ -56,6 +56,7 @@ from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
 from pipeline.producer.episode import (
     EpisodeResult,
+    FailureLog,
     episode_limits,
     load_episode,
     run_episodes,
@@ -128,6 +129,8 @@ class Producer:
         self.stats = ProducerStats()
         # Multi-turn episodes (episode.fn): G of them make a group instead of G completions.
         self.episode_fn = load_episode(cfg.episode.fn) if cfg.episode.fn else None
+        self.episode_failures = FailureLog()
+        self._failures_version = -1  # the learner version of the last failure summary
         self.in_flight_groups = 0
         self.held = 0            # our groups in the learner's buffer (from announces)
         self.accepted = 0        # groups of this process the learner has (from announces)
@@ -333,11 +336,17 @@ class Producer:
                         "episode_tool_errors", "timeout": "episode_timeouts"}.get(
                             r.failure, "episode_errors")
                 setattr(st, name, getattr(st, name) + 1)
-                log.warning("prompt %s: episode failed (%s): %s", record.prompt_id, r.failure,
-                            r.detail)
+                log.log(*self.episode_failures.record(record.prompt_id, r.failure, r.detail))
         if any(r.failure for r in results) and self.cfg.rewards.on_failure == "drop":
             return None
         return results
+
+    def _summarise_failures(self) -> None:
+        """One warning line counting the episode failures logged to the file only since the
+        last one (``FailureLog``)."""
+        line = self.episode_failures.summary(max(self._failures_version, 0))
+        if line is not None:
+            log.warning("%s: %s", self.producer_id, line)
 
     def _log_sent(self, record: dict[str, Any]) -> None:
         """One line per group handed to the transport: the producer side of the soak's
@@ -418,6 +427,9 @@ class Producer:
 
     async def _apply_announce(self, ann: Announce) -> None:
         self.outbox.forget_durable(ann.durable)
+        if ann.version != self._failures_version:  # a learner step: one line for its failures
+            self._failures_version = ann.version
+            self._summarise_failures()
         if ann.finished and self.stop_when_learner_done:
             raise LearnerFinished(f"learner session {ann.learner_session} trained its last "
                                   f"step (version {ann.version})")
@@ -608,8 +620,10 @@ class Producer:
 
     def heartbeat_stats(self) -> dict[str, float]:
         """Every counter of this process (``pipeline.producer.stats`` and the rewards'
-        ``reward/<name>/<kind>``): the learner logs them to metrics.jsonl and TensorBoard."""
-        return {**self.stats.to_dict(), **{k: float(v) for k, v in self.rewards.stats.items()}}
+        ``reward/<name>/<kind>``, once the rewards have run): the learner logs them to
+        metrics.jsonl and TensorBoard."""
+        return {**self.stats.to_dict(),
+                **{k: float(v) for k, v in self.rewards.reported_stats().items()}}
 
     async def _heartbeat(self) -> None:
         while True:
@@ -644,6 +658,7 @@ class Producer:
         except* LearnerFinished as eg:
             log.info("%s: %s; stopping", self.producer_id, eg.exceptions[0])
         finally:
+            self._summarise_failures()
             self.outbox.close()
             if hasattr(self.transport, "close"):
                 self.transport.close()

@@ -213,6 +213,7 @@ class RewardSet:
         self.pool_workers = pool_workers
         self.actors: list[_Actor] = []
         self.stats: dict[str, int] = {"reward/dropped_groups": 0, "reward/unscored_completions": 0}
+        self.groups_scored = 0
         process_entries = []
         for spec in specs:
             obj = _resolve_obj(spec)
@@ -262,6 +263,7 @@ class RewardSet:
         the completions' token ids, passed to TRL-style rewards as ``completion_ids``.
         """
         n = len(completions)
+        self.groups_scored += 1
         metas = [{**meta, "completion_index": i} for i in range(n)]
         per_actor = await asyncio.gather(
             *(self._score_actor(a, prompt, completions, metas, completion_ids) for a in self.actors)
@@ -294,6 +296,12 @@ class RewardSet:
                 ", ".join(failed_names),
             )
         return RewardResult(total=total, breakdown=breakdown, failed=failed, dropped=dropped)
+
+    def reported_stats(self) -> dict[str, int]:
+        """The counters to log: every one once this set has scored a group, none before. An
+        episode run whose episodes return their own rewards never calls the reward functions,
+        and their counters, all 0, would read as rewards that ran and never failed."""
+        return dict(self.stats) if self.groups_scored else {}
 
     def close(self) -> None:
         """Shut down the process pool, terminating workers stuck in hung calls."""

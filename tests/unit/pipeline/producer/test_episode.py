@@ -430,3 +430,25 @@ def test_feedback_game_rewards_the_turn_of_the_right_answer():
     ctx = _ctx(["7"], limits=EpisodeLimits(2, 64, 1.0, 10.0))
     r = asyncio.run(run_episode(feedback_episode, ctx, "Q", {"answer": "19"}))
     assert r.turns == 2 and r.reward == (0.0, {"episode": 0.0})
+
+
+def test_failure_log_warns_for_the_first_few_then_counts_by_kind():
+    import logging
+
+    from pipeline.producer.episode import FailureLog
+
+    f = FailureLog(first=2)
+    assert f.summary(0) is None
+    assert f.record("a", "tool_error", "tool x raised") == (
+        logging.WARNING, "prompt a: episode failed (tool_error): tool x raised")
+    level, message = f.record("b", "timeout", "slow")
+    assert level == logging.WARNING and message.endswith("each one in the log file)")
+    assert f.summary(1) is None  # nothing was logged quietly yet
+    assert f.record("c", "tool_error", "d")[0] == logging.INFO
+    assert f.record("d", "tool_error", "d")[0] == logging.INFO
+    assert f.record("e", "error", "d")[0] == logging.INFO
+    assert f.summary(2) == ("3 more episodes failed (error 1, tool_error 2) up to learner "
+                            "version 2; 5 in all, each one in the log file")
+    assert f.summary(3) is None
+    f.record("f", "timeout", "d")
+    assert f.summary(4).startswith("1 more episode failed (timeout 1)")

@@ -6,10 +6,12 @@ group per ``rewards.on_failure``. Real RewardSet and outbox; the engine request
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
-from producer_fakes import RecordingEndpoint
+from producer_fakes import Cursor, RecordingEndpoint
 
+from buffer.protocol import Announce
 from buffer.schema import Completion, RolloutGroup
 from pipeline.config import load_config
 from pipeline.producer.data import PromptRecord
@@ -109,6 +111,18 @@ def test_episode_return_values_are_the_rewards(tmp_path):
     assert g.completions[2].reward_breakdown == {"episode": 2.0}
 
 
+def test_reward_counters_appear_only_when_the_reward_functions_run(tmp_path):
+    """Episodes that return their own rewards never call rewards.specs: no reward/<name>/*
+    counters in the heartbeat (they read 0 for a reward that never ran)."""
+    p, _endpoint = _producer(tmp_path, scoring_episode)
+    _run(p)
+    assert not [k for k in p.heartbeat_stats() if k.startswith("reward/")]
+    assert p.heartbeat_stats()["episodes"] == 3
+    p, _endpoint = _producer(tmp_path, tool_episode)  # returns None: the reward scores it
+    _run(p)
+    assert p.heartbeat_stats()["reward/length_reward/calls"] == 3
+
+
 def test_a_failing_tool_scores_its_episode_zero(tmp_path, caplog):
     p, endpoint = _producer(tmp_path, tool_episode, fail=True)
     _run(p)
@@ -124,3 +138,39 @@ def test_a_failing_tool_drops_the_group_under_on_failure_drop(tmp_path):
     _run(p)
     assert _groups(endpoint) == []
     assert p.stats.groups_dropped_episode == 1 and p.stats.episode_tool_errors == 1
+
+
+async def broken_tool_episode(ctx, prompt, **meta):
+    await ctx.generate()
+    await ctx.tool(_broken)
+
+
+def test_failed_episodes_show_a_few_lines_then_one_per_step_and_log_every_one(tmp_path, caplog):
+    """A tool that raises in every episode: 81 failures in 3 steps printed 81 console warnings.
+    Now the first 5 are warnings, the rest INFO records (the log file), and each learner step
+    (a new version in the announce) adds one warning line with the count by kind."""
+    caplog.set_level(logging.INFO, logger="pipeline.producer")
+    p, _endpoint = _producer(tmp_path, broken_tool_episode)
+    p.prompts = Cursor()
+
+    async def run() -> None:
+        for step in range(1, 4):
+            for i in range(9):  # 9 groups of 3 episodes
+                await p._run_group(PromptRecord(f"q{step}.{i}", "Q?", {}, 1), [81, 63])
+            for _ in range(2):  # announces repeat every second; one summary per version
+                await p._apply_announce(Announce(
+                    version=step, snapshot_uri="", snapshot_checksum="", learner_session="s",
+                    received={}, consumed={}))
+
+    asyncio.run(run())
+    failed = [r for r in caplog.records if "episode failed (tool_error)" in r.getMessage()]
+    assert len(failed) == 81 == p.stats.episode_tool_errors  # every one in the log file
+    assert [r.levelno for r in failed[:6]] == [logging.WARNING] * 5 + [logging.INFO]
+    assert {r.levelno for r in failed[5:]} == {logging.INFO}
+    assert "one line per step" in failed[4].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 5 + 3, warnings
+    assert warnings[5:] == [
+        f"p0: {n} more episodes failed (tool_error {n}) up to learner version {v}; {total} in "
+        "all, each one in the log file" for n, v, total in [(22, 1, 27), (27, 2, 54), (27, 3, 81)]
+    ]

@@ -181,6 +181,17 @@ def test_sync_function_by_import_path_and_stats():
     assert rs.stats["reward/length_score/failures"] == 0
 
 
+def test_counters_are_reported_once_the_rewards_have_run():
+    """A set that never scored a group (episodes that return their own rewards) reports no
+    counters: all-zero ones would read as rewards that ran and never failed."""
+    with RewardSet([spec("length_score")]) as rs:
+        assert rs.reported_stats() == {}
+        score(rs, ["a"])
+        reported = rs.reported_stats()
+    assert reported["reward/length_score/calls"] == 1
+    assert reported["reward/length_score/failures"] == 0 and "reward/dropped_groups" in reported
+
+
 def test_async_function_gets_meta():
     with RewardSet([spec(async_contains)]) as rs:
         res = score(rs, ["it is 19", "20"], answer="19")
