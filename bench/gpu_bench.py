@@ -1,7 +1,7 @@
 """Async vs sync (vs TRL's GRPOTrainer): the same GRPO job on the same GPUs, measured in one run.
 
     python -m bench.gpu_bench --layout split --model 0.5b --steps 12 --out runs/bench \\
-        --runs sync,async1,async2 [--trl colocate,server]
+        --runs sync,async1,async2 [--trl colocate,server,async]
     python -m bench.gpu_bench --layout colocated --task reward --model /tmp/smollm2 \\
         --runs sync,async1 --max-tokens 16 --lr 5e-5 --set data.path=arithmetic:2000:9 ...
 
@@ -25,7 +25,13 @@ n/a. Figures are taken over the steady window
 - busy fraction of each GPU role (NVML utilization sampled every 0.1 s: the fraction of time a
   kernel ran), i.e. how much of the time generation and training actually use their GPU;
 - weight-sync time per step (learner publish -> all acks) and engine idle per swap;
-- the staleness distribution of trained groups.
+- the staleness distribution of trained groups;
+- MFU where the run logs it per step (``mfu``, ``mfu_compute``: fractions of the GPU's dense
+  bf16 peak): TRL's async trainer does (``perf/mfu_wall_clock``: whole step; ``perf/mfu_fwd_bwd``:
+  forward + backward only), read by bench/trl_async.py.
+TRL runs (``--trl``): ``colocate`` and ``server`` are TRL's GRPOTrainer (bench/trl_grpo.py);
+``async`` is TRL's AsyncGRPOTrainer (bench/trl_async.py, split layout only: its vLLM server on
+the generation GPU, its trainer on the learner GPU, max_staleness 1 like our async1).
 It writes ``results.json``, ``results.md`` (a Markdown table with the async/sync and ours/TRL
 ratios) and ``results.png`` into ``--out``, after every run (a bench cut by SIGTERM keeps the
 runs it finished). Runs without GPUs too (tiny model on the CPU build),
@@ -84,6 +90,11 @@ class RunResult:
     swap_idle_s_mean: float | None = None
     transport_fallbacks: int = 0  # GPU weight swaps that fell back to the file (ours)
     staleness: dict = field(default_factory=dict)
+    # runs that log no histogram (TRL async): the window's mean of per-step means, and max
+    staleness_mean: float | None = None
+    staleness_max: float | None = None
+    mfu: float | None = None          # median per-step MFU over the window (whole step)
+    mfu_compute: float | None = None  # the same over forward + backward time only (TRL async)
     gpu_busy: dict = field(default_factory=dict)
     # GPUs in both roles (colocated, split-shared): their busy fraction is in both busy columns
     shared_gpus: list = field(default_factory=list)
@@ -165,6 +176,13 @@ def summarize(name: str, metrics: list[dict], wall_s: float, warmup: int,
                 key = k.split("/", 1)[1]
                 hist[key] = hist.get(key, 0.0) + float(v)
     res.staleness = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+    means = [m["staleness_mean"] for m in window if "staleness_mean" in m]
+    if means:
+        res.staleness_mean = round(statistics.fmean(means), 3)
+        res.staleness_max = max(m.get("staleness_max", 0.0) for m in window)
+    for key in ("mfu", "mfu_compute"):
+        vals = [m[key] for m in window if m.get(key) is not None]
+        setattr(res, key, round(statistics.median(vals), 4) if vals else None)
     if sampler is not None:
         for role, gpus in roles.items():
             vals = [sampler.busy(g, t0, t1) for g in gpus]
@@ -282,8 +300,11 @@ def _yaml_float(x: float) -> str:
 
 
 def run_trl(args: argparse.Namespace, name: str, model: str, out: Path) -> RunResult:
-    """TRL's GRPOTrainer through bench/trl_grpo.py (same model, prompts, reward, batch)."""
+    """TRL's GRPOTrainer through bench/trl_grpo.py (same model, prompts, reward, batch); TRL's
+    AsyncGRPOTrainer through bench/trl_async.py for ``trl-async``."""
     vllm_mode = name.removeprefix("trl-")
+    if vllm_mode == "async":
+        return run_trl_async(args, name, model, out)
     steps_json = out / f"{name}.json"
     cmd = [sys.executable, "-m", "bench.trl_grpo", "--model", model, "--vllm-mode", vllm_mode,
            "--steps", str(args.steps), "--batch-groups", str(args.batch_groups),
@@ -300,6 +321,25 @@ def run_trl(args: argparse.Namespace, name: str, model: str, out: Path) -> RunRe
                 *(["--server-gpus", physical(args, "1")] if vllm_mode == "server" else [])]
         roles = physical_roles(args, roles)
     return _timed(args, name, cmd, steps_json, roles, out / f"{name}.log", trl=True)
+
+
+def trl_async_command(args: argparse.Namespace, model: str, steps_json: Path) -> list[str]:
+    """bench/trl_async.py on our job: its vLLM server on the split layout's generation GPU, its
+    trainer on the learner GPU, max_staleness 1 (our async1)."""
+    return [sys.executable, "-m", "bench.trl_async", "--model", model,
+            "--steps", str(args.steps), "--batch-groups", str(args.batch_groups),
+            "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
+            "--ignore-eos", "--lr", str(args.lr), "--max-staleness", "1",
+            "--out", str(steps_json), "--num-prompts", "4000", "--max-operand", "99",
+            "--server-gpus", physical(args, LAYOUTS["split"][0][0]),
+            "--trainer-gpus", physical(args, LAYOUTS["split"][1])]
+
+
+def run_trl_async(args: argparse.Namespace, name: str, model: str, out: Path) -> RunResult:
+    steps_json = out / f"{name}.json"
+    roles = physical_roles(args, LAYOUTS["split"][2])
+    return _timed(args, name, trl_async_command(args, model, steps_json), steps_json, roles,
+                  out / f"{name}.log", trl=True)
 
 
 def _timed(args: argparse.Namespace, name: str, cmd: list[str], metrics_path: Path,
@@ -416,22 +456,23 @@ def write_report(out: Path, results: list[RunResult], args: argparse.Namespace,
              f"{length} per step; {args.steps} steps, "
              f"steady window after {args.warmup_steps} warm-up steps.", "",
              "| run | samples/s | tokens/s | s/step | gen GPU busy | learner GPU busy | "
-             "sync s/step | engine idle s/swap | staleness (count) | "
+             "sync s/step | engine idle s/swap | staleness (count) | MFU (step; fwd+bwd) | "
              + ("s to reward (step) | " if reward else "") + "note |",
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if reward else "")]
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if reward else "")]
     for r in results:
         lines.append(
             f"| {r.name} | {fmt(r.samples_per_s)} | {fmt(r.tokens_per_s)} | "
             f"{fmt(r.step_s_median)} | {busy(r, 'generation')} | "
             f"{busy(r, 'learner')} | {fmt(r.sync_s_mean)} | "
             f"{fmt(r.swap_idle_s_mean)} | "
-            f"{', '.join(f'{k}: {int(v)}' for k, v in r.staleness.items()) or 'n/a'} | "
+            f"{_staleness_cell(r)} | {_mfu_cell(r)} | "
             + (f"{_reward_cell(r)} | " if reward else "")
             + f"{'' if r.ok else 'FAILED '}{r.note}{_fallback_note(r)} |")
     lines += ["", "Ratios (trained samples/s): " + ", ".join(
         f"{a}/{b} = {ratio(a, b)}" for a, b in
         [("async1", "sync"), ("async2", "sync"), ("async1", "trl-colocate"),
-         ("async1", "trl-server"), ("sync", "trl-colocate"), ("sync-sleep", "sync"),
+         ("async1", "trl-server"), ("async1", "trl-async"), ("sync", "trl-colocate"),
+         ("sync-sleep", "sync"),
          ("ray-async1", "async1"), ("ray-sync", "sync")]
         if a in by and b in by)]
     shared = _shared_gpu_note(results)
@@ -463,6 +504,21 @@ def _shared_gpu_note(results: list[RunResult]) -> str:
     return ("\\* Busy on a GPU that runs both a producer and the learner (" + runs + "): its "
             "fraction is in both busy columns (gen GPU busy is the mean over the generation "
             "GPUs), so the two columns overlap and do not split its time between the roles.")
+
+
+def _staleness_cell(r: RunResult) -> str:
+    if r.staleness:
+        return ", ".join(f"{k}: {int(v)}" for k, v in r.staleness.items())
+    if r.staleness_mean is not None:  # TRL async logs a per-step mean and max, no histogram
+        return f"mean {r.staleness_mean}, max {int(r.staleness_max or 0)}"
+    return "n/a"
+
+
+def _mfu_cell(r: RunResult) -> str:
+    if r.mfu is None and r.mfu_compute is None:
+        return "n/a"
+    pct = ["n/a" if v is None else f"{100 * v:.1f}%" for v in (r.mfu, r.mfu_compute)]
+    return pct[0] if r.mfu_compute is None else f"{pct[0]}; {pct[1]}"
 
 
 def _reward_cell(r: RunResult) -> str:
@@ -573,7 +629,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus", default="",
                    help="the machine's GPU ids that the layout's GPUs 0, 1, ... are, e.g. 2,3 "
                         "(default: the same ids)")
-    p.add_argument("--trl", default="", help="comma list of colocate,server ('' = no TRL runs)")
+    p.add_argument("--trl", default="",
+                   help="comma list of colocate,server (TRL's GRPOTrainer), async (TRL's "
+                        "AsyncGRPOTrainer; layout split) ('' = no TRL runs)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--batch-groups", type=int, default=16)
@@ -602,9 +660,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [r for r in args.runs.split(",") if r and r.removeprefix("ray-") not in RUNS]
     if bad:
         p.error(f"--runs: unknown {bad}; choose from {sorted(RUNS)}")
-    bad = [r for r in args.trl.split(",") if r and r not in ("colocate", "server")]
+    bad = [r for r in args.trl.split(",") if r and r not in ("colocate", "server", "async")]
     if bad:
-        p.error(f"--trl: unknown {bad}; choose from colocate, server")
+        p.error(f"--trl: unknown {bad}; choose from colocate, server, async")
+    if "async" in args.trl.split(",") and args.layout != "split":
+        p.error(f"--trl async runs TRL's server on GPU 0 and its trainer on GPU 1: layout split "
+                f"only, not {args.layout}")
     if args.task == "reward" and args.trl:
         p.error("--task reward compares our modes only (bench/trl_grpo.py's prompts are fixed)")
     if args.reward_window < 1 or not 0.0 < args.reward_frac <= 1.0:
