@@ -390,6 +390,9 @@ class SyncConfig:
                 "targeted modules; 'off' always ships merged weights (docs/lora.md)")
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
     keep_snapshots: int = opt(2, "snapshot files kept on disk")
+    bucket_mb: int = opt(1024, "weights are copied out of the learner this many MB at a time "
+                               "(engine dtype): a ZeRO-3 learner gathers one bucket at a time, "
+                               "never the whole model on one GPU", ge=1)
     retain_groups: int = opt(4096, "groups a producer keeps until the learner has checkpointed "
                                    "them (resent after a learner restart; oldest dropped first)",
                              ge=0)

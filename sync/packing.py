@@ -16,6 +16,7 @@ exactly ``total_bytes(layout)`` bytes; names are unique.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,12 +63,33 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def plan_layout(tensors: dict[str, torch.Tensor]) -> Layout:
     """Aligned offsets for ``tensors`` in insertion order."""
+    return plan_layout_of({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
+
+
+def plan_layout_of(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> Layout:
+    """Aligned offsets for tensors known by (dtype, shape) only, in insertion order: a sharded
+    learner plans the whole version before it gathers any of it."""
     out, off = [], 0
-    for name, t in tensors.items():
-        e = Entry(name, dtype_name(t.dtype), tuple(int(s) for s in t.shape), off)
+    for name, (dtype, shape) in specs.items():
+        e = Entry(name, dtype_name(dtype), tuple(int(s) for s in shape), off)
         out.append(e)
         off += -(-e.nbytes // ALIGN) * ALIGN
     return tuple(out)
+
+
+def plan_buckets(layout: Layout, bucket_bytes: int) -> list[list[str]]:
+    """``layout``'s names in order, cut into runs of at most ``bucket_bytes`` each (a tensor
+    larger than that is a bucket of its own). A sharded learner gathers one bucket at a time,
+    so no rank ever holds more than a bucket of gathered weights beside its own shards."""
+    out: list[list[str]] = []
+    size = 0
+    for e in layout:
+        if not out or (size + e.nbytes > bucket_bytes and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(e.name)
+        size += e.nbytes
+    return out
 
 
 def total_bytes(layout: Layout) -> int:
@@ -144,8 +166,13 @@ def ipc_export(flat: torch.Tensor, gpu_uuid: str) -> dict[str, Any]:
     """The CUDA IPC handle of ``flat`` (a whole uint8 buffer) as plain fields."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    if not flat.is_cuda or flat.storage_offset() != 0 or not flat.is_contiguous():
-        raise PackingError("ipc_export needs a contiguous CUDA buffer at storage offset 0")
+    if not flat.is_cuda:
+        # A ZeRO-3 learner's gathered state dict is on the CPU (DeepSpeed copies each gathered
+        # layer to host memory), so a buffer packed next to it was too.
+        raise PackingError(f"ipc_export needs a CUDA buffer; this one is on {flat.device}")
+    if flat.storage_offset() != 0 or not flat.is_contiguous():
+        raise PackingError(f"ipc_export needs a whole contiguous buffer (storage offset "
+                           f"{flat.storage_offset()}, contiguous {flat.is_contiguous()})")
     _rebuild, args = reduce_tensor(flat)
     (_cls, _size, _stride, _toff, _scls, _dtype, _dev, handle, size_b, off_b, _rg,
      rc_handle, rc_off, ev_handle, ev_sync) = args
@@ -182,3 +209,40 @@ def ipc_import(fields: dict[str, Any], device_index: int) -> torch.Tensor:
         f["handle"], f["storage_size_bytes"], f["storage_offset_bytes"], False,
         f["ref_counter_handle"], f["ref_counter_offset"], f["event_handle"],
         f["event_sync_required"])
+
+
+def pack_buckets(buckets: Iterable[dict[str, torch.Tensor]], layout: Layout,
+                 flat: torch.Tensor) -> int:
+    """Copy each bucket's tensors into their views of ``flat`` (``copy_`` casts to the
+    layout's dtype), one bucket at a time; returns the number of buckets.
+
+    A bucket may be freed as soon as the next one is asked for (a sharded learner's gathered
+    parameters), so a bucket read from a GPU is complete before we move on. Every bucket is
+    consumed even after a failed copy (each may be a collective that other ranks run in step);
+    the first error is raised at the end, as is a layout tensor that no bucket carried."""
+    views = unpack(flat, layout)
+    done: set[str] = set()
+    error: BaseException | None = None
+    n = 0
+    for bucket in buckets:
+        n += 1
+        if error is not None:
+            continue
+        try:
+            cuda = False
+            for name, t in bucket.items():
+                view = views[name]
+                view.copy_(t.detach().reshape(view.shape), non_blocking=True)
+                cuda = cuda or t.is_cuda or view.is_cuda
+                done.add(name)
+            if cuda:
+                torch.cuda.current_stream().synchronize()
+        except Exception as e:  # raised below, once every bucket is consumed
+            error = e
+    if error is not None:
+        raise error
+    missing = [e.name for e in layout if e.name not in done]
+    if missing:
+        raise PackingError(f"{len(missing)} tensor(s) of the layout came in no bucket, "
+                           f"e.g. {missing[:3]}")
+    return n

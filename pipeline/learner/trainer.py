@@ -29,6 +29,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from pipeline.learner import distributed as D
 from pipeline.learner.checkpoint import CheckpointError
 from pipeline.learner.loss import group_advantages, grpo_loss
 from sync.lora import adapter_sync_plan, adapter_tensors
+from sync.packing import plan_buckets, plan_layout_of
 
 log = logging.getLogger(__name__)
 DEEPSPEED_DIR = "deepspeed"  # inside a checkpoint dir: DeepSpeed's files, every rank's partitions
@@ -334,6 +336,10 @@ class PolicyTrainer:
                     log.error("rank %d: training step raised %s: %s; batch dropped", self.rank,
                               type(e).__name__, e)
                 continue
+            if op == "buckets":  # run the gathers in step with rank 0; rank 0 keeps the data
+                for _ in self._snapshot_buckets(*args):
+                    pass
+                continue
             {"grads": self._accumulate, "snapshot": self._snapshot, "state": self._state,
              "load": self._load_state, "save": self._save_shards}[op](*args)
 
@@ -504,6 +510,55 @@ class PolicyTrainer:
             merged = {k: v for k, v in sd.items() if k in trainable}
         return {k: v.detach().to(self.snapshot_dtype) for k, v in merged.items()
                 if k not in self._skip}
+
+    def _snapshot_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The parameters a version carries (trainable, tied lm_head left out), in model order:
+        the names and order ``_snapshot`` gives without LoRA."""
+        return [(n, p) for n, p in self.model.named_parameters()
+                if p.requires_grad and n not in self._skip]
+
+    def snapshot_plan(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]] | None:
+        """What ``snapshot_buckets`` yields, known without gathering anything: {HF name: (the
+        engines' dtype, full shape)} in model order (ZeRO-3 parameters hold their full shape in
+        ``ds_shape``). None under LoRA: its versions are computed from the whole gathered state
+        (merged weights or the adapter), so they come from ``snapshot_tensors``."""
+        if self._lora:
+            return None
+        return {n: (self.snapshot_dtype, tuple(int(s) for s in getattr(p, "ds_shape", p.shape)))
+                for n, p in self._snapshot_params()}
+
+    def snapshot_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The weights of ``snapshot_plan``, one bucket at a time (``sync.packing.plan_buckets``:
+        at most ``bucket_bytes`` of the engines' dtype each, a larger tensor alone), as
+        {name: full tensor on the model's device, in the parameter's own dtype}.
+
+        A bucket's tensors are valid only until the next one is asked for (under ZeRO-3 they
+        are the gathered parameters, partitioned again when the bucket ends): copy them out
+        (``copy_`` into a view of the plan's dtype casts) before advancing. Under ZeRO-3 each
+        bucket is an all-gather that the other ranks run in step (the "buckets" command), so no
+        rank holds more than a bucket of gathered weights beside its shards; the caller must run
+        the generator to its end even when its own copy fails, or the other ranks wait for
+        ever. Yields nothing on ranks other than 0."""
+        with self._lock:
+            if self.zero_stage == 3:
+                self._lead("buckets", bucket_bytes)
+            yield from self._snapshot_buckets(bucket_bytes)
+
+    def _snapshot_buckets(self, bucket_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        params = dict(self._snapshot_params())
+        layout = plan_layout_of({n: (self.snapshot_dtype,
+                                     tuple(getattr(p, "ds_shape", p.shape)))
+                                 for n, p in params.items()})
+        for names in plan_buckets(layout, bucket_bytes):
+            group = [params[n] for n in names]
+            gather = contextlib.nullcontext()
+            if self.zero_stage == 3:
+                import deepspeed
+
+                gather = deepspeed.zero.GatheredParameters(group, modifier_rank=None)
+            with gather:
+                if self.rank == 0:
+                    yield {n: p.detach() for n, p in zip(names, group, strict=True)}
 
     # -------------------------------------------------------------- checkpoint state
     def state(self) -> dict[str, Any]:

@@ -1,39 +1,63 @@
-"""Learner._capture packs the weights once and offers that buffer to the GPU publisher for the
-live ipc/nccl producers (trainer, publisher and routes are fakes: the GPU path needs GPUs)."""
+"""Learner._capture packs the weights once, bucket by bucket, and offers that buffer to the GPU
+publisher for the live ipc/nccl producers (trainer, publisher and routes are fakes: the GPU path
+needs GPUs); ``capture_device`` says where that buffer lives."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from pipeline.learner.loop import Learner
-from sync.packing import unpack
+from pipeline.learner.loop import Learner, capture_device
+from sync.packing import PackingError, ipc_export, plan_buckets, plan_layout, unpack
 
 
-def _fake(routes, publisher):
+def _fake(routes, publisher, lora=False, bucket_mb=1):
     tensors = {"w": torch.ones(2), "b": torch.arange(3, dtype=torch.int64)}
-    return SimpleNamespace(trainer=SimpleNamespace(snapshot_tensors=lambda: tensors),
-                           publisher=publisher, _gpu_routes=lambda: routes, counters={})
+    asked = []
+
+    def buckets(nbytes):
+        asked.append(nbytes)
+        yield {"w": tensors["w"]}
+        yield {"b": tensors["b"]}
+
+    trainer = SimpleNamespace(
+        snapshot_tensors=lambda: tensors, snapshot_buckets=buckets,
+        snapshot_plan=lambda: None if lora else {k: (v.dtype, tuple(v.shape))
+                                                 for k, v in tensors.items()},
+        device=torch.device("cpu"), zero_stage=0, tensors=tensors, asked=asked)
+    me = SimpleNamespace(trainer=trainer, publisher=publisher, _gpu_routes=lambda: routes,
+                         counters={}, cfg=SimpleNamespace(sync=SimpleNamespace(
+                             bucket_mb=bucket_mb)))
+    me._count_gpu_failure = lambda v, e: Learner._count_gpu_failure(me, v, e)
+    return me
 
 
-def test_capture_packs_a_copy_and_offers_it_to_the_ipc_producers_fake_publisher():
+def _publisher(calls):
+    return SimpleNamespace(device=torch.device("cpu"),
+                           publish_packed=lambda v, flat, layout, ipc: calls.append(
+                               (v, flat, sorted(ipc))))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_capture_packs_a_copy_and_offers_it_to_the_ipc_producers_fake_publisher(lora):
     calls = []
-    pub = SimpleNamespace(publish_packed=lambda v, flat, layout, ipc: calls.append(
-        (v, flat, sorted(ipc))))
-    me = _fake({"p0": "ipc", "p1": "nccl", "p2": "ipc"}, pub)
+    me = _fake({"p0": "ipc", "p1": "nccl", "p2": "ipc"}, _publisher(calls), lora=lora)
     flat, layout = Learner._capture(me, 7)
     assert [(v, ipc) for v, _f, ipc in calls] == [(7, ["p0", "p2"])]
     assert calls[0][1] is flat  # the same buffer: one copy serves the GPU routes and the file
     views = unpack(flat, layout)
     assert torch.equal(views["w"], torch.ones(2)) and torch.equal(views["b"], torch.arange(3))
-    me.trainer.snapshot_tensors()["w"].add_(5)  # training goes on: the capture is a copy
+    me.trainer.tensors["w"].add_(5)  # training goes on: the capture is a copy
     assert torch.equal(views["w"], torch.ones(2))
+    # Buckets of sync.bucket_mb, unless LoRA (computed from the whole state).
+    assert me.trainer.asked == ([] if lora else [1 << 20])
 
 
 def test_capture_without_gpu_routes_offers_nothing_fake_publisher():
     calls = []
-    me = _fake({}, SimpleNamespace(publish_packed=lambda *a, **k: calls.append(a)))
+    me = _fake({}, _publisher(calls))
     _flat, layout = Learner._capture(me, 1)
     assert calls == [] and [e.name for e in layout] == ["w", "b"]
 
@@ -42,6 +66,40 @@ def test_a_failed_gpu_offer_leaves_the_file_route_fake_publisher():
     def broken(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    me = _fake({"p0": "ipc"}, SimpleNamespace(publish_packed=broken))
+    me = _fake({"p0": "ipc"}, SimpleNamespace(device=torch.device("cpu"),
+                                              publish_packed=broken))
     flat, _layout = Learner._capture(me, 3)
     assert me.counters["gpu_publish_failures"] == 1 and flat.numel() > 0
+
+
+def test_ipc_export_refuses_a_host_buffer_and_says_where_it_is():
+    """The 7B/ZeRO-3 failure: the buffer was packed next to a state dict that DeepSpeed had
+    gathered onto the CPU; the export now names the device instead of a vague condition."""
+    tensors = {"w": torch.ones(4)}
+    layout = plan_layout(tensors)
+    flat = torch.zeros(256, dtype=torch.uint8)
+    with pytest.raises(PackingError, match="needs a CUDA buffer; this one is on cpu"):
+        ipc_export(flat, "GPU-x")
+    assert layout[0].nbytes == 16
+
+
+def test_capture_device_puts_gpu_routes_on_the_publishers_gpu_whatever_the_state():
+    cuda0, cpu = torch.device("cuda", 0), torch.device("cpu")
+    # The root cause: a ZeRO-3 learner's gathered tensors were on the CPU, so was the buffer.
+    assert capture_device(cuda0, cuda0, gpu_routes=True, sharded=True) == cuda0
+    assert capture_device(cpu, "cuda:1", gpu_routes=True, sharded=False) == torch.device(
+        "cuda", 1)
+    # Single GPU, file only: device-local copy as before (the writer copies it off the path).
+    assert capture_device(cuda0, cuda0, gpu_routes=False, sharded=False) == cuda0
+    # Sharded, file only: host memory, never a second whole model on a GPU.
+    assert capture_device(cuda0, cuda0, gpu_routes=False, sharded=True) == cpu
+    assert capture_device(cpu, None, gpu_routes=False, sharded=False) == cpu
+
+
+def test_plan_buckets_cuts_in_order_within_the_budget():
+    tensors = {"a": torch.zeros(100), "b": torch.zeros(100), "c": torch.zeros(1000),
+               "d": torch.zeros(10)}  # 400, 400, 4000, 40 bytes
+    layout = plan_layout(tensors)
+    assert plan_buckets(layout, 800) == [["a", "b"], ["c"], ["d"]]
+    assert plan_buckets(layout, 1 << 20) == [["a", "b", "c", "d"]]
+    assert plan_buckets(layout, 1) == [["a"], ["b"], ["c"], ["d"]]
