@@ -151,6 +151,34 @@ def set_aside_previous_run(run_dir: Path) -> Path | None:
     return dest
 
 
+def waiting_groups_line(run_dir: Path, max_staleness: int) -> str | None:
+    """One line for the end of a run when producers' outboxes (``run_dir/producers/*.wal``)
+    hold groups that the learner's last checkpoint lacks: generated but never delivered (a
+    producer restarted late, whose successor was still starting its engine when the learner
+    finished; groups in flight at the end). ``--resume`` resends them; None when there are none.
+    """
+    import json
+
+    from buffer.ledger import GroupLedger
+    from pipeline.learner.checkpoint import latest_checkpoint
+    from pipeline.producer.outbox import undelivered
+
+    ckpt = latest_checkpoint(run_dir)
+    state = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else {}
+    waiting = undelivered(run_dir / "producers", GroupLedger.from_dict(state.get("ledger") or {}))
+    if not waiting:
+        return None
+    version = int(state.get("version", 0))
+    total = sum(len(v) for v in waiting.values())
+    fresh = sum(version - v <= max_staleness for vs in waiting.values() for v in vs)
+    where = ", ".join(f"{name}: {len(vs)}" for name, vs in waiting.items())
+    stale = (f" (the other {total - fresh}: dropped, older than train.max_staleness allows)"
+             if fresh < total else "")
+    return (f"pipeline-train: {total} group(s) generated but not delivered wait in "
+            f"{run_dir / 'producers'}/ ({where}); --resume with a larger --steps trains "
+            f"{'them' if fresh == total else f'{fresh} of them'}{stale}")
+
+
 def _die_with_parent() -> None:
     """Linux: get SIGTERM if the launcher dies (even by kill -9), so no child is orphaned."""
     try:
@@ -425,6 +453,15 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         if reward_cluster is not None:
             reward_cluster.stop()
         follower.pump(final=True)
+        if role == "all":  # every producer is gone: their outboxes are final
+            try:
+                line = waiting_groups_line(run_dir, cfg.train.max_staleness)
+            except Exception as e:  # a report, never a reason to fail the run's end
+                log.warning("could not count the groups left in the producers' outboxes: %r", e)
+                line = None
+            if line is not None:
+                log.info("%s", line)
+                print(line, flush=True)
         logging.getLogger().removeHandler(file_log)
         file_log.close()
     return code

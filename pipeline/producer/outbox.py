@@ -6,6 +6,10 @@ restarted learner (which drops duplicates, see ``buffer.ledger``). The same grou
 a log file (``<run_dir>/producers/<incarnation>.wal``, length-prefixed msgpack frames), so a
 producer killed with groups still in its socket queue loses nothing either: the next producer with
 the same id recovers the dead incarnation's log and resends it.
+
+What is in these logs and not in the learner's ledger when a run ends (a producer restarted late,
+whose successor was still starting when the learner finished; groups in flight at the end) is
+what ``undelivered`` counts: ``--resume`` resends it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import struct
 from pathlib import Path
 
+from buffer.ledger import GroupLedger
 from buffer.schema import DecodeError, RolloutGroup, decode, encode
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,23 @@ def read_log(path: Path) -> list[RolloutGroup]:
 
 def _key(group: RolloutGroup) -> tuple[str, int]:
     return str(group.metadata["incarnation"]), int(group.metadata["seq"])
+
+
+def undelivered(directory: Path, ledger: GroupLedger) -> dict[str, list[int]]:
+    """The policy_version of each group in the outbox logs under ``directory`` that ``ledger``
+    (the learner's, as of its last checkpoint) has not accepted, by log file name; files with
+    none are left out. These are the groups a resumed run's producers resend."""
+    out: dict[str, list[int]] = {}
+    for path in sorted(Path(directory).glob("*.wal")):
+        versions = []
+        for g in read_log(path):
+            inc, seq = _key(g)
+            stream = ledger.streams.get(inc)
+            if stream is None or not (seq < stream.prefix or seq in stream.above):
+                versions.append(g.policy_version)
+        if versions:
+            out[path.name] = versions
+    return out
 
 
 class Outbox:

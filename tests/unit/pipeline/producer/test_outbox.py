@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from buffer.ledger import GroupLedger
 from buffer.schema import Completion, RolloutGroup
 from pipeline.producer import outbox as outbox_mod
-from pipeline.producer.outbox import Outbox, read_log
+from pipeline.producer.outbox import Outbox, read_log, undelivered
 
 
-def _group(inc: str, seq: int) -> RolloutGroup:
+def _group(inc: str, seq: int, version: int = 0) -> RolloutGroup:
     c = Completion(token_ids=np.array([1, 2], np.int32), logprobs=np.array([-1, -2], np.float32),
-                   version_segments=[(0, 0)], reward=1.0)
+                   version_segments=[(0, version)], reward=1.0)
     return RolloutGroup(group_id=f"{inc}-{seq}", producer_id="p0", prompt_id=str(seq),
                         prompt_token_ids=np.array([5], np.int32), completions=[c, c],
                         metadata={"incarnation": inc, "seq": seq})
@@ -58,3 +59,23 @@ def test_log_is_compacted_to_the_unconfirmed_groups(tmp_path, monkeypatch):
     assert [g.metadata["seq"] for g in read_log(tmp_path / "p0-1.wal")] == [3]
     box.add(_group("p0-1", 4))
     assert [g.metadata["seq"] for g in read_log(tmp_path / "p0-1.wal")] == [3, 4]
+
+
+def test_undelivered_counts_what_the_learners_ledger_lacks_per_log(tmp_path):
+    """A producer killed late (p0-1) and the live one (p1-2): what their logs hold beyond the
+    ledger of the learner's last checkpoint is left, with each group's policy_version."""
+    dead = Outbox(tmp_path, "p0", "p0-1", max_groups=100)
+    for seq in range(5):
+        dead.add(_group("p0-1", seq, version=seq))
+    live = Outbox(tmp_path, "p1", "p1-2", max_groups=100)
+    for seq in range(3):
+        live.add(_group("p1-2", seq, version=4))
+    live.close()
+    ledger = GroupLedger()
+    for inc, seq in [("p0-1", 0), ("p0-1", 1), ("p0-1", 3), ("p1-2", 0), ("p1-2", 1),
+                     ("p1-2", 2)]:
+        ledger.accept(inc, seq)
+    assert undelivered(tmp_path, ledger) == {"p0-1.wal": [2, 4]}
+    assert undelivered(tmp_path, GroupLedger()) == {"p0-1.wal": [0, 1, 2, 3, 4],
+                                                    "p1-2.wal": [4, 4, 4]}
+    assert undelivered(tmp_path / "none", ledger) == {}
