@@ -461,6 +461,16 @@ class TrainConfig:
     micro_batch: int = opt(16, "completions per forward/backward (gradient accumulation)")
     freeze_layers: int = opt(0, "freeze the embeddings and the first k decoder layers (cheap "
                                 "partial fine-tune: backward stops at layer k; 0 trains all)")
+    micro_batch_tokens: int = opt(0, "token budget per forward/backward: completions are "
+                                     "grouped by length up to this many tokens (padded tokens "
+                                     "count unless packed); 0: train.micro_batch rows", ge=0)
+    packing: bool = opt(False, "concatenate a micro-batch's sequences into one row without "
+                               "padding (varlen attention through position ids)")
+    logprob_chunk: int = opt(4096, "positions per output-projection chunk, recomputed in the "
+                                   "backward: bounds the fp32 vocabulary logits held at once "
+                                   "(0: all positions of a micro-batch at once)", ge=0)
+    gradient_checkpointing: bool = opt(False, "recompute decoder activations in the backward "
+                                              "(less memory, about 1/3 more compute)")
     loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "GRPO loss"})
     checkpoint_every: int = opt(0, "save a checkpoint every k steps (0: only at the end/stop)",
                                 ge=0)

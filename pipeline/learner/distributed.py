@@ -60,7 +60,8 @@ def shard_rows(n: int, rank_: int | None = None, world: int | None = None) -> li
 
 
 def sum_dicts(d: dict[str, float]) -> dict[str, float]:
-    """Per-key sum of every rank's ``d`` (keys may differ between ranks)."""
+    """Per-key sum of every rank's ``d`` (keys may differ between ranks); keys ending in
+    ``_max`` take the largest value instead."""
     if not is_distributed():
         return d
     import torch.distributed as dist
@@ -70,7 +71,7 @@ def sum_dicts(d: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     for p in parts:
         for k, v in p.items():
-            out[k] = out.get(k, 0.0) + v
+            out[k] = max(out[k], v) if k.endswith("_max") and k in out else out.get(k, 0.0) + v
     return out
 
 

@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,10 +81,11 @@ def group_advantages(
 
 @dataclass
 class LossOutput:
-    """The scalar loss (with grad) and per-step diagnostics as python floats."""
+    """The scalar loss (with grad) and per-step diagnostics (python floats, or 0-d tensors with
+    ``tensor_metrics``)."""
 
     loss: torch.Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def _check_shape(name: str, t: torch.Tensor | None, shape: torch.Size) -> None:
@@ -100,6 +102,7 @@ def grpo_loss(
     proximal_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     normalizer: float | None = None,
+    tensor_metrics: bool = False,
 ) -> LossOutput:
     """Clipped GRPO policy loss with an off-policy correction and optional KL.
 
@@ -115,6 +118,8 @@ def grpo_loss(
         normalizer: for gradient accumulation over micro-batches, the whole batch's denominator:
             total mask tokens (``token_mean``) or total completions (``seq_mean``). Default: this
             micro-batch's own (``mask.sum()`` or ``B``).
+        tensor_metrics: metrics as 0-d tensors on the loss's device instead of floats, so a
+            loop over micro-batches never waits for the device (one sync at the end).
 
     Returns:
         LossOutput with the scalar loss and metrics computed over this call's mask tokens.
@@ -181,21 +186,23 @@ def grpo_loss(
     with torch.no_grad():
         count = n_tokens.clamp(min=1).to(logprobs.dtype)
 
-        def masked_mean(t: torch.Tensor) -> float:
-            return float(torch.where(m, t, zero).sum() / count)
+        def masked_mean(t: torch.Tensor) -> torch.Tensor:
+            return torch.where(m, t, zero).sum() / count
 
         clip_active = ((ratio > hi) & (adv > 0)) | ((ratio < lo) & (adv < 0))
         diff = beh - prox
         metrics = {
-            "loss": float(loss.detach()),
+            "loss": loss.detach(),
             "clip_frac": masked_mean(clip_active.to(logprobs.dtype)),
             "ratio_mean": masked_mean(ratio),
             "is_weight_mean": masked_mean(is_weight),
-            "is_weight_max": float(torch.where(m, is_weight, zero).max()) if m.any() else 0.0,
+            "is_weight_max": torch.where(m, is_weight, zero).max() if m.numel() else zero,
             "is_truncated_frac": masked_mean((is_raw > cfg.is_cap).to(logprobs.dtype)),
             "mismatch_kl": masked_mean(diff),
             "mismatch_abs": masked_mean(diff.abs()),
         }
         if kl is not None:
             metrics["kl"] = masked_mean(kl)
+        if not tensor_metrics:
+            metrics = {k: float(v) for k, v in metrics.items()}
     return LossOutput(loss=loss, metrics=metrics)

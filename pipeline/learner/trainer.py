@@ -1,8 +1,10 @@
 """The policy and its optimiser: turns a batch of rollout groups into one GRPO optimiser step.
 
 Synchronous torch code only (the learner runs it in a worker thread so that its event loop keeps
-receiving groups). Owns: model loading (optionally LoRA through peft), batch packing, micro-batched
-forward/backward with the loss from ``pipeline.learner.loss``, the non-finite-step guard, and the
+receiving groups). Owns: model loading (optionally LoRA through peft), micro-batched
+forward/backward (batch layouts and micro-batch plans: ``pipeline.learner.batching``) with the loss
+from ``pipeline.learner.loss``, log-probabilities computed in vocabulary chunks, the per-step
+throughput and MFU (``pipeline.learner.flops``), the non-finite-step guard, and the
 weights that go into snapshots (LoRA merged into plain HF names, so vLLM loads them as full
 weights).
 
@@ -30,7 +32,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,16 @@ import torch
 from buffer.schema import RolloutGroup
 from pipeline.config import RunConfig
 from pipeline.learner import distributed as D
+from pipeline.learner.batching import (
+    PackedBatch,
+    collate,
+    collate_packed,
+    pack_groups,
+    plan_micro_batches,
+)
 from pipeline.learner.checkpoint import CheckpointError
-from pipeline.learner.loss import group_advantages, grpo_loss
+from pipeline.learner.flops import ModelShape, peak_flops, train_flops
+from pipeline.learner.loss import grpo_loss
 from sync.lora import adapter_sync_plan, adapter_tensors
 from sync.packing import plan_buckets, plan_layout_of
 
@@ -61,75 +70,55 @@ def reward_means(groups: list[RolloutGroup]) -> dict[str, float]:
     return {f"reward/{k}": float(np.mean(sums[k])) for k in sorted(sums)}
 
 
-@dataclass
-class PackedBatch:
-    """Completions of a batch, flattened (one row per completion), before padding."""
-
-    sequences: list[np.ndarray]     # prompt + completion token ids
-    prompt_lens: list[int]
-    behaviour: list[np.ndarray]     # behaviour logprobs of the completion tokens
-    versions: list[np.ndarray]      # per-token policy version of the completion tokens
-    advantages: torch.Tensor        # (n_completions,)
-    rewards: torch.Tensor           # (n_groups, G)
+def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
+                   ) -> torch.Tensor:
+    """log pi(target) from hidden states: the output projection and a fused log-softmax +
+    gather (cross-entropy), in fp32 over the vocabulary."""
+    return -torch.nn.functional.cross_entropy(head(hidden).float(), targets, reduction="none")
 
 
-def pack_groups(groups: list[RolloutGroup], scale_rewards: bool, std_eps: float) -> PackedBatch:
-    sizes = {len(g.completions) for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"groups of different sizes in one batch: {sorted(sizes)}")
-    rewards = torch.tensor([[c.reward for c in g.completions] for g in groups],
-                           dtype=torch.float32)
-    adv = group_advantages(rewards, scale=scale_rewards, eps=std_eps).reshape(-1)
-    seqs, plens, beh, vers = [], [], [], []
-    for g in groups:
-        for c in g.completions:
-            seqs.append(np.concatenate([g.prompt_token_ids, c.token_ids]).astype(np.int64))
-            plens.append(len(g.prompt_token_ids))
-            # Tool/environment tokens of an episode (masked_spans): NaN behaviour logprobs
-            # keep them out of the loss mask (collate), as context only.
-            beh.append(np.where(c.loss_mask(), c.logprobs, np.nan).astype(np.float32)
-                       if c.masked_spans else c.logprobs)
-            vers.append(c.per_token_versions())
-    return PackedBatch(seqs, plens, beh, vers, adv, rewards)
+def selected_logprobs(model: Any, input_ids: torch.Tensor, select: torch.Tensor,
+                      attention_mask: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+    """log pi(x_t | x_<t) of the tokens whose predicting position ``select`` marks (``select`` is
+    aligned with positions [:, :-1]); a flat (K,) tensor, row by row.
 
-
-def collate(pb: PackedBatch, rows: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors for ``rows``; targets/masks are aligned with logits[:, :-1]."""
-    L = max(len(pb.sequences[i]) for i in rows)
-    n = len(rows)
-    ids = torch.full((n, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, L), dtype=torch.long)
-    mask = torch.zeros((n, L - 1), dtype=torch.bool)
-    behaviour = torch.zeros((n, L - 1), dtype=torch.float32)
-    for r, i in enumerate(rows):
-        seq = pb.sequences[i]
-        ids[r, : len(seq)] = torch.from_numpy(seq)
-        attn[r, : len(seq)] = 1
-        p, t = pb.prompt_lens[i], len(seq) - pb.prompt_lens[i]
-        if t:
-            lp = torch.from_numpy(np.asarray(pb.behaviour[i], dtype=np.float32))
-            # Token at position p + k is predicted by logits at p + k - 1.
-            behaviour[r, p - 1: p - 1 + t] = lp
-            mask[r, p - 1: p - 1 + t] = torch.isfinite(lp)
-    return {"input_ids": ids, "attention_mask": attn, "mask": mask, "behaviour": behaviour,
-            "advantages": pb.advantages[rows]}
-
-
-def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   mask: torch.Tensor) -> torch.Tensor:
-    """log pi(x_t | x_<t) for t >= 1, shape (B, L-1); 0 where ``mask`` is False.
-
-    The output projection and softmax run only on the masked (completion) positions: with a
-    large vocabulary they dominate the cost, and prompt positions carry no loss.
+    The output projection and softmax run only on the selected positions: with a large
+    vocabulary they dominate the cost, and prompt positions carry no loss. With ``chunk`` > 0 they
+    run ``chunk`` positions at a time, each chunk recomputed in the backward pass
+    (``torch.utils.checkpoint``), so the fp32 logits of at most one chunk exist at once instead
+    of K x vocabulary of them.
     """
     if hasattr(model, "get_base_model"):  # peft: the HF model with LoRA layers injected
         model = model.get_base_model()
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask
+    # No KV cache: it is never read in training, and with one transformers only reads packed
+    # sequences' boundaries from the position ids when there is none.
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                              position_ids=position_ids, use_cache=False
                               ).last_hidden_state[:, :-1]
-    logits = model.get_output_embeddings()(hidden[mask]).float()
-    picked = torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:][mask][:, None])
-    out = torch.zeros(mask.shape, dtype=picked.dtype, device=picked.device)
-    return out.masked_scatter(mask, picked.squeeze(-1))
+    h = hidden[select]
+    targets = input_ids[:, 1:][select]
+    head = model.get_output_embeddings()
+    if chunk <= 0 or len(h) <= chunk:
+        return _head_logprobs(head, h, targets)
+    from torch.utils.checkpoint import checkpoint
+
+    return torch.cat([checkpoint(_head_logprobs, head, h[i: i + chunk], targets[i: i + chunk],
+                                 use_reentrant=False) for i in range(0, len(h), chunk)])
+
+
+def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   mask: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """log pi(x_t | x_<t) for t >= 1, shape (B, L-1); 0 where ``mask`` is False."""
+    flat = selected_logprobs(model, input_ids, mask, attention_mask=attention_mask, chunk=chunk)
+    out = torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device)
+    return out.masked_scatter(mask, flat)
+
+
+def _on_grid(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Flat logprobs of the selected positions onto the loss-side grid (``batching``)."""
+    out = torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device)
+    return out.masked_scatter(mask, flat)
 
 
 class _Policy(torch.nn.Module):
@@ -137,12 +126,14 @@ class _Policy(torch.nn.Module):
     their gradient reduction into the wrapped module's forward, so it must be called, not
     ``model.base_model`` directly."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, chunk: int = 0):
         super().__init__()
         self.model = model
+        self.chunk = chunk
 
-    def forward(self, input_ids, attention_mask, mask):
-        return token_logprobs(self.model, input_ids, attention_mask, mask)
+    def forward(self, input_ids, select, attention_mask=None, position_ids=None):
+        return selected_logprobs(self.model, input_ids, select, attention_mask, position_ids,
+                                 self.chunk)
 
 
 def lora_modules(model: Any) -> dict[str, float]:
@@ -214,6 +205,10 @@ class PolicyTrainer:
         # fp32 master weights; bf16 autocast on GPUs (CPU autocast is slower than fp32 here);
         # DeepSpeed with bf16 keeps bf16 weights and fp32 masters in the optimiser partitions.
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if t.gradient_checkpointing:
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         if t.freeze_layers:
             self._freeze(model, t.freeze_layers)
         self._lora: dict[str, float] = {}
@@ -236,16 +231,25 @@ class PolicyTrainer:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+        # One fused kernel for the whole update on a GPU (DeepSpeed keeps its own partitions).
+        fused = cuda and self.deepspeed is None
+        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
+                                      fused=fused or None)
         warm = max(t.warmup_steps, 0)
         # The scheduler stays outside accelerate: it steps once per optimiser step, not per rank.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-        self.policy, self.optimizer = self.accelerator.prepare(_Policy(self.model), optimizer)
+        self.policy, self.optimizer = self.accelerator.prepare(
+            _Policy(self.model, t.logprob_chunk), optimizer)
         self.ref_model = self._reference(model_path) if t.loss.kl_coef > 0 else None
         self.snapshot_dtype = getattr(torch, cfg.model.dtype)
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         self._skip = {"lm_head.weight"} if tied else set()
+        self._shape, self._peak = None, None  # for the mfu metric (pipeline.learner.flops)
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            self._shape = ModelShape.from_config(self.model.config)
+        if self.device.type == "cuda":
+            self._peak = peak_flops(torch.cuda.get_device_name(self.device))
 
     @property
     def vocab_size(self) -> int:
@@ -284,7 +288,7 @@ class PolicyTrainer:
         from transformers import AutoModelForCausalLM
 
         ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        ref = _Policy(ref).eval().requires_grad_(False)
+        ref = _Policy(ref, self.cfg.train.logprob_chunk).eval().requires_grad_(False)
         if self.zero_stage != 3:
             return ref.to(self.device)
         # ZeRO-3: the reference is as large as the policy, so it is partitioned like it (loaded
@@ -368,29 +372,43 @@ class PolicyTrainer:
             self._lead("grads", groups)
             return self._accumulate(groups)[1]
 
+    def _plan(self, pb: PackedBatch, rank: int) -> list[list[int]]:
+        """Rank ``rank``'s micro-batches: its slice of the completions, by rows or tokens."""
+        t = self.cfg.train
+        mine = D.shard_rows(len(pb.sequences), rank, self.world)
+        return plan_micro_batches(pb.lengths(), mine, t.micro_batch, t.micro_batch_tokens,
+                                  t.packing)
+
+    def _collate(self, pb: PackedBatch, rows: list[int]) -> dict[str, torch.Tensor]:
+        b = collate_packed(pb, rows) if self.cfg.train.packing else \
+            collate(pb, rows, self.pad_id)
+        return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+
     def _accumulate(self, groups: list[RolloutGroup]) -> tuple[PackedBatch, dict[str, float],
                                                               bool, int]:
+        """Forward/backward over this rank's micro-batches; the gradient of the batch loss is
+        left in ``.grad`` (or DeepSpeed's partitions). No host synchronisation until every
+        micro-batch is queued: metrics and the finite flag stay on the device until the end."""
         lc = self.cfg.train.loss
         pb = pack_groups(groups, lc.scale_rewards, lc.std_eps)
-        n = len(pb.sequences)
-        mb = self.cfg.train.micro_batch
-        # Global normaliser: every completion token of the whole batch, on every rank.
-        total_tokens = sum(len(s) - p for s, p in zip(pb.sequences, pb.prompt_lens,
-                                                       strict=True))
-        normalizer = float(max(total_tokens, 1))
-        mine = D.shard_rows(n, self.rank, self.world)
+        # Global normaliser: the loss tokens of the whole batch, on every rank. They are the
+        # sampled completion tokens; an episode's tool tokens are context, never counted.
+        loss_tokens = sum(pb.loss_tokens(i) for i in range(len(pb.sequences)))
+        normalizer = float(max(loss_tokens, 1))
         # A rank without rows still runs one zero-weighted backward: DDP/ZeRO reductions are
         # collectives that every rank must enter.
-        chunks = [(mine[i: i + mb], 1.0) for i in range(0, len(mine), mb)] or [([0], 0.0)]
+        chunks = [(rows, 1.0) for rows in self._plan(pb, self.rank)] or [([0], 0.0)]
         ds = self.deepspeed is not None
         if ds:  # ZeRO-2/3 communicate in every backward (ZeRO-3 also in every forward)
-            most = -(-len(D.shard_rows(n, 0, self.world)) // mb)  # rank 0 has the most rows
+            most = max(len(self._plan(pb, r)) for r in range(self.world))
             chunks += [([0], 0.0)] * (most - len(chunks))
         self.optimizer.zero_grad(set_to_none=True)
-        acc: dict[str, float] = {}
-        finite = True
+        acc: dict[str, torch.Tensor] = {}
+        bad = torch.zeros((), dtype=torch.bool, device=self.device)
         for ci, (rows, keep) in enumerate(chunks):
-            b = {k: v.to(self.device) for k, v in collate(pb, rows, self.pad_id).items()}
+            b = self._collate(pb, rows)
+            model_in = {k: b[k] for k in ("input_ids", "select", "attention_mask",
+                                          "position_ids") if k in b}
             last = ci == len(chunks) - 1
             if ds:
                 self.policy.set_gradient_accumulation_boundary(last)
@@ -398,22 +416,19 @@ class PolicyTrainer:
                 self.accelerator.no_sync(self.policy)
             with sync:
                 with self._autocast():
-                    lp = self.policy(b["input_ids"], b["attention_mask"], b["mask"])
+                    lp = _on_grid(self.policy(**model_in), b["mask"])
                     ref = None
                     if self.ref_model is not None:
                         with torch.no_grad():
-                            ref = self.ref_model(b["input_ids"], b["attention_mask"], b["mask"])
+                            ref = _on_grid(self.ref_model(**model_in), b["mask"])
                 out = grpo_loss(lp, b["behaviour"], b["advantages"], b["mask"].float(), lc,
                                 ref_logprobs=ref,
-                                normalizer=normalizer if lc.agg == "token_mean" else None)
-                loss = out.loss if lc.agg == "token_mean" else out.loss * len(rows) / n
-                if not torch.isfinite(loss):
-                    finite = False
-                    if self.world == 1 and not ds:
-                        break
-                    # Ranks must stay in step (and DeepSpeed must reach its boundary):
-                    # back-propagate anyway; the NaN reaches every rank's gradient and the
-                    # update is skipped on all of them (all_true() below; DeepSpeed's check).
+                                normalizer=normalizer if lc.agg == "token_mean" else
+                                float(len(pb.sequences)), tensor_metrics=True)
+                loss = out.loss
+                # A non-finite loss is back-propagated anyway (the update is skipped after all
+                # micro-batches): ranks stay in step and DeepSpeed reaches its boundary.
+                bad = bad | ~torch.isfinite(loss.detach())
                 # Gradient reduction averages over ranks; the loss is a sum over the global
                 # batch, so undo the 1/world.
                 if ds:  # not accelerator.backward: under DeepSpeed it steps at each call
@@ -421,15 +436,20 @@ class PolicyTrainer:
                 else:
                     self.accelerator.backward(loss * (keep * self.world))
             if keep:
-                weight = b["mask"].sum().item() / normalizer
+                weight = b["mask"].sum() / normalizer
                 for k, v in out.metrics.items():
-                    acc[k] = acc.get(k, 0.0) + float(v) * (1.0 if k == "loss" else weight)
-        acc = D.sum_dicts(acc)
-        return pb, acc, finite, total_tokens
+                    if k.endswith("_max"):  # the largest over the batch, not a mean
+                        acc[k] = torch.maximum(acc[k], v) if k in acc else v
+                    else:
+                        acc[k] = acc.get(k, 0.0) + v * (1.0 if k == "loss" else weight)
+        keys = sorted(acc)
+        values = torch.stack([acc[k].float() for k in keys] + [bad.float()]).tolist()
+        finite = values.pop() == 0.0
+        return pb, D.sum_dicts(dict(zip(keys, values, strict=True))), finite, loss_tokens
 
     def _step(self, groups: list[RolloutGroup], learner_version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        pb, acc, finite, total_tokens = self._accumulate(groups)
+        pb, acc, finite, loss_tokens = self._accumulate(groups)
         n = len(pb.sequences)
         grad_norm = math.nan
         if self.deepspeed is not None:
@@ -453,7 +473,11 @@ class PolicyTrainer:
                 self.optimizer.step()
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        vers = np.concatenate([v for v in pb.versions if len(v)]) if total_tokens else \
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # train_s covers the queued optimiser kernels
+        train_s = time.perf_counter() - t0
+        completion = [len(s) - p for s, p in zip(pb.sequences, pb.prompt_lens, strict=True)]
+        vers = np.concatenate([v for v in pb.versions if len(v)]) if sum(completion) else \
             np.zeros(0)
         stale = [learner_version - g.policy_version for g in groups]
         metrics = {f"loss/{k}": v for k, v in acc.items()}
@@ -461,21 +485,36 @@ class PolicyTrainer:
             "reward_mean": float(pb.rewards.mean()),
             "reward_std": float(pb.rewards.std()) if pb.rewards.numel() > 1 else 0.0,
             "degenerate_frac": float((pb.rewards.amax(1) == pb.rewards.amin(1)).float().mean()),
-            "completion_len_mean": total_tokens / max(n, 1),
-            "trained_tokens": float(total_tokens),
+            "completion_len_mean": loss_tokens / max(n, 1),
+            "tool_len_mean": (sum(completion) - loss_tokens) / max(n, 1),
+            "trained_tokens": float(loss_tokens),
+            "tool_tokens": float(sum(completion) - loss_tokens),
             "staleness_mean": float(np.mean(stale)),
             "staleness_max": float(np.max(stale)),
             "token_staleness_mean": float(np.mean(learner_version - vers)) if len(vers) else 0.0,
             "grad_norm": grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
             "skipped_nonfinite": 0.0 if finite else 1.0,
-            "train_s": time.perf_counter() - t0,
+            "train_s": train_s,
             "learner_processes": float(self.world),
+            **self._throughput(pb, loss_tokens, train_s),
         })
         for s in stale:
             metrics[f"staleness_hist/{s}"] = metrics.get(f"staleness_hist/{s}", 0.0) + 1
         metrics.update(reward_means(groups))
         return metrics
+
+    def _throughput(self, pb: PackedBatch, loss_tokens: int, seconds: float) -> dict[str, float]:
+        """``learner_tokens`` (every token through the forward, prompts included, all ranks),
+        ``learner_tokens_per_s`` and, on a GPU of known peak, ``mfu`` (pipeline.learner.flops)."""
+        lengths = pb.lengths()
+        out = {"learner_tokens": float(sum(lengths)),
+               "learner_tokens_per_s": sum(lengths) / max(seconds, 1e-9)}
+        if self._shape is not None and self._peak is not None:
+            flops = train_flops(self._shape, lengths, loss_tokens)
+            out["learner_tflops"] = flops / max(seconds, 1e-9) / 1e12
+            out["mfu"] = flops / (max(seconds, 1e-9) * self._peak * self.world)
+        return out
 
     # -------------------------------------------------------------- weights
     def _model_state(self) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ import torch
 
 from buffer.schema import Completion, RolloutGroup
 from pipeline.config import load_config
-from pipeline.learner.trainer import PolicyTrainer, collate, pack_groups, token_logprobs
+from pipeline.learner.batching import collate, collate_packed, pack_groups, plan_micro_batches
+from pipeline.learner.trainer import PolicyTrainer, token_logprobs
 
 
 def _cfg(tiny_model, tmp_path, **over):
@@ -87,8 +88,9 @@ def test_collate_masks_prompt_and_padding_and_aligns_behaviour():
     pad = 257
     b = collate(pb, rows, pad_id=pad)
     L = max(len(pb.sequences[i]) for i in rows)
-    assert b["input_ids"].shape == (4, L) and b["mask"].shape == (4, L - 1)
-    assert b["behaviour"].shape == (4, L - 1)
+    T = max(len(pb.sequences[i]) - pb.prompt_lens[i] for i in rows)
+    assert b["input_ids"].shape == (4, L) and b["select"].shape == (4, L - 1)
+    assert b["mask"].shape == (4, T) and b["behaviour"].shape == (4, T)
     for r, i in enumerate(rows):
         seq, p = pb.sequences[i], pb.prompt_lens[i]
         t = len(seq) - p
@@ -99,12 +101,13 @@ def test_collate_masks_prompt_and_padding_and_aligns_behaviour():
         # Exactly the positions whose *target* (input_ids[:, 1:]) is a completion token.
         want = torch.zeros(L - 1, dtype=torch.bool)
         want[p - 1: p - 1 + t] = True
-        assert torch.equal(b["mask"][r], want), (r, b["mask"][r])
-        targets = b["input_ids"][r, 1:][b["mask"][r]]
+        assert torch.equal(b["select"][r], want), (r, b["select"][r])
+        targets = b["input_ids"][r, 1:][b["select"][r]]
         assert targets.tolist() == pb.sequences[i][p:].tolist()
-        assert torch.equal(b["behaviour"][r][b["mask"][r]],
-                           torch.from_numpy(np.asarray(pb.behaviour[i])))
-        assert (b["behaviour"][r][~b["mask"][r]] == 0).all()
+        # The loss side: the completion grid, left-aligned.
+        assert b["mask"][r].tolist() == [True] * t + [False] * (T - t)
+        assert torch.equal(b["behaviour"][r, :t], torch.from_numpy(np.asarray(pb.behaviour[i])))
+        assert (b["behaviour"][r, t:] == 0).all()
     assert torch.equal(b["advantages"], pb.advantages[rows])
 
 
@@ -112,15 +115,50 @@ def test_collate_masks_non_finite_behaviour_tokens():
     groups = _groups()
     groups[0].completions[1].logprobs[2] = -np.inf
     pb = pack_groups(groups, True, 1e-6)
-    b = collate(pb, [1], pad_id=0)
-    p = pb.prompt_lens[1]
-    assert b["mask"][0].sum() == 5 and not b["mask"][0, p - 1 + 2]
+    for b in (collate(pb, [1], pad_id=0), collate_packed(pb, [1])):
+        p = pb.prompt_lens[1]
+        assert b["select"][0].sum() == 5 and not b["select"][0, p - 1 + 2]
+        assert b["mask"][0].sum() == 5 and not b["mask"][0, 2]
+        assert b["behaviour"][0, 2] == 0  # masked: a finite placeholder
+
+
+def test_collate_packed_concatenates_without_padding():
+    pb = pack_groups(_groups(), True, 1e-6)
+    rows = [6, 0, 3]
+    b = collate_packed(pb, rows)
+    seqs = [pb.sequences[i] for i in rows]
+    total = sum(len(s) for s in seqs)
+    assert b["input_ids"].shape == (1, total) and "attention_mask" not in b
+    assert b["input_ids"][0].tolist() == np.concatenate(seqs).tolist()
+    assert b["position_ids"][0].tolist() == [k for s in seqs for k in range(len(s))]
+    # Selected targets, read in order, are the completions, row by row: the grid's order.
+    targets = b["input_ids"][0, 1:][b["select"][0]]
+    assert targets.tolist() == [x for i in rows for x in pb.sequences[i][pb.prompt_lens[i]:]]
+    padded = collate(pb, rows, pad_id=0)
+    for k in ("mask", "behaviour", "advantages"):
+        assert torch.equal(b[k], padded[k]), k
+
+
+def test_plan_micro_batches_by_rows_and_by_tokens():
+    lengths = [10, 3, 7, 2, 9, 4]
+    rows = list(range(6))
+    assert plan_micro_batches(lengths, rows, 4, 0, packed=False) == [[0, 1, 2, 3], [4, 5]]
+    packed = plan_micro_batches(lengths, rows, 4, 16, packed=True)
+    assert sorted(r for mb in packed for r in mb) == rows
+    assert all(sum(lengths[r] for r in mb) <= 16 for mb in packed)
+    assert len(packed) == 3  # 35 tokens in bins of 16: first-fit decreasing needs three
+    padded = plan_micro_batches(lengths, rows, 4, 20, packed=False)
+    assert all(len(mb) * max(lengths[r] for r in mb) <= 20 for mb in padded)
+    # A row longer than the budget trains alone; an empty slice plans nothing.
+    assert [0] in plan_micro_batches(lengths, rows, 4, 8, packed=True)
+    assert plan_micro_batches(lengths, [], 4, 8, packed=True) == []
 
 
 # ------------------------------------------------------------------ logprobs
 def test_token_logprobs_equal_full_log_softmax(trainer):
     pb = pack_groups(_groups(), True, 1e-6)
     b = collate(pb, list(range(8)), trainer.pad_id)
+    b["mask"] = b["select"]
     with torch.no_grad():
         lp = token_logprobs(trainer.model, b["input_ids"], b["attention_mask"], b["mask"])
         logits = trainer.model(input_ids=b["input_ids"],
@@ -216,3 +254,87 @@ def test_state_round_trip_restores_weights_and_optimizer(tiny_model, tmp_path):
     assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
     pa, pb = _params(a), _params(b)
     assert all(_same(pa[k], pb[k]) for k in pa)
+
+
+# ------------------------------------------------------------------ layouts give the same step
+def _grads(tr: PolicyTrainer, groups: list[RolloutGroup]) -> tuple[dict, dict]:
+    metrics = tr.accumulate_gradients(groups)
+    grads = {n: p.grad.detach().clone() for n, p in tr.model.named_parameters()
+             if p.grad is not None}
+    tr.optimizer.zero_grad(set_to_none=True)
+    return metrics, grads
+
+
+def _assert_same_step(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    (ma, ga), (mb, gb) = a, b
+    assert ma.keys() == mb.keys() and ga.keys() == gb.keys() and ga
+    for k in ma:
+        assert ma[k] == pytest.approx(mb[k], rel=1e-5, abs=1e-6), k
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+def test_packed_token_budget_step_equals_padded_rows(tiny_model, tmp_path, agg):
+    """Packing (one row, no padding, position ids) with token-budget micro-batches and chunked
+    logprobs computes the loss, metrics and gradients of the padded row-count path (in fp32:
+    bf16 autocast rounds differently for different shapes)."""
+    over = {"train.loss.agg": agg, "model.dtype": "float32"}
+    padded = PolicyTrainer(_cfg(tiny_model, tmp_path, **over, **{"train.logprob_chunk": 0}),
+                           str(tiny_model), device="cpu")
+    packed = PolicyTrainer(_cfg(tiny_model, tmp_path, **over, **{
+        "train.packing": True, "train.micro_batch_tokens": 24, "train.logprob_chunk": 5}),
+        str(tiny_model), device="cpu")
+    groups = _groups()
+    _assert_same_step(_grads(padded, groups), _grads(packed, groups))
+
+
+def test_chunked_logprobs_equal_whole_and_keep_gradients(trainer):
+    pb = pack_groups(_groups(), True, 1e-6)
+    b = collate(pb, list(range(8)), trainer.pad_id)
+    out = []
+    for chunk in (0, 4):
+        trainer.model.zero_grad(set_to_none=True)
+        lp = token_logprobs(trainer.model, b["input_ids"], b["attention_mask"], b["select"],
+                            chunk=chunk)
+        lp.sum().backward()
+        out.append((lp.detach(), trainer.model.lm_head.weight.grad.clone()))
+    trainer.model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out[0][1], out[1][1], atol=1e-6, rtol=1e-6)
+
+
+def test_masked_tool_tokens_do_not_shrink_the_gradient(tiny_model, tmp_path):
+    """An episode's tool tokens (masked spans) are context only: the loss is normalised by the
+    sampled tokens, so at staleness 0 the ratio is 1 and the step equals one over the same
+    sequences whose tool tokens are simply not targets (non-finite behaviour logprobs)."""
+    tr = PolicyTrainer(_cfg(tiny_model, tmp_path, **{"model.dtype": "float32"}),
+                       str(tiny_model), device="cpu")
+    tool = _groups()
+    for g in tool:
+        for c in g.completions:
+            c.logprobs = np.zeros(len(c.token_ids), dtype=np.float32)
+            if len(c.token_ids) >= 3:
+                c.masked_spans = [(1, 3)]
+    ref = _groups()
+    for g in ref:
+        for c in g.completions:
+            c.logprobs = np.zeros(len(c.token_ids), dtype=np.float32)
+            if len(c.token_ids) >= 3:
+                c.logprobs[1:3] = np.nan
+    a, b = _grads(tr, tool), _grads(tr, ref)
+    _assert_same_step(a, b)
+    assert a[0]["ratio_mean"] == pytest.approx(1.0)
+    pb = pack_groups(tool, True, 1e-6)
+    sampled = sum(pb.loss_tokens(i) for i in range(len(pb.sequences)))
+    m = tr.step(tool, learner_version=0)
+    assert m["trained_tokens"] == sampled and m["tool_tokens"] == 31 - sampled
+    assert m["completion_len_mean"] == pytest.approx(sampled / 8)
+    assert m["tool_len_mean"] == pytest.approx((31 - sampled) / 8)
+
+
+def test_step_reports_learner_throughput(trainer):
+    m = trainer.step(_groups(), learner_version=0)
+    assert m["learner_tokens"] == 31 + 4 * 5 + 4 * 8  # prompts included
+    assert m["learner_tokens_per_s"] == pytest.approx(m["learner_tokens"] / m["train_s"])
+    assert "mfu" not in m  # no peak FLOP/s on a CPU

@@ -13,7 +13,7 @@ import pytest
 from producer_fakes import CharTokenizer
 
 from buffer.schema import Completion, RolloutGroup, decode, encode, span_error
-from pipeline.learner.trainer import collate, pack_groups
+from pipeline.learner.batching import collate, pack_groups
 from pipeline.producer.episode import (
     EpisodeContext,
     EpisodeLimits,
@@ -403,7 +403,7 @@ def test_the_learner_leaves_masked_tokens_out_of_the_loss():
     b = collate(pb, [0, 1], pad_id=0)
     p = 4
     # Token p + k is predicted at position p + k - 1: tokens 2..4 of the completion are masked.
-    assert b["mask"][0, p - 1 : p - 1 + 8].tolist() == [
+    assert b["mask"][0, :8].tolist() == b["select"][0, p - 1 : p - 1 + 8].tolist() == [
         True,
         True,
         False,
