@@ -246,3 +246,43 @@ def pack_buckets(buckets: Iterable[dict[str, torch.Tensor]], layout: Layout,
         raise PackingError(f"{len(missing)} tensor(s) of the layout came in no bucket, "
                            f"e.g. {missing[:3]}")
     return n
+
+
+def bucket_ranges(layout: Layout, bucket_bytes: int) -> list[tuple[int, int]]:
+    """The byte ranges [start, end) of a packed buffer that hold ``plan_buckets``' buckets:
+    cut at tensor boundaries, each end aligned, together covering ``total_bytes(layout)``."""
+    by_name = {e.name: e for e in layout}
+    out = []
+    for names in plan_buckets(layout, bucket_bytes):
+        first, last = by_name[names[0]], by_name[names[-1]]
+        out.append((first.offset, last.offset + -(-last.nbytes // ALIGN) * ALIGN))
+    return out
+
+
+def ranges_from_wire(data: Any, layout: Layout) -> list[tuple[int, int]]:
+    """Validate bucket ranges received over the wire: in order, contiguous, cut at tensor
+    boundaries, covering the whole layout."""
+    starts = {e.offset for e in layout}
+    total = total_bytes(layout)
+    if not isinstance(data, list) or not data:
+        raise PackingError(f"buckets: expected a non-empty list, got {type(data).__name__}")
+    out, at = [], 0
+    for i, row in enumerate(data):
+        if not (isinstance(row, list) and len(row) == 2 and all(type(x) is int for x in row)):
+            raise PackingError(f"buckets[{i}]: expected [start, end]")
+        start, end = row
+        if start != at or end <= start or end > total or start not in starts or \
+                (end != total and end not in starts):
+            raise PackingError(f"buckets[{i}]: [{start}, {end}) does not continue the previous "
+                               f"bucket at a tensor boundary (layout of {total} bytes)")
+        out.append((start, end))
+        at = end
+    if at != total:
+        raise PackingError(f"buckets: cover {at} of the layout's {total} bytes")
+    return out
+
+
+def bucket_layout(layout: Layout, start: int, end: int) -> Layout:
+    """The entries of ``layout`` inside [start, end), offsets relative to ``start``."""
+    return tuple(Entry(e.name, e.dtype, e.shape, e.offset - start) for e in layout
+                 if start <= e.offset < end)

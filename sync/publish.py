@@ -24,7 +24,9 @@ block the learner's event loop or its training stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -35,7 +37,16 @@ from typing import Any, Literal
 import torch
 
 from sync import nccl
-from sync.packing import Layout, ipc_export, layout_to_wire, pack, plan_layout, total_bytes
+from sync.packing import (
+    Layout,
+    bucket_ranges,
+    ipc_export,
+    layout_to_wire,
+    pack,
+    plan_layout,
+    total_bytes,
+)
+from sync.slots import ControlBlock, serve_buckets, word_sum
 
 log = logging.getLogger(__name__)
 LinkState = Literal["offered", "joining", "ready", "dead"]
@@ -154,14 +165,39 @@ def in_daemon_thread(fn: Callable[..., Any], *args: Any,
     return fut
 
 
+@dataclass
+class Slots:
+    """One IPC producer's two bucket slots on the learner's GPU, exported once, and the shared
+    control block of their hand-over (``sync.slots``)."""
+
+    tensors: list[torch.Tensor]
+    handles: list[dict[str, Any]]
+    control: ControlBlock
+    lock: threading.Lock
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors[0].numel()
+
+
 class WeightPublisher:
+    """Holds the newest versions for the GPU routes. A version packed on our GPU is offered
+    whole (one IPC handle per producer, one NCCL broadcast per bucket straight from it). A
+    version in host memory (a sharded learner: no room for a second model on the GPU) goes out
+    bucket by bucket through one bucket of GPU memory per transfer: NCCL broadcasts from a
+    staging bucket, IPC producers get two slots each and a hand-over (``sync.slots``)."""
+
     def __init__(self, device: torch.device | str, *, timeout_s: float = 30.0, keep: int = 2,
-                 max_link_failures: int = 3, gpu_uuid: str | None = None):
+                 max_link_failures: int = 3, gpu_uuid: str | None = None,
+                 bucket_bytes: int = 1 << 30, shm_dir: str = "/dev/shm"):
         self.device = indexed_device(device, torch.cuda.current_device)
         self.gpu_uuid = gpu_uuid or str(torch.cuda.get_device_properties(self.device).uuid)
         self.timeout_s, self.keep, self.max_link_failures = timeout_s, keep, max_link_failures
-        # version -> (packed buffer, layout, {producer id: IPC handle fields})
-        self._held: OrderedDict[int, tuple[torch.Tensor, Layout, dict[str, dict]]] = OrderedDict()
+        self.bucket_bytes, self.shm_dir = bucket_bytes, shm_dir
+        # version -> (packed buffer, layout, {producer id: IPC fields}, bucket byte ranges)
+        self._held: OrderedDict[int, tuple[torch.Tensor, Layout, dict[str, dict],
+                                           list[tuple[int, int]]]] = OrderedDict()
+        self._slots: dict[str, Slots] = {}
         self._lock = threading.Lock()
         self.links: dict[str, Link] = {}
         self.link_failures: dict[str, int] = {}
@@ -193,11 +229,16 @@ class WeightPublisher:
         export, and frees (or reuses) it once that count is 0 and we dropped it. With one
         export and two producers, the first release would let a slower producer read reused
         memory."""
+        ranges = bucket_ranges(layout, self.bucket_bytes)
         with torch.cuda.device(self.device):
             torch.cuda.current_stream(self.device).synchronize()  # the pack is complete
-            handles = {pid: ipc_export(flat, self.gpu_uuid) for pid in ipc}
+            if flat.is_cuda:
+                handles = {pid: ipc_export(flat, self.gpu_uuid) for pid in ipc}
+            else:
+                biggest = max((e - s for s, e in ranges), default=0)
+                handles = {pid: self._slot_fields(pid, biggest, ranges) for pid in ipc}
         with self._lock:
-            self._held[version] = (flat, layout, handles)
+            self._held[version] = (flat, layout, handles, ranges)
             while len(self._held) > self.keep:
                 self._held.popitem(last=False)
         torch.cuda.ipc_collect()  # free old buffers no producer maps any more
@@ -218,8 +259,9 @@ class WeightPublisher:
             entry = self._held.get(version)
         if entry is None or not routes:
             return {}
-        _flat, layout, handles = entry
-        out: dict[str, Any] = {"version": version, "layout": layout_to_wire(layout)}
+        _flat, layout, handles, ranges = entry
+        out: dict[str, Any] = {"version": version, "layout": layout_to_wire(layout),
+                               "buckets": [[s, e] for s, e in ranges]}
         ipc = {pid: handles[pid] for pid, route in routes.items()
                if route == "ipc" and pid in handles}
         if ipc:
@@ -332,8 +374,54 @@ class WeightPublisher:
                     producer_id)
         return True
 
+    # ------------------------------------------------------------------ ipc bucket slots
+    def _slot_fields(self, producer_id: str, nbytes: int, ranges: list[tuple[int, int]]
+                     ) -> dict[str, Any]:
+        """The IPC fields of ``producer_id``'s two slots (made, or made larger, on demand; an
+        old pair stays alive while its producer still maps it, as any IPC export does)."""
+        slots = self._slots.get(producer_id)
+        if slots is None or slots.nbytes < nbytes:
+            if slots is not None:
+                slots.control.close()
+            tensors = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                       for _ in range(2)]
+            path = f"{self.shm_dir}/pipeline-slots-{os.getpid()}-{producer_id}"
+            slots = Slots(tensors, [ipc_export(t, self.gpu_uuid) for t in tensors],
+                          ControlBlock(path, create=True), threading.Lock())
+            self._slots[producer_id] = slots
+        return {"slots": slots.handles, "control": slots.control.path,
+                "buckets": [[s, e] for s, e in ranges], "gpu_uuid": self.gpu_uuid}
+
+    async def _serve_slots(self, producer_id: str, version: int) -> str:
+        """The IPC producer is paused for ``version``: hand it over bucket by bucket."""
+        slots = self._slots[producer_id]
+        with self._lock:
+            entry = self._held.get(version)
+        held = entry is not None and not entry[0].is_cuda
+        try:
+            await asyncio.to_thread(self._serve_slots_blocking, slots, version,
+                                    entry if held else None)
+        except Exception as e:
+            self.send_failures += 1
+            log.error("IPC hand-over of v%d to %s failed (%r); it loads the snapshot file",
+                      version, producer_id, e)
+            return "failed"
+        self.sends += int(held)
+        return "send" if held else "refuse"
+
+    def _serve_slots_blocking(self, slots: Slots, version: int, entry: tuple | None) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        with slots.lock, torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)  # never the training stream
+            with torch.cuda.stream(stream):
+                serve_buckets(slots.control, version, None if entry is None else entry[0],
+                              [] if entry is None else entry[3], slots.tensors, deadline)
+
     async def send(self, producer_id: str, epoch: int, version: int) -> str:
-        """Answer SyncReady("weights"): returns what was done (see ``ready_reply``)."""
+        """Answer SyncReady("weights"): returns what was done (see ``ready_reply``). An IPC
+        producer with bucket slots is served through them (``_serve_slots``)."""
+        if producer_id in self._slots and producer_id not in self.links:
+            return await self._serve_slots(producer_id, version)
         link = self.links.get(producer_id)
         deadline = time.monotonic() + self.timeout_s
         while link is not None and link.epoch == epoch and link.state == "joining" \
@@ -358,16 +446,35 @@ class WeightPublisher:
         return reply if entry is not None else "refuse"
 
     def _send_blocking(self, comm: Any, entry: tuple | None, version: int) -> None:
+        """Header (version or -1, bytes, buckets), then per bucket a header (index, bytes,
+        checksum) and the bucket: from the packed GPU buffer itself, or, for a version held in
+        host memory, through one staging bucket on our GPU (on a side stream)."""
         deadline = time.monotonic() + self.timeout_s
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device), torch.cuda.stream(torch.cuda.Stream(self.device)):
             flat = entry[0] if entry is not None else None
             size = total_bytes(entry[1]) if entry is not None else 0
-            header = torch.tensor([version if flat is not None else -1, size],
+            ranges = entry[3] if entry is not None else []
+            header = torch.tensor([version if flat is not None else -1, size, len(ranges)],
                                   dtype=torch.int64, device=self.device)
             nccl.timed_broadcast(comm, header, deadline=deadline, what=f"header of v{version}")
-            if flat is not None:
-                nccl.timed_broadcast(comm, flat[:size], deadline=deadline,
-                                     what=f"weights of v{version}")
+            if flat is None:
+                return
+            # One bucket per transfer (transfers to several producers may overlap); the
+            # caching allocator hands the same memory back for the next one.
+            staging = None if flat.is_cuda else torch.empty(
+                max(e - s for s, e in ranges), dtype=torch.uint8, device=self.device)
+            for i, (start, end) in enumerate(ranges):
+                if staging is None:
+                    buf = flat[start:end]
+                else:
+                    buf = staging[:end - start]
+                    buf.copy_(flat[start:end], non_blocking=True)
+                h = torch.tensor([i, end - start, word_sum(buf)], dtype=torch.int64,
+                                 device=self.device)
+                nccl.timed_broadcast(comm, h, deadline=deadline,
+                                     what=f"header of v{version} bucket {i}")
+                nccl.timed_broadcast(comm, buf, deadline=deadline,
+                                     what=f"v{version} bucket {i} of {len(ranges)}")
 
     def close(self) -> None:
         for link in self.links.values():
@@ -375,3 +482,8 @@ class WeightPublisher:
         self.links.clear()
         with self._lock:
             self._held.clear()
+        for slots in self._slots.values():
+            slots.control.close()
+            with contextlib.suppress(OSError):
+                os.unlink(slots.control.path)
+        self._slots.clear()

@@ -11,9 +11,14 @@ Three transports behind the same two calls the barrier makes (``stage`` while th
 - ``ipc`` (learner and engine on the same GPU): the learner packs the version into one GPU buffer
   (``sync.packing``) and announces its CUDA IPC handle as plain msgpack fields; workers open it
   (stage: a mapping, no copy) and ``load_weights`` reads the learner's memory directly (apply).
+  A sharded learner keeps the version in host memory instead (no room for a second model on
+  its GPU): the worker opens two bucket slots at stage, and inside the pause tells the learner
+  it waits (``SyncReady``) and loads each bucket as the learner fills a slot (``sync.slots``).
 - ``nccl`` (learner and engine on different GPUs): a collective, so it runs entirely inside the
   pause: the producer tells the learner it is paused (``SyncReady``), the worker posts the
-  receive, the learner broadcasts a small header (version, size) and then the packed buffer.
+  receive, the learner broadcasts a small header (version, size, buckets) and then each bucket
+  (``sync.bucket_mb``) with its own header (index, size, checksum); the worker loads each
+  bucket as it arrives, so neither side holds a second whole model on a GPU.
 
 Why our own NCCL link instead of vLLM's weight-transfer engine (``init_weight_transfer_engine``
 / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``), which exists in both
@@ -21,8 +26,10 @@ vLLM 0.25.1 and 0.32.0:
   1. Atomicity. vLLM's engine streams into layerwise reload (``start_weight_update`` takes the
      model apart, ``update_weights`` loads as it receives); a broadcast that times out half-way
      leaves a half-loaded model with no rollback. The barrier's contract is "a failed load leaves
-     the engine serving v": we receive the whole version into a staging buffer first, and only a
-     complete, header-checked buffer is applied (with the extension's existing rollback).
+     the engine serving v": every bucket is checked (index, size, checksum) before it is
+     loaded, and a bucket refused, missing or timed out after others were loaded makes the
+     worker re-apply the previous snapshot before the error returns (the extension's rollback),
+     so a torn set never serves a request. A model within one bucket is received whole first.
   2. Bounded waits. vLLM's worker blocks in ``torch.accelerator.synchronize()`` until the trainer
      sends; a dead learner hangs the engine core for ever. Our receive polls a CUDA event until a
      deadline and aborts the communicator (``ncclCommAbort``) on timeout.
@@ -147,15 +154,37 @@ class FileTransport(_Rpc):
 
 
 class IpcTransport(_Rpc):
-    def __init__(self, engine: Any, producer_id: str):
+    """Producer end of CUDA IPC. Whole: the learner's packed buffer is opened at stage and read
+    by the apply. Bucketed (a sharded learner, whose version waits in host memory): stage opens
+    its two bucket slots; the apply tells the learner we are paused (``send_ready``, as for
+    NCCL) and loads each bucket as the learner fills a slot (``sync.slots``)."""
+
+    def __init__(self, engine: Any, producer_id: str,
+                 send_ready: Callable[[str, int, int], Awaitable[None]] | None = None,
+                 timeout_s: float = 30.0):
         super().__init__(engine)
         self.producer_id = producer_id  # whose handle in the payload's {producer id: handle}
+        self.send_ready, self.timeout_s = send_ready, timeout_s
+        self._bucketed: int | None = None  # the version staged bucketed
 
     async def stage(self, ref: SnapshotRef, transfer: dict[str, Any]) -> dict[str, float]:
-        """Open the learner's packed buffer for ``ref.version`` and check its layout (no copy,
-        no pause needed). ``ref`` (the file snapshot) becomes the worker's rollback target."""
-        return await self._rpc("sync_ipc_stage", ref.version, transfer["ipc"][self.producer_id],
-                               transfer["layout"], ref.uri, ref.checksum)
+        """Open the learner's packed buffer (or bucket slots) for ``ref.version`` and check its
+        layout (no copy, no pause needed). ``ref`` (the file snapshot) becomes the worker's
+        rollback target."""
+        fields = transfer["ipc"][self.producer_id]
+        self._bucketed = ref.version if "slots" in fields else None
+        return await self._rpc("sync_ipc_stage", ref.version, fields, transfer["layout"],
+                               ref.uri, ref.checksum)
+
+    async def apply(self, version: int) -> dict[str, float]:
+        if self._bucketed != version:
+            return await super().apply(version)
+        self._bucketed = None
+        if self.send_ready is None:
+            raise RuntimeError("bucketed IPC needs send_ready (the learner serves on request)")
+        await self.send_ready("weights", 0, version)
+        got = await self._rpc("sync_ipc_receive", version, self.timeout_s)
+        return got | await super().apply(version)
 
 
 class NcclTransport(_Rpc):
@@ -203,7 +232,7 @@ class NcclTransport(_Rpc):
         await self.send_ready("weights", epoch, ref.version)
         try:
             got = await self._rpc("sync_nccl_receive", ref.version, epoch, transfer["layout"],
-                                  self.timeout_s, ref.uri, ref.checksum)
+                                  self.timeout_s, ref.uri, ref.checksum, transfer.get("buckets"))
         except (Exception, asyncio.CancelledError) as e:
             # The worker aborted its communicator (or will, at its own timeout): link gone.
             await self._give_up(epoch, ref.version, e)

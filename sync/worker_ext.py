@@ -8,6 +8,10 @@ weights never cross the engine-core boundary as Python objects: only a path and 
 Every transport ends in the same two steps: a *stage* that leaves ``_sync_staged`` = (file ref of
 the version, name -> tensor) fully received and checked, and ``sync_apply_staged`` inside the
 barrier's pause. The file ref is the rollback target whichever transport delivered the tensors.
+Bucketed versions (nccl, and ipc from a sharded learner) are loaded bucket by bucket inside the
+pause as they arrive (``_sync_apply_buckets``: one bucket of staging, never a second model on
+the GPU); their ``sync_apply_staged`` only commits, and a bucket refused after others were
+loaded re-applies the previous weights before the error returns.
 
 Invariant: a load either fully succeeds or leaves the worker serving the previous weights. Any
 check that can fail (read, checksum, names, shapes) runs before the first tensor is copied; if
@@ -25,7 +29,15 @@ from typing import Any
 
 from safetensors.torch import load_file
 
-from sync.packing import check_layout, ipc_import, layout_from_wire, total_bytes, unpack
+from sync.packing import (
+    bucket_layout,
+    check_layout,
+    ipc_import,
+    layout_from_wire,
+    ranges_from_wire,
+    total_bytes,
+    unpack,
+)
 from sync.snapshot import (
     SnapshotError,
     SnapshotRef,
@@ -129,13 +141,90 @@ class WeightSyncExtension:
             raise SnapshotError(f"v{version}: IPC handle is for GPU {fields.get('gpu_uuid')}, "
                                 f"this worker is on {uuid}")
         layout = self._sync_checked_layout(version, layout_wire)
+        ref = SnapshotRef(version=version, uri=uri, checksum=checksum)
+        if "slots" in fields:  # a sharded learner hands the version over bucket by bucket
+            return self._sync_stage_slots(ref, fields, layout, dev) | {
+                "open_s": time.perf_counter() - t0}
         flat = ipc_import(fields, dev.index)
         if flat.numel() < total_bytes(layout):
             raise SnapshotError(f"v{version}: IPC buffer of {flat.numel()} bytes is smaller "
                                 f"than its layout ({total_bytes(layout)})")
-        ref = SnapshotRef(version=version, uri=uri, checksum=checksum)
         self._sync_staged = (ref, unpack(flat, layout))
         return {"open_s": time.perf_counter() - t0, "tensors": len(layout)}
+
+    def _sync_stage_slots(self, ref: SnapshotRef, fields: dict, layout: Any, dev: Any
+                          ) -> dict[str, Any]:
+        """Open the learner's two bucket slots (kept open while the handles stay the same) and
+        its control block; nothing is read yet (``sync_ipc_receive``, inside the pause)."""
+        from sync.slots import ControlBlock
+
+        handles, path = fields.get("slots"), fields.get("control")
+        if not (isinstance(handles, list) and len(handles) == 2 and isinstance(path, str)
+                and path.startswith("/dev/shm/")):
+            raise SnapshotError(f"v{ref.version}: malformed IPC slot fields")
+        ranges = ranges_from_wire(fields.get("buckets"), layout)
+        key = (path, tuple(h.get("handle") if isinstance(h, dict) else None for h in handles))
+        opened = getattr(self, "_sync_slots", None)
+        if opened is None or opened[0] != key:
+            if opened is not None:
+                opened[2].close()
+            slots = [ipc_import(h, dev.index) for h in handles]
+            opened = (key, slots, ControlBlock(path))
+            self._sync_slots = opened
+        biggest = max(end - start for start, end in ranges)
+        if any(s.numel() < biggest for s in opened[1]):
+            raise SnapshotError(f"v{ref.version}: IPC slots of {opened[1][0].numel()} bytes "
+                                f"cannot hold a bucket of {biggest}")
+        # Forget any earlier hand-over before we ask for this one (the learner starts only
+        # once we say we are paused), so a stale block of the same version is never read.
+        opened[2][0] = -1
+        self._sync_staged = None
+        self._sync_bucketed = (ref, layout, ranges)
+        return {"tensors": len(layout), "buckets": float(len(ranges))}
+
+    def _sync_apply_buckets(self, ref: SnapshotRef, layout: Any, ranges: list,
+                            receive: Any) -> dict[str, Any]:
+        """Inside the pause: ``receive(on_bucket)`` calls ``on_bucket(i, bytes)`` for each
+        bucket in turn, checked; each is loaded at once, so no whole second copy of the model
+        is ever staged on this GPU. A bucket refused or missing after others were loaded
+        re-applies the previous weights (``_sync_restore_previous``) before raising: the engine
+        never serves a torn set. On success the version is staged as loaded, for
+        ``sync_apply_staged`` to commit."""
+        t0 = time.perf_counter()
+        self._sync_staged = None
+        loaded = [0]
+
+        def on_bucket(i: int, buf: Any) -> None:
+            start, end = ranges[i]
+            self._sync_apply(unpack(buf, bucket_layout(layout, start, end)))
+            loaded[0] += 1
+
+        try:
+            receive(on_bucket)
+            _sync_device_barrier()
+        except Exception as e:
+            if loaded[0]:
+                self._sync_restore_previous()
+            raise SnapshotError(f"{e} ({loaded[0]} of {len(ranges)} buckets loaded"
+                                f"{', previous weights restored' if loaded[0] else ''})"
+                                ) from None
+        self._sync_staged = (ref, {})
+        return {"receive_s": time.perf_counter() - t0, "buckets": float(len(ranges))}
+
+    def sync_ipc_receive(self, version: int, timeout_s: float) -> dict[str, Any]:
+        """Take the version staged by ``sync_ipc_stage`` bucket by bucket through the slots
+        (call inside the pause, after telling the learner we wait)."""
+        from sync.slots import receive_buckets
+
+        staged = getattr(self, "_sync_bucketed", None)
+        opened = getattr(self, "_sync_slots", None)
+        if staged is None or staged[0].version != version or opened is None:
+            raise SnapshotError(f"v{version}: no IPC slots staged on this worker")
+        self._sync_bucketed = None
+        ref, layout, ranges = staged
+        deadline = time.monotonic() + timeout_s
+        return self._sync_apply_buckets(ref, layout, ranges, lambda on_bucket: receive_buckets(
+            opened[2], version, ranges, opened[1], deadline, on_bucket))
 
     def sync_nccl_join(self, epoch: int, unique_id: bytes, rank_offset: int, world_size: int,
                        timeout_s: float) -> dict[str, Any]:
@@ -156,15 +245,21 @@ class WeightSyncExtension:
         return {"join_s": time.perf_counter() - t0}
 
     def sync_nccl_receive(self, version: int, epoch: int, layout_wire: list, timeout_s: float,
-                          uri: str, checksum: str) -> dict[str, Any]:
-        """Receive ``version`` on link ``epoch`` into a staging buffer (call inside the pause).
+                          uri: str, checksum: str, buckets_wire: list | None = None
+                          ) -> dict[str, Any]:
+        """Receive ``version`` on link ``epoch`` bucket by bucket and load each bucket as it
+        arrives (call inside the pause; ``_sync_apply_buckets``): one bucket of staging on this
+        GPU, never a whole second model.
 
-        A header (version, bytes) comes first: the learner answers -1 when it no longer holds
-        the version (returns ``refused``; the link stays up). Any failure or timeout aborts the
+        A header (version, bytes, buckets) comes first: the learner answers -1 when it no longer
+        holds the version (returns ``refused``; the link stays up). Each bucket then comes with
+        its own header (index, bytes, checksum), checked before it is loaded: a torn or missing
+        bucket is refused and the previous weights restored. Any failure or timeout aborts the
         link (the learner offers a new one)."""
         import torch
 
         from sync import nccl
+        from sync.slots import BucketError, word_sum
 
         t0 = time.perf_counter()
         self._sync_staged = None
@@ -172,27 +267,46 @@ class WeightSyncExtension:
         if link is None or link[0] != epoch:
             raise SnapshotError(f"v{version}: NCCL link epoch {epoch} is not joined here")
         layout = self._sync_checked_layout(version, layout_wire)
+        total = total_bytes(layout)
+        ranges = ranges_from_wire(buckets_wire, layout) if buckets_wire else [(0, total)]
         dev, comm = self._sync_device(), link[1]
         deadline = time.monotonic() + timeout_s
+
+        def header(what: str) -> list[int]:
+            h = torch.zeros(3, dtype=torch.int64, device=dev)
+            nccl.timed_broadcast(comm, h, deadline=deadline, what=what)
+            return [int(x) for x in h.tolist()]
+
+        def receive(on_bucket: Any) -> None:
+            staging = torch.empty(max(e - s for s, e in ranges), dtype=torch.uint8, device=dev)
+            self._sync_gpu_staging = True  # released to the driver after the apply
+            for i, (start, end) in enumerate(ranges):
+                got_i, nbytes, want = header(f"header of v{version} bucket {i}")
+                if got_i != i or nbytes != end - start:
+                    raise BucketError(f"v{version}: bucket {got_i} of {nbytes} bytes arrived, "
+                                      f"expected bucket {i} of {end - start}; refused")
+                buf = staging[:nbytes]
+                nccl.timed_broadcast(comm, buf, deadline=deadline,
+                                     what=f"v{version} bucket {i} of {len(ranges)}")
+                if word_sum(buf) != want:
+                    raise BucketError(f"v{version} bucket {i}: checksum mismatch (torn "
+                                      f"bucket); refused")
+                on_bucket(i, buf)
+
         try:
-            header = torch.zeros(2, dtype=torch.int64, device=dev)
-            nccl.timed_broadcast(comm, header, deadline=deadline, what=f"header of v{version}")
-            got_version, size = (int(x) for x in header.tolist())
+            got_version, size, n = header(f"header of v{version}")
             if got_version == -1:  # nothing follows: the link stays usable
                 return {"refused": 1.0, "receive_s": time.perf_counter() - t0}
-            if got_version != version or size != total_bytes(layout):
-                raise SnapshotError(f"v{version}: learner sends v{got_version} of {size} bytes, "
-                                    f"expected {total_bytes(layout)} bytes")
-            flat = torch.empty(size, dtype=torch.uint8, device=dev)
-            self._sync_gpu_staging = True  # released to the driver after the apply
-            nccl.timed_broadcast(comm, flat, deadline=deadline, what=f"weights of v{version}")
+            if got_version != version or size != total or n != len(ranges):
+                raise SnapshotError(f"v{version}: learner sends v{got_version} of {size} bytes "
+                                    f"in {n} buckets, expected {total} bytes in {len(ranges)}")
+            ref = SnapshotRef(version=version, uri=uri, checksum=checksum)
+            got = self._sync_apply_buckets(ref, layout, ranges, receive)
         except Exception:
             self._sync_nccl = None
             nccl.abort(comm)
             raise
-        ref = SnapshotRef(version=version, uri=uri, checksum=checksum)
-        self._sync_staged = (ref, unpack(flat, layout))
-        return {"receive_s": time.perf_counter() - t0, "bytes": float(size)}
+        return got | {"receive_s": time.perf_counter() - t0, "bytes": float(size)}
 
     def sync_scheduled_requests(self) -> list[str]:
         """Ids (vLLM's internal form) of the requests this worker's model runner holds state for.
@@ -241,7 +355,8 @@ class WeightSyncExtension:
         self._sync_staged = None
         t0 = time.perf_counter()
         try:
-            self._sync_apply(tensors)
+            if tensors:  # empty: loaded bucket by bucket already, this commits it
+                self._sync_apply(tensors)
             _sync_device_barrier()
         except Exception as e:
             self._sync_restore_previous()

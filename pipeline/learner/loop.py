@@ -114,22 +114,24 @@ def capture_device(model_device: Any, publisher_device: Any, gpu_routes: bool,
                    sharded: bool) -> Any:
     """Where a version's packed buffer goes (a ``torch.device``).
 
-    - Live ipc/nccl producers: the publisher's GPU, whatever the model's state is on. A
-      ZeRO-3 state dict comes gathered onto the CPU, and packing "next to the tensors" put
-      the buffer there: every IPC export then failed ("ipc_export needs a contiguous CUDA
-      buffer at storage offset 0") and each version fell back to the file.
+    - A sharded learner (ZeRO-3): host memory, whatever the routes, so no GPU ever holds a
+      second whole model beside the shards and the engine; ipc and nccl producers then get
+      the version bucket by bucket through one bucket of GPU memory (``sync.publish``).
+    - Live ipc/nccl producers of an unsharded learner: the publisher's GPU, whatever the
+      model's state is on. Packing "next to the tensors" put a ZeRO-3 learner's buffer on the
+      CPU (its state dict is gathered there): every IPC export then failed ("ipc_export needs
+      a contiguous CUDA buffer at storage offset 0") and each version fell back to the file.
     - An unsharded model on a GPU: that GPU (a device-local copy, milliseconds; the writer
       copies it to the host on a side stream while training goes on).
-    - Otherwise (CPU, or a sharded learner feeding only the file route): host memory, so a
-      sharded learner never holds a second whole model on a GPU for a file."""
+    - Otherwise (CPU): host memory."""
     import torch
 
+    if sharded:
+        return torch.device("cpu")
     if gpu_routes and publisher_device is not None:
         return torch.device(publisher_device)
     model_device = torch.device(model_device)
-    if model_device.type == "cuda" and not sharded:
-        return model_device
-    return torch.device("cpu")
+    return model_device if model_device.type == "cuda" else torch.device("cpu")
 
 
 class Learner:
@@ -690,7 +692,8 @@ class Learner:
 
             self.learner_gpu = str(torch.cuda.get_device_properties(dev).uuid)
             if self.cfg.sync.transport != "file":
-                self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s)
+                self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s,
+                                                 bucket_bytes=self.cfg.sync.bucket_mb << 20)
         if self.state.version > 0:  # resumed: producers must load this version first
             flat, layout = await asyncio.to_thread(self._capture, self.state.version)
             self.snapshot = await self.writer.write_now(self.state.version, flat, layout)

@@ -114,7 +114,7 @@ class Producer:
         self.budget = producer_budget(cfg.train.batch_groups, cfg.train.max_staleness,
                                       cfg.num_producers, index)
         self.transport = file_transport(engine, cfg, self.producer_id)
-        self.ipc = IpcTransport(engine, self.producer_id)
+        self.ipc = IpcTransport(engine, self.producer_id, self._send_ready, s.nccl_timeout_s)
         self.nccl = NcclTransport(engine, self._send_ready, s.nccl_timeout_s)
         self.devices: list[str] = []  # GPU UUID per worker, from sync_device_info
         # Adapter-only LoRA sync (sync.lora): versions are LoRARequests, not weight loads.

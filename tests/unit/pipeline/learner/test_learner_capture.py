@@ -85,10 +85,12 @@ def test_ipc_export_refuses_a_host_buffer_and_says_where_it_is():
 
 def test_capture_device_puts_gpu_routes_on_the_publishers_gpu_whatever_the_state():
     cuda0, cpu = torch.device("cuda", 0), torch.device("cpu")
-    # The root cause: a ZeRO-3 learner's gathered tensors were on the CPU, so was the buffer.
-    assert capture_device(cuda0, cuda0, gpu_routes=True, sharded=True) == cuda0
+    # The root cause: the buffer went where the state dict's tensors were (a ZeRO-3 learner's
+    # are gathered onto the CPU); a whole GPU copy now goes to the publisher's GPU.
     assert capture_device(cpu, "cuda:1", gpu_routes=True, sharded=False) == torch.device(
         "cuda", 1)
+    # Sharded: host memory even for GPU routes (they take it bucket by bucket from there).
+    assert capture_device(cuda0, cuda0, gpu_routes=True, sharded=True) == cpu
     # Single GPU, file only: device-local copy as before (the writer copies it off the path).
     assert capture_device(cuda0, cuda0, gpu_routes=False, sharded=False) == cuda0
     # Sharded, file only: host memory, never a second whole model on a GPU.
