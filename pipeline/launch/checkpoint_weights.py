@@ -26,16 +26,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-DEEPSPEED_DIR = "deepspeed"  # pipeline.learner.trainer.DEEPSPEED_DIR / DEEPSPEED_TAG
-DEEPSPEED_TAG = "zero"
+from pipeline.learner.checkpoint import CheckpointError, load_checkpoint
+from pipeline.learner.trainer import DEEPSPEED_DIR, DEEPSPEED_TAG, hf_name, merge_lora
+
 PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<prefix>.+)\.lora_(?P<part>[AB])\.default\.weight$")
-
-
-def _error(msg: str) -> Exception:
-    from pipeline.learner.checkpoint import CheckpointError
-
-    return CheckpointError(msg)
 
 
 def checkpoint_kind(tensors: dict[str, Any], ckpt: Path) -> str:
@@ -45,12 +40,12 @@ def checkpoint_kind(tensors: dict[str, Any], ckpt: Path) -> str:
         return "full"
     if "deepspeed_zero_stage" in tensors:
         if not (ckpt / DEEPSPEED_DIR / DEEPSPEED_TAG).is_dir():
-            raise _error(f"checkpoint {ckpt} was written under DeepSpeed ZeRO-"
-                         f"{tensors['deepspeed_zero_stage']} but has no "
-                         f"{DEEPSPEED_DIR}/{DEEPSPEED_TAG}/ with its partitions")
+            raise CheckpointError(f"checkpoint {ckpt} was written under DeepSpeed ZeRO-"
+                                  f"{tensors['deepspeed_zero_stage']} but has no "
+                                  f"{DEEPSPEED_DIR}/{DEEPSPEED_TAG}/ with its partitions")
         return "deepspeed"
-    raise _error(f"checkpoint {ckpt}: trainer.pt holds no model weights (no 'model' and no "
-                 f"'deepspeed_zero_stage')")
+    raise CheckpointError(f"checkpoint {ckpt}: trainer.pt holds no model weights (no 'model' "
+                          f"and no 'deepspeed_zero_stage')")
 
 
 def consolidate_deepspeed(ckpt: Path) -> dict[str, Any]:
@@ -60,8 +55,8 @@ def consolidate_deepspeed(ckpt: Path) -> dict[str, Any]:
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as e:
-        raise _error(f"checkpoint {ckpt} was written under DeepSpeed; reading it needs "
-                     f"deepspeed ({e})") from None
+        raise CheckpointError(f"checkpoint {ckpt} was written under DeepSpeed; reading it needs "
+                              f"deepspeed ({e})") from None
     # zero_to_fp32 reports each file it reads with print(); the command's output stays ours.
     try:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -69,7 +64,8 @@ def consolidate_deepspeed(ckpt: Path) -> dict[str, Any]:
                                                           tag=DEEPSPEED_TAG)
     except Exception as e:  # missing rank files, torn pickles, ...: one line either way
         msg = " ".join(str(e).split()) or type(e).__name__
-        raise _error(f"checkpoint {ckpt}: DeepSpeed partitions unreadable: {msg}") from None
+        raise CheckpointError(
+            f"checkpoint {ckpt}: DeepSpeed partitions unreadable: {msg}") from None
     return {k.removeprefix("model."): v for k, v in sd.items()}
 
 
@@ -82,7 +78,8 @@ def lora_scales(state: dict[str, Any], alpha: float) -> dict[str, float]:
     half = sorted(p for p, got in parts.items() if got != {"A", "B"} or
                   f"{p}.base_layer.weight" not in state)
     if half:
-        raise _error(f"LoRA module {half[0]} lacks its lora_A, lora_B or base_layer weight")
+        raise CheckpointError(
+            f"LoRA module {half[0]} lacks its lora_A, lora_B or base_layer weight")
     return {p: alpha / int(state[f"{p}.lora_A.default.weight"].shape[0]) for p in parts}
 
 
@@ -90,8 +87,6 @@ def engine_weights(state: dict[str, Any], lora_alpha: float, dtype: Any
                    ) -> tuple[dict[str, Any], int]:
     """The model's weights under the base model's names in ``dtype``, LoRA merged as the
     learner merges a version; returns (weights, LoRA modules merged)."""
-    from pipeline.learner.trainer import hf_name, merge_lora
-
     if not any(k.startswith(PEFT_PREFIX) for k in state):
         return {k: v.detach().to(dtype) for k, v in state.items()}, 0
     scales = lora_scales(state, lora_alpha)
@@ -122,7 +117,7 @@ def check_fits_model(weights: dict[str, Any], manifest: dict[str, tuple[int, ...
     if missing:
         problems.append(f"{len(missing)} of the model's tensor(s) missing, e.g. {missing[:2]}")
     if problems:
-        raise _error(f"checkpoint {ckpt} does not hold the weights of model.path {model}: "
+        raise CheckpointError(f"checkpoint {ckpt} does not hold the weights of model.path {model}: "
                      + "; ".join(problems))
 
 
@@ -141,13 +136,12 @@ def checkpoint_weights(ckpt: Path, model_path: str, lora_alpha: float, dtype: An
                        ) -> tuple[Any, dict[str, Any], str]:
     """(LearnerState, weights for the engine, a description of the kind) of checkpoint
     ``ckpt``; CheckpointError (one line) if it cannot be read or is another model's."""
-    from pipeline.learner.checkpoint import load_checkpoint
     from sync.snapshot import SnapshotError, model_manifest
 
     try:
         manifest = model_manifest(model_path)
     except SnapshotError as e:
-        raise _error(f"model.path: {e}") from None
+        raise CheckpointError(f"model.path: {e}") from None
     state, tensors, _buffer = load_checkpoint(ckpt)
     kind = checkpoint_kind(tensors, ckpt)
     if kind == "full":
@@ -158,7 +152,7 @@ def checkpoint_weights(ckpt: Path, model_path: str, lora_alpha: float, dtype: An
         what = f"DeepSpeed ZeRO-{tensors['deepspeed_zero_stage']} (consolidated)"
     del tensors
     if not isinstance(model_state, dict) or not model_state:
-        raise _error(f"checkpoint {ckpt} holds an empty model state")
+        raise CheckpointError(f"checkpoint {ckpt} holds an empty model state")
     weights, merged = engine_weights(model_state, lora_alpha, dtype)
     del model_state
     if merged:
