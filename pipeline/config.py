@@ -559,6 +559,9 @@ class LaunchConfig:
     producer_strategy: Literal["SPREAD", "STRICT_SPREAD", "PACK"] = opt(
         "SPREAD", "ray: placement of the producers' bundles: SPREAD (over nodes, best effort), "
                   "STRICT_SPREAD (one per node), PACK")
+    memory_check: bool = opt(True, "local: before anything starts, refuse (one line naming the "
+                                   "options) a plan whose learner state + engine share cannot "
+                                   "fit a GPU (pipeline.memory); false tries anyway")
     stream_weights: Literal["auto", "always", "never"] = opt(
         "auto", "ray: how producers get snapshot files: auto streams them to producers on "
                 "another node than the learner (sync.stream_from), always streams to every "

@@ -67,6 +67,13 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
     check_data(cfg.data, model_path)
+    if role == "all" and cfg.launch.backend == "local":  # Ray places the processes itself
+        from pipeline.memory import MemoryPlanError, check_memory_plan
+
+        try:
+            check_memory_plan(cfg, model_path)
+        except MemoryPlanError as e:
+            raise ConfigError(f"launch.memory_check: {e}") from None
     if role in ("all", "producer"):
         check_installed_vllm(cfg.engine.allow_untested_vllm)
         from pipeline.producer.engine import EngineSetupError, check_extra

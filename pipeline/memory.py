@@ -1,0 +1,234 @@
+"""The memory plan of a run on its GPUs, checked before anything starts (``pipeline-train``).
+
+Owns a lower bound of what each GPU must hold: the learner's share of the model state
+(parameters x bytes per parameter / ranks, by DeepSpeed stage, precision and offload) plus the
+engines' fixed share (``engine.gpu_memory_utilization`` of the GPU for each producer worker on
+it). Activations, the CUDA context and fragmentation come on top, so a plan refused here could
+never run; one that passes may still run out of memory later (the check never refuses a run
+that could fit). Pure functions, called by ``check_memory_plan`` with the model's config.json,
+the accelerate config and the GPUs' memory (``nvidia-smi``; no GPU, no check).
+
+Bytes per parameter of the learner (Adam, fp32 master weights and gradients):
+  plain or DDP (fp32 weights, autocast)           4 + 4 + 8                = 16
+  ZeRO-1/2, bf16 weights, state partitioned        2 + 16 / ranks
+  ZeRO-3, everything partitioned                   (2 + 16) / ranks
+  optimizer offload (cpu/nvme): the 16 stay home   2 + 2 / ranks  (ZeRO-3: 4 / ranks)
+  ZeRO-3 parameter offload too                     2 / ranks      (gradients only)
+  LoRA: the frozen weights alone                   4 (plain), 2 (DeepSpeed bf16), / ranks at ZeRO-3
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+
+
+class MemoryPlanError(ValueError):
+    """A plan that cannot fit (the message names the GPU, the figures and the options)."""
+
+
+def model_parameters(hf: dict[str, Any]) -> int:
+    """Parameters of a decoder-only transformer from its HF ``config.json`` (Llama, Qwen2,
+    Mistral shapes: hidden, layers, intermediate, vocabulary, heads, KV heads, tied)."""
+    text = hf.get("text_config") or {}
+    get = lambda k, d=None: hf.get(k, text.get(k, d))  # noqa: E731 (multimodal configs nest)
+    h, layers = int(get("hidden_size")), int(get("num_hidden_layers"))
+    inter, vocab = int(get("intermediate_size")), int(get("vocab_size"))
+    heads = int(get("num_attention_heads"))
+    kv = int(get("num_key_value_heads") or heads)
+    hd = int(get("head_dim") or h // heads)
+    attn = h * heads * hd * 2 + h * kv * hd * 2  # q, o; k, v
+    if get("attention_bias") or get("model_type") == "qwen2":
+        attn += heads * hd + 2 * kv * hd
+    per_layer = attn + 3 * h * inter + 2 * h  # gate, up, down; two norms
+    tied = bool(get("tie_word_embeddings", False))
+    return layers * per_layer + h + vocab * h * (1 if tied else 2)
+
+
+@dataclass(frozen=True)
+class LearnerSetup:
+    """What decides the learner's bytes per parameter (read from the accelerate config)."""
+
+    ranks: int = 1
+    zero_stage: int = 0          # 0: no DeepSpeed (plain or DDP)
+    bf16: bool = True            # DeepSpeed with bf16 weights (the shipped configs)
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    lora: bool = False
+
+
+def bytes_per_param(s: LearnerSetup) -> float:
+    """Per learner rank (see the module docstring's table)."""
+    w = 2.0 if s.bf16 else 4.0
+    if s.zero_stage == 0:
+        return 4.0 if s.lora else 16.0
+    if s.lora:
+        return w / s.ranks if s.zero_stage == 3 else w
+    state = 0.0 if s.offload_optimizer else 16.0
+    grads = 2.0 if s.offload_optimizer else 0.0  # bf16 gradients on the GPU before offload
+    if s.zero_stage == 3:
+        weights = 0.0 if s.offload_param else w
+        return (weights + grads + state) / s.ranks
+    return w + (grads + state) / s.ranks
+
+
+@dataclass(frozen=True)
+class GpuNeed:
+    gpu: str
+    total: float                  # bytes of GPU memory
+    learner: float                # bytes of learner state on it
+    engines: float                # bytes of engine share on it
+    producers: int                # producer workers on it
+
+    @property
+    def need(self) -> float:
+        return self.learner + self.engines
+
+
+def plan(params: int, setup: LearnerSetup, learner_gpus: list[str],
+         producer_gpus: list[list[str]], engine_util: float,
+         gpu_total: dict[str, float]) -> list[GpuNeed]:
+    """What each GPU holds: learner rank r on ``learner_gpus[r]``, one worker of producer k on
+    each GPU of ``producer_gpus[k]``. GPUs not in ``gpu_total`` are not checked."""
+    per_rank = params * bytes_per_param(setup)
+    learner: dict[str, float] = {}
+    for g in learner_gpus[:setup.ranks]:
+        learner[g] = learner.get(g, 0.0) + per_rank
+    workers: dict[str, int] = {}
+    for gpus in producer_gpus:
+        for g in gpus:
+            workers[g] = workers.get(g, 0) + 1
+    out = []
+    for g in sorted(set(learner) | set(workers), key=lambda x: (len(x), x)):
+        if g in gpu_total:
+            total = gpu_total[g]
+            out.append(GpuNeed(g, total, learner.get(g, 0.0),
+                               workers.get(g, 0) * engine_util * total, workers.get(g, 0)))
+    return out
+
+
+def refusal(needs: list[GpuNeed], params: int, setup: LearnerSetup, engine_util: float
+            ) -> str | None:
+    """One line naming the first GPU whose plan cannot fit and what would make it fit, or None."""
+    over = [n for n in needs if n.need > n.total]
+    if not over:
+        return None
+    n = max(over, key=lambda x: x.need - x.total)
+    kind = {0: "plain", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[setup.zero_stage]
+    parts = [f"learner {n.learner / GB:.1f} GB ({params / 1e9:.2f}B parameters x "
+             f"{bytes_per_param(setup):.1f} B each, {kind} over {setup.ranks} rank(s))"]
+    if n.producers:
+        parts.append(f"engines {n.engines / GB:.1f} GB ({n.producers} x "
+                     f"engine.gpu_memory_utilization {engine_util:g})")
+    room = n.total - n.learner
+    options = []
+    if n.producers and room > 0:
+        fit = int(room / n.total / n.producers * 100) / 100
+        if fit >= 0.05:  # a bound: activations need some of that room too
+            options.append(f"--engine.gpu_memory_utilization {fit:g} or less")
+    if setup.zero_stage != 3 or not setup.offload_optimizer:
+        options.append("--train.accelerate_config examples/accelerate/zero3_offload.yaml "
+                       "(ZeRO-3, optimizer and parameters offloaded to the CPU)")
+    if setup.zero_stage == 3:
+        options.append("more learner ranks on other GPUs (--train.learner_processes, "
+                       "--learner_gpus)")
+    else:
+        options.append("--train.accelerate_config examples/accelerate/zero3.yaml with "
+                       "--train.learner_processes N over N GPUs")
+    if not setup.lora:
+        options.append("--train.lora_rank 16")
+    options.append("--launch.memory_check false to try anyway")
+    return (f"memory plan: GPU {n.gpu} needs at least {n.need / GB:.1f} GB of its "
+            f"{n.total / GB:.1f} GB: {' + '.join(parts)}; to fit, use "
+            f"{'; or '.join(options)}")
+
+
+# ------------------------------------------------------------------ inputs of the plan
+def learner_setup(accelerate_config: str, ranks: int, lora: bool) -> LearnerSetup:
+    """The DeepSpeed stage, precision and offload of an accelerate config file ('' = plain)."""
+    if not accelerate_config:
+        return LearnerSetup(ranks=ranks, lora=lora)
+    import yaml
+
+    conf = yaml.safe_load(Path(accelerate_config).read_text()) or {}
+    if str(conf.get("distributed_type", "")).upper() != "DEEPSPEED":
+        return LearnerSetup(ranks=ranks, lora=lora)
+    ds = conf.get("deepspeed_config") or {}
+    stage = int(ds.get("zero_stage", 0) or 0)
+    opt_dev, par_dev = ds.get("offload_optimizer_device"), ds.get("offload_param_device")
+    bf16 = str(conf.get("mixed_precision", "no")) in ("bf16", "fp16")
+    if ds.get("deepspeed_config_file"):  # a DeepSpeed JSON of its own
+        js = json.loads(Path(ds["deepspeed_config_file"]).read_text())
+        zo = js.get("zero_optimization") or {}
+        stage = int(zo.get("stage", stage))
+        opt_dev = (zo.get("offload_optimizer") or {}).get("device", opt_dev)
+        par_dev = (zo.get("offload_param") or {}).get("device", par_dev)
+        bf16 = bool((js.get("bf16") or {}).get("enabled") or (js.get("fp16") or {})
+                    .get("enabled") or bf16)
+    off = lambda d: str(d or "none").lower() not in ("none", "")  # noqa: E731
+    return LearnerSetup(ranks=ranks, zero_stage=stage, bf16=bf16,
+                        offload_optimizer=off(opt_dev), offload_param=off(par_dev), lora=lora)
+
+
+def gpu_memory() -> dict[str, float]:
+    """Total memory of each GPU by index and UUID, from ``nvidia-smi`` ({} without one: the
+    launcher never initialises CUDA itself, which would hold memory on GPU 0 for the run)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {}
+    try:
+        out = subprocess.run([exe, "--query-gpu=index,uuid,memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found: dict[str, float] = {}
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 3 and fields[2].isdigit():
+            found[fields[0]] = found[fields[1]] = float(fields[2]) * 2 ** 20  # MiB
+    return found
+
+
+def visible(env: dict[str, str], gpus: dict[str, float]) -> list[str]:
+    """The GPUs this launcher's children inherit: CUDA_VISIBLE_DEVICES, else every GPU."""
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return [g.strip() for g in cvd.split(",") if g.strip()]
+    return sorted((g for g in gpus if g.isdigit()), key=int)
+
+
+def check_memory_plan(cfg: Any, model_path: str, gpus: dict[str, float] | None = None,
+                      env: dict[str, str] | None = None) -> None:
+    """Raise MemoryPlanError (one line) when the run's plan cannot fit its GPUs. Skipped
+    without GPUs (CPU machines), without a config.json, or with launch.memory_check false."""
+    gpus = gpu_memory() if gpus is None else gpus
+    conf = Path(model_path) / "config.json"
+    if not gpus or not conf.is_file() or not cfg.launch.memory_check:
+        return
+    env = dict(os.environ) if env is None else env
+    seen = visible(env, gpus)
+    t = cfg.train
+    ranks = max(1, t.learner_processes)
+    learner = cfg.learner_gpus.split(",") if cfg.learner_gpus else seen[:ranks]
+    tp = cfg.engine.tensor_parallel_size
+    if cfg.producer_gpus:
+        producers = [cfg.producer_gpus[k % len(cfg.producer_gpus)].split(",")
+                     for k in range(cfg.num_producers)]
+    else:
+        producers = [seen[:tp] for _ in range(cfg.num_producers)]
+    setup = learner_setup(t.accelerate_config, ranks, t.lora_rank > 0)
+    params = model_parameters(json.loads(conf.read_text()))
+    needs = plan(params, setup, [g.strip() for g in learner],
+                 [[g.strip() for g in p] for p in producers], cfg.engine.gpu_memory_utilization,
+                 gpus)
+    why = refusal(needs, params, setup, cfg.engine.gpu_memory_utilization)
+    if why:
+        raise MemoryPlanError(why)
