@@ -72,6 +72,8 @@ LAYOUTS = {  # name -> (producer_gpus, one producer per entry; learner_gpus; GPU
     "split-3x1": (["0", "1", "2"], "3", {"generation": [0, 1, 2], "learner": [3]}),
     # 3 GPUs: one producer whose engine is tensor-parallel over GPUs 0 and 1.
     "split-tp2": (["0,1"], "2", {"generation": [0, 1], "learner": [2]}),
+    # 2 GPUs, issue 27: a producer on each GPU, the learner ZeRO-3 over both (one rank a GPU).
+    "colocated-2": (["0", "1"], "0,1", {"generation": [0, 1], "learner": [0, 1]}),
     "cpu": ([], "", {}),
 }
 
@@ -275,6 +277,12 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
            "--train.lr", _yaml_float(args.lr), "--engine.gpu_memory_utilization", str(args.gpu_mem),
            "--num_producers", str(max(len(producer_gpus), 1)), "--tensorboard", "false",
            *(["--engine.tensor_parallel_size", str(tp)] if tp > 1 else [])]
+    ranks = len(learner_gpus.split(",")) if learner_gpus else 1
+    if ranks > 1:  # a sharded learner, one rank a GPU; --set train.accelerate_config=... wins
+        cmd += ["--train.learner_processes", str(ranks)]
+        if not any(kv.startswith("train.accelerate_config=") for kv in (*extra, *args.set)):
+            cmd += ["--train.accelerate_config",
+                    str(Path(__file__).resolve().parents[1] / "examples/accelerate/zero3.yaml")]
     env = None
     if on_ray:  # Ray assigns the GPUs: its node sees the layout's, each actor asks for its share
         gpus = sorted({g for spec in [*producer_gpus, learner_gpus] for g in spec.split(",") if g})
