@@ -239,10 +239,10 @@ def format_progress(
 ) -> str:
     """One human-readable progress line.
 
-    Example: ``step 12/40 | reward 0.41 (first 0.12) | 1.8k tok/s | stale 0.6 | buffer 5 |
-    sync 0.42s | 3m10s elapsed, ~4m40s left``. Each part appears only when its key is present
-    (``reward_mean``, ``tokens_per_s``, ``staleness_mean``, ``buffer_size``, ``sync_s``, ``time``
-    for elapsed seconds); the estimate of time left needs ``total_steps`` and ``step > 0``.
+    Example: ``step 12/40 | reward 0.41 (first 0.12) | 1.8k tok/s | learner 20k tok/s 41% MFU |
+    stale 0.6 | buffer 5 | sync 0.42s | 3m10s elapsed, ~4m40s left``. Each part appears only
+    when its key is present (``reward_mean``, ``tokens_per_s``, ``learner_tokens_per_s`` and
+    ``mfu``, ``staleness_mean``, ``buffer_size``, ``sync_s``, ``time`` for elapsed seconds); the estimate of time left needs ``total_steps`` and ``step > 0``.
     """
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
     if "reward_mean" in metrics:
@@ -252,6 +252,11 @@ def format_progress(
         parts.append(reward)
     if "tokens_per_s" in metrics:
         parts.append(f"{_fmt_count(float(metrics['tokens_per_s']))} tok/s")
+    if "learner_tokens_per_s" in metrics:
+        learner = f"learner {_fmt_count(float(metrics['learner_tokens_per_s']))} tok/s"
+        if "mfu" in metrics:
+            learner += f" {float(metrics['mfu']):.0%} MFU"
+        parts.append(learner)
     if "staleness_mean" in metrics:
         parts.append(f"stale {float(metrics['staleness_mean']):.1f}")
     if "buffer_size" in metrics:

@@ -97,6 +97,8 @@ def test_format_progress_full_line():
     metrics = {
         "reward_mean": 0.41,
         "tokens_per_s": 1800.0,
+        "learner_tokens_per_s": 20400.0,
+        "mfu": 0.412,
         "staleness_mean": 0.6,
         "buffer_size": 5,
         "sync_s": 0.42,
@@ -105,7 +107,8 @@ def test_format_progress_full_line():
     line = format_progress(12, 40, metrics, first_reward=0.12)
     # time left: 190 s / 12 steps * 28 steps = 443 s
     assert line == (
-        "step 12/40 | reward 0.41 (first 0.12) | 1.8k tok/s | stale 0.6 | buffer 5 | "
+        "step 12/40 | reward 0.41 (first 0.12) | 1.8k tok/s | learner 20.4k tok/s 41% MFU | "
+        "stale 0.6 | buffer 5 | "
         "sync 0.42s | 3m10s elapsed, ~7m23s left"
     )
 
