@@ -46,7 +46,7 @@ from sync.packing import (
     plan_layout,
     total_bytes,
 )
-from sync.slots import ControlBlock, serve_buckets, word_sum
+from sync.slots import ControlBlock, control_path, serve_buckets, word_sum
 
 log = logging.getLogger(__name__)
 LinkState = Literal["offered", "joining", "ready", "dead"]
@@ -385,7 +385,7 @@ class WeightPublisher:
                 slots.control.close()
             tensors = [torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                        for _ in range(2)]
-            path = f"{self.shm_dir}/pipeline-slots-{os.getpid()}-{producer_id}"
+            path = control_path(self.shm_dir, os.getpid(), producer_id)
             slots = Slots(tensors, [ipc_export(t, self.gpu_uuid) for t in tensors],
                           ControlBlock(path, create=True), threading.Lock())
             self._slots[producer_id] = slots

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,17 @@ VERSION, FILLED, DONE, STATE, SUM0, NBYTES0 = 0, 1, 2, 3, 4, 6
 RUNNING, REFUSED, WORKER_FAILED, LEARNER_FAILED = 0, 1, 2, 3
 _WORDS = 8
 POLL_S = 2e-4
+
+
+def control_path(shm_dir: str, pid: int, producer_id: str) -> str:
+    return f"{shm_dir}/pipeline-slots-{pid}-{producer_id}"
+
+
+def control_path_ok(path: object) -> bool:
+    """Whether an announced control block path is one the learner makes (a worker writes into
+    it: never let an announce point it at another file)."""
+    return isinstance(path, str) and re.fullmatch(
+        r"/dev/shm/pipeline-slots-\d+-[A-Za-z0-9_.-]+", path) is not None and ".." not in path
 
 
 class BucketError(PackingError):

@@ -156,11 +156,10 @@ class WeightSyncExtension:
                           ) -> dict[str, Any]:
         """Open the learner's two bucket slots (kept open while the handles stay the same) and
         its control block; nothing is read yet (``sync_ipc_receive``, inside the pause)."""
-        from sync.slots import ControlBlock
+        from sync.slots import ControlBlock, control_path_ok
 
         handles, path = fields.get("slots"), fields.get("control")
-        if not (isinstance(handles, list) and len(handles) == 2 and isinstance(path, str)
-                and path.startswith("/dev/shm/")):
+        if not (isinstance(handles, list) and len(handles) == 2 and control_path_ok(path)):
             raise SnapshotError(f"v{ref.version}: malformed IPC slot fields")
         ranges = ranges_from_wire(fields.get("buckets"), layout)
         key = (path, tuple(h.get("handle") if isinstance(h, dict) else None for h in handles))

@@ -133,3 +133,10 @@ def test_bucket_ranges_cover_the_layout_at_tensor_boundaries_and_are_checked():
         ranges_from_wire(bad, layout)
     with pytest.raises(PackingError, match="cover"):
         ranges_from_wire([list(r) for r in ranges[:-1]], layout)
+
+
+def test_an_announce_cannot_point_the_worker_at_another_file():
+    assert S.control_path_ok(S.control_path("/dev/shm", 42, "p0"))
+    for bad in ("/etc/passwd", "/dev/shm/other", "/dev/shm/pipeline-slots-1-../../etc/x",
+                "/dev/shm/pipeline-slots-1-p0/x", None, 7):
+        assert not S.control_path_ok(bad), bad
