@@ -346,8 +346,21 @@ def trl_async_command(args: argparse.Namespace, model: str, steps_json: Path) ->
 def run_trl_async(args: argparse.Namespace, name: str, model: str, out: Path) -> RunResult:
     steps_json = out / f"{name}.json"
     roles = physical_roles(args, LAYOUTS["split"][2])
-    return _timed(args, name, trl_async_command(args, model, steps_json), steps_json, roles,
-                  out / f"{name}.log", trl=True)
+    res = _timed(args, name, trl_async_command(args, model, steps_json), steps_json, roles,
+                 out / f"{name}.log", trl=True)
+    # TRL admits generation by concurrency only (max_inflight_tasks), buffers up to its
+    # queue_maxsize and drops what is too stale when the trainer takes it: say how much.
+    dropped = _trl_dropped_stale(steps_json)
+    if dropped:
+        res.note = f"{res.note} TRL dropped {dropped} stale samples".strip()
+    return res
+
+
+def _trl_dropped_stale(path: Path) -> int:
+    try:
+        return int(json.loads(path.read_text()).get("dropped_stale") or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def _timed(args: argparse.Namespace, name: str, cmd: list[str], metrics_path: Path,
@@ -630,7 +643,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_bench",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="split")
-    p.add_argument("--model", default="0.5b", help="0.5b | 1.5b | 3b | 7b (random init, bench/gpu_model.py) | path | tiny")
+    p.add_argument("--model", default="0.5b",
+                   help="0.5b | 1.5b | 3b | 7b (random init, bench/gpu_model.py) | path | tiny")
     p.add_argument("--runs", default="sync,async1,async2",
                    help=f"comma list of {', '.join(RUNS)}, each also as ray-<name> (--launcher "
                         "ray)")

