@@ -311,7 +311,11 @@ def _varlen_cuda(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left):
     if q.shape[1] != k.shape[1] and "enable_gqa" not in params:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    kw: dict[str, Any] = {"scale": scale}
+    kw: dict[str, Any] = {}
+    if "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None:  # the kernel's own scale is 1/sqrt(head_dim): fold ours into q
+        q = q * (scale * q.shape[-1] ** 0.5)
     if "enable_gqa" in params:
         kw["enable_gqa"] = q.shape[1] != k.shape[1]
     if "window_size" in params:  # torch >= 2.11

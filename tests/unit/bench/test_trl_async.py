@@ -162,6 +162,42 @@ def test_the_attention_check_passes_on_the_reference_and_catches_a_wrong_kernel(
         ta.check_torch_attention("cpu", torch.float32)
 
 
+def _fake_varlen_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                     is_causal=False):
+    assert query.shape[1] == key.shape[1], "torch 2.10 has no GQA"
+    return varlen_reference(query, key, value, cu_seq_q, cu_seq_k, None, is_causal)
+
+
+def _fake_varlen_211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                     scale=None, window_size=(-1, -1)):
+    assert query.shape[1] == key.shape[1] and window_size in ((-1, 0), (-1, -1))
+    return varlen_reference(query, key, value, cu_seq_q, cu_seq_k, scale, window_size == (-1, 0))
+
+
+def _fake_varlen_213(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None,
+                     scale=None, window_size=(-1, -1), enable_gqa=False):
+    assert enable_gqa == (query.shape[1] != key.shape[1]) and cu_seq_q.dtype == cu_seq_k.dtype
+    return varlen_reference(query, key, value, cu_seq_q, cu_seq_k, scale, window_size == (-1, 0))
+
+
+@pytest.mark.parametrize("fake", [_fake_varlen_210, _fake_varlen_211, _fake_varlen_213])
+def test_the_cuda_adapter_fits_each_torch_signature_of_varlen_attn(monkeypatch, fake):
+    """_varlen_cuda against mocks of torch's varlen_attn with the 2.10, 2.11 and 2.13 signatures
+    (CPU tensors; the real kernel is checked on the GPU by check_torch_attention)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.attention.varlen as varlen
+
+    from bench.trl_async import _varlen_cuda
+
+    monkeypatch.setattr(varlen, "varlen_attn", fake)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(7, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 3, 7]), torch.tensor([0, 5, 9])
+    got = _varlen_cuda(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, cu_q, cu_k, 4, 5,
+                       0.3, True, -1)
+    torch.testing.assert_close(got, varlen_reference(q, k, v, cu_q, cu_k, 0.3, True))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not importlib.util.find_spec("torch") or
                     not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
