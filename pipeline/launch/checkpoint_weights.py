@@ -86,9 +86,9 @@ def lora_scales(state: dict[str, Any], alpha: float) -> dict[str, float]:
 def engine_weights(state: dict[str, Any], lora_alpha: float, dtype: Any
                    ) -> tuple[dict[str, Any], int]:
     """The model's weights under the base model's names in ``dtype``, LoRA merged as the
-    learner merges a version; returns (weights, LoRA modules merged)."""
+    learner merges a version; returns (weights, {LoRA module: its rank})."""
     if not any(k.startswith(PEFT_PREFIX) for k in state):
-        return {k: v.detach().to(dtype) for k, v in state.items()}, 0
+        return {k: v.detach().to(dtype) for k, v in state.items()}, {}
     scales = lora_scales(state, lora_alpha)
     out = merge_lora(state, scales, dtype)
     lora_owned = {f"{p}.{part}" for p in scales
@@ -97,7 +97,7 @@ def engine_weights(state: dict[str, Any], lora_alpha: float, dtype: Any
     for k, v in state.items():
         if k not in lora_owned:
             out.setdefault(hf_name(k), v.detach().to(dtype))
-    return out, len(scales)
+    return out, {p: int(state[f"{p}.lora_A.default.weight"].shape[0]) for p in scales}
 
 
 def check_fits_model(weights: dict[str, Any], manifest: dict[str, tuple[int, ...]],
@@ -153,10 +153,11 @@ def checkpoint_weights(ckpt: Path, model_path: str, lora_alpha: float, dtype: An
     del tensors
     if not isinstance(model_state, dict) or not model_state:
         raise CheckpointError(f"checkpoint {ckpt} holds an empty model state")
-    weights, merged = engine_weights(model_state, lora_alpha, dtype)
+    weights, ranks = engine_weights(model_state, lora_alpha, dtype)
     del model_state
-    if merged:
-        what += f", LoRA ({merged} modules merged)"
+    if ranks:  # alpha is the config's (not in the checkpoint): shown, as a wrong one misleads
+        r = "/".join(str(x) for x in sorted(set(ranks.values())))
+        what += f", LoRA rank {r} alpha {lora_alpha:g} ({len(ranks)} modules merged)"
     if _tied(model_path):
         weights.pop("lm_head.weight", None)
         manifest.pop("lm_head.weight", None)

@@ -64,7 +64,7 @@ def _check_same_as_training(evals: dict, result: dict) -> None:
 def test_eval_of_a_lora_checkpoint_matches_training(tiny_model, tmp_path):
     evals, result, stdout = _train_and_eval(tiny_model, tmp_path, "evallora",
                                             "--train.lora_rank", "8")
-    assert "LoRA (14 modules merged)" in stdout, stdout
+    assert "LoRA rank 8 alpha 16 (14 modules merged)" in stdout, stdout
     _check_same_as_training(evals, result)
 
 

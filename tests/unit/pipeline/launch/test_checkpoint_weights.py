@@ -75,7 +75,7 @@ def test_lora_checkpoint_is_merged_as_peft_merges_it(tiny, tmp_path):
     assert any(k.endswith("lora_A.default.weight") for k in sd)
     ckpt = _save(tmp_path / "run", {"model": sd})
     _state, weights, kind = checkpoint_weights(ckpt, str(tiny), 8.0, torch.float32)
-    assert kind == "full weights, LoRA (6 modules merged)"  # 2 layers x 3 targets
+    assert kind == "full weights, LoRA rank 4 alpha 8 (6 modules merged)"  # 2 layers x 3 targets
     merged = model.merge_and_unload().state_dict()
     assert set(weights) == set(model_manifest(tiny))
     for k, t in weights.items():
@@ -142,7 +142,7 @@ def test_deepspeed_lora_checkpoint_is_consolidated_then_merged(tiny, tmp_path, c
     ckpt = _ds_checkpoint(tmp_path / "run")
     _state, weights, kind = checkpoint_weights(ckpt, str(tiny), 8.0, torch.float32)
     assert fake_zero_to_fp32["calls"] == [(str(ckpt / "deepspeed"), "zero")]
-    assert kind == "DeepSpeed ZeRO-3 (consolidated), LoRA (6 modules merged)"
+    assert kind == "DeepSpeed ZeRO-3 (consolidated), LoRA rank 4 alpha 8 (6 modules merged)"
     merged = model.merge_and_unload().state_dict()
     for k, t in weights.items():
         torch.testing.assert_close(t, merged[k], rtol=1e-5, atol=1e-6, msg=k)
