@@ -1,20 +1,29 @@
-"""LoRA sync cost, adapter-only vs merged weights: bytes per version and swap time on one engine.
+"""LoRA cost, adapter-only vs merged weights: bytes per version, swap time, and generation
+throughput on one engine.
 
 For each path: a LoRA PolicyTrainer (peft) gives a version's snapshot (``sync.lora_adapters``
-auto: the adapter; off: the targeted weights merged), written as a snapshot file; a real vLLM
+on: the adapter; off: the targeted weights merged), written as a snapshot file; a real vLLM
 engine then swaps to it through the producer's own code (merged: FileTransport in the sync
-barrier; adapter: AdapterSet.swap, no pause) while requests run.
+barrier; adapter: AdapterSet.swap, no pause) while requests run. Then the engine generates a
+fixed batch on the last version (``--seqs`` requests of ``--gen-tokens`` tokens, ignore_eos,
+best of ``--repeats`` after a warm-up): tokens/s with the adapter and with the merged weights,
+and their ratio. The adapter engine also generates the batch without an adapter (base
+weights, rounds interleaved with the adapter's), which separates the cost of serving an
+adapter from that of an engine built with LoRA enabled.
 
     python -m bench.lora_sync --model smollm2-135m --rank 16 --versions 3
+    bash bench/run_gpu.sh lora    # GPU: the 0.5B model, 256 x 128 tokens, CUDA graphs
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import tempfile
+import time
 from functools import partial
 from pathlib import Path
 
@@ -65,7 +74,40 @@ async def _swaps(engine, refs, adapters) -> list[dict[str, float]]:
     return out
 
 
-def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path) -> dict:
+async def generation_rates(engine, loras: dict[str, object], seqs: int, gen_tokens: int,
+                           repeats: int) -> dict[str, float]:
+    """Generated tokens/s of ``seqs`` concurrent requests of ``gen_tokens`` tokens each, for
+    each named LoRARequest of ``loras`` (None: the engine's own weights); the best of
+    ``repeats`` timed rounds after one warm-up round, the names' rounds interleaved so that
+    a busy machine slows each alike."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    sp = SamplingParams(max_tokens=gen_tokens, temperature=1.0, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def one(rid: str, i: int, lora: object) -> int:
+        n = 0
+        prompt = [40 + (i + k) % 60 for k in range(32)]  # distinct prompts: no shared prefix
+        async for out in engine.generate({"prompt_token_ids": prompt}, sp, rid,
+                                         lora_request=lora):
+            n = len(out.outputs[0].token_ids)
+        return n
+
+    best = dict.fromkeys(loras, 0.0)
+    for r in range(repeats + 1):
+        for name, lora in loras.items():
+            t0 = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(one(f"{name}-{r}-{i}", i, lora)
+                                                for i in range(seqs))))
+            if r:  # round 0 warms up (an adapter's first use, allocations)
+                best[name] = max(best[name], tokens / (time.perf_counter() - t0))
+    return best
+
+
+def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path,
+            seqs: int = 32, gen_tokens: int = 32, repeats: int = 2,
+            cuda_graphs: bool = False) -> dict:
     from pipeline.config import EngineConfig, ModelConfig, load_config
     from pipeline.learner.trainer import PolicyTrainer
     from pipeline.producer.adapters import AdapterSet
@@ -82,7 +124,7 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
             "model.dtype": "bfloat16",
             "train.lora_rank": rank,
             "train.lora_alpha": 2.0 * rank,
-            "sync.lora_adapters": "auto" if adapter else "off",
+            "sync.lora_adapters": "on" if adapter else "off",
         }
     )
     tr = PolicyTrainer(cfg, str(model_dir), device="cpu")
@@ -97,10 +139,13 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
         sizes.append(Path(ref.uri).stat().st_size)
     del tr
 
+    rates: dict[str, float] = {}
+
     async def run() -> list[dict[str, float]]:
         engine = build_engine(
             ModelConfig(dtype="bfloat16"),
-            EngineConfig(max_model_len=512, cpu_kvcache_space_gib=1),
+            EngineConfig(max_model_len=512, cpu_kvcache_space_gib=1,
+                         enforce_eager=not cuda_graphs),
             str(model_dir),
             seed=0,
             lora_rank=rank if adapter else 0,
@@ -115,11 +160,19 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
                 if adapter
                 else None
             )
-            return await _swaps(engine, refs, ad)
+            timings = await _swaps(engine, refs, ad)
+            # The last version: its adapter (and, on the same engine, the base weights
+            # without one), or the merged weights.
+            loras = ({"gen_tokens_per_s": ad.requests[refs[-1].version],
+                      "gen_tokens_per_s_base": None} if ad is not None
+                     else {"gen_tokens_per_s": None})
+            rates.update(await generation_rates(engine, loras, seqs, gen_tokens, repeats))
+            return timings
         finally:
             engine.shutdown()
 
     timings = asyncio.run(run())[1:]  # the first swap also pays one-off warm-ups
+    gc.collect()  # the engine, now: its __del__ at interpreter exit would shut it down again
 
     def med(key: str) -> float:
         return statistics.median(t.get(key, 0.0) for t in timings)
@@ -131,6 +184,7 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
         "prepare_s": med("prepare_s"),
         "engine_idle_s": med("idle_s"),
         "load_s": med("load_s"),
+        **rates,
     }
 
 
@@ -139,16 +193,27 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", help="'tiny', 'smollm2-135m' or a HF directory")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--seqs", type=int, default=32, help="concurrent requests per round")
+    ap.add_argument("--gen-tokens", type=int, default=32, help="tokens each request generates")
+    ap.add_argument("--repeats", type=int, default=2, help="timed rounds (best kept)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="engine.enforce_eager=false (GPU: CUDA graphs, as training runs use)")
     args = ap.parse_args()
     from pipeline.models import resolve_model
 
     with tempfile.TemporaryDirectory() as d:
         model_dir = resolve_model(args.model, Path(tempfile.gettempdir()) / "pipeline-models")
+        rows = []
         for adapter in (False, True):
-            print(
-                json.dumps(measure(model_dir, args.rank, args.versions, adapter, Path(d))),
-                flush=True,
-            )
+            rows.append(measure(model_dir, args.rank, args.versions, adapter, Path(d),
+                                args.seqs, args.gen_tokens, args.repeats, args.cuda_graphs))
+            print(json.dumps(rows[-1]), flush=True)
+        merged, ad = rows
+        print(json.dumps({
+            "adapter_over_merged_gen": ad["gen_tokens_per_s"] / merged["gen_tokens_per_s"],
+            "adapter_engine_base_over_merged_gen":
+                ad["gen_tokens_per_s_base"] / merged["gen_tokens_per_s"],
+        }), flush=True)
 
 
 if __name__ == "__main__":

@@ -383,11 +383,13 @@ class SyncConfig:
                                 "non-loopback address needs them (or insecure)")
     snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run> when "
                                 "keep_snapshots + 1 of them fit there, else run_dir/snapshots)")
-    lora_adapters: Literal["auto", "off"] = opt(
-        "auto", "with train.lora_rank > 0: 'auto' ships each version as the LoRA adapter alone "
+    lora_adapters: Literal["auto", "on", "off"] = opt(
+        "auto", "with train.lora_rank > 0: 'on' ships each version as the LoRA adapter alone "
                 "(peft format) and producers serve it through vLLM's LoRA support, falling back "
                 "to merged full weights (one warning naming why) where vLLM cannot serve the "
-                "targeted modules; 'off' always ships merged weights (docs/lora.md)")
+                "targeted modules; 'off' always ships merged weights; 'auto' is 'on' where the "
+                "launcher sees a GPU and 'off' on CPU, where vLLM's LoRA kernels generate "
+                "several times slower than merged weights (docs/lora.md)")
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
     keep_snapshots: int = opt(2, "snapshot files kept on disk")
     bucket_mb: int = opt(1024, "weights are copied out of the learner this many MB at a time "
@@ -424,8 +426,8 @@ class SyncConfig:
                "sync.transport", f"{self.transport!r} needs NVIDIA GPUs and none is visible "
                                  f"(CPU build?); use 'file' or 'auto'")
         _check(self.nccl_timeout_s > 0, "sync.nccl_timeout_s", "must be > 0")
-        _check(self.lora_adapters in ("auto", "off"), "sync.lora_adapters",
-               "must be 'auto' or 'off'")
+        _check(self.lora_adapters in ("auto", "on", "off"), "sync.lora_adapters",
+               "must be 'auto', 'on' or 'off'")
         _check(self.sync_every >= 1, "sync.sync_every", "must be >= 1")
         _check(self.keep_snapshots >= 2, "sync.keep_snapshots",
                "must be >= 2 (the previous snapshot is the rollback target)")
@@ -460,7 +462,8 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "max grad norm (0 disables)", ge=0)
     micro_batch: int = opt(16, "completions per forward/backward (gradient accumulation)")
     freeze_layers: int = opt(0, "freeze the embeddings and the first k decoder layers (cheap "
-                                "partial fine-tune: backward stops at layer k; 0 trains all)")
+                                "partial fine-tune: backward stops at layer k; 0 trains all); "
+                                "ignored, with one warning, when train.lora_rank > 0")
     micro_batch_tokens: int = opt(0, "token budget per forward/backward: completions are "
                                      "grouped by length up to this many tokens (padded tokens "
                                      "count unless packed); 0: train.micro_batch rows", ge=0)
@@ -505,8 +508,13 @@ class TrainConfig:
         _check(isinstance(self.lora_target_modules, list) and bool(self.lora_target_modules)
                and all(isinstance(m, str) for m in self.lora_target_modules),
                "train.lora_target_modules", "must be a non-empty list of module names")
-        _check(not (self.lora_rank and self.freeze_layers), "train.lora_rank",
-               "LoRA and train.freeze_layers cannot be combined (LoRA already freezes the base)")
+        if self.lora_rank and self.freeze_layers:
+            # LoRA freezes the whole base already, so a config that sets freeze_layers (the
+            # demo's) still runs as documented with --train.lora_rank; zeroed here, so the
+            # config.yaml the children read has 0 and only this process warns.
+            log.warning("train.freeze_layers %d is ignored: train.lora_rank %d trains LoRA "
+                        "adapters on a frozen base", self.freeze_layers, self.lora_rank)
+            self.freeze_layers = 0
         _check(self.learner_processes >= 1, "train.learner_processes", "must be >= 1")
         _check(not self.accelerate_config or Path(self.accelerate_config).is_file(),
                "train.accelerate_config", f"file {self.accelerate_config!r} does not exist")
@@ -664,15 +672,24 @@ class RunConfig:
                    f"got {value!r}")
         _check(not self.engine.sleep_when_idle or self.train.mode == "sync",
                "engine.sleep_when_idle", "needs train.mode sync (an async producer is never idle)")
-        if self.train.lora_rank and self.sync.lora_adapters == "auto":
+        if self.train.lora_rank and self.sync.lora_adapters == "auto" and \
+                _cuda_device_count() == 0:
+            # vLLM's CPU build applies an adapter with torch ops that gather every token's A and
+            # B (vllm.lora.ops.torch_ops): SmolLM2-135M generated at 0.12x of merged weights.
+            # Resolved here, once, so config.yaml carries it and learner and producers agree.
+            log.info("sync.lora_adapters auto: merged weights on CPU (vLLM's CPU LoRA kernels "
+                     "are slower than a merged-weight swap); 'on' serves adapters")
+            self.sync.lora_adapters = "off"
+        if self.train.lora_rank and self.sync.lora_adapters in ("auto", "on"):
             from sync.lora import adapter_sync_plan
 
             # Adapter-only versions are read from the learner host's snapshot files; a producer
             # that streams weights from another node (Ray, or sync.stream_from) has no such file.
             streams = bool(self.sync.stream_from) or (
                 self.launch.backend == "ray" and self.launch.stream_weights != "never")
+            t = self.train
             _check(not streams or not adapter_sync_plan(
-                       "auto", self.train.lora_rank, list(self.train.lora_target_modules))[0],
+                       self.sync.lora_adapters, t.lora_rank, list(t.lora_target_modules))[0],
                    "sync.lora_adapters", "adapter-only versions need the learner host's snapshot "
                    "files: set sync.lora_adapters=off (merged versions) when weights are streamed "
                    "(sync.stream_from, or --launcher ray with launch.stream_weights other than "

@@ -38,7 +38,8 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 
 def adapter_sync_plan(mode: str, lora_rank: int, target_modules: list[str]) -> tuple[bool, str]:
     """(on, reason): whether versions travel as LoRA adapters; ``reason`` says why not (empty
-    when on, or when nothing is asked: ``mode`` off or a full fine-tune)."""
+    when on, or when nothing is asked: ``mode`` off or a full fine-tune). ``mode`` "auto" and
+    "on" ask alike: the run config resolves "auto" to "off" on CPU before anyone asks."""
     if mode == "off" or lora_rank <= 0:
         return False, ""
     unsupported = sorted(set(target_modules) - VLLM_LORA_MODULES)

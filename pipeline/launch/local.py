@@ -316,10 +316,12 @@ def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool
         log.info("producer %d stopped", index)
 
 
-def _stop(proc: mp.Process, sig: int) -> None:
+def _stop(proc: mp.Process, sig: int, group: bool = True) -> None:
+    """Signal ``proc``'s process group (``group``; the process itself if it has none yet), or
+    the process alone."""
     if proc.pid is None:
         return
-    for kill in (os.killpg, os.kill):  # the group; the process itself if it has none yet
+    for kill in (os.killpg, os.kill) if group else (os.kill,):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             kill(proc.pid, sig)
 
@@ -452,8 +454,12 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
             _stop(learner, signal.SIGINT)
             learner.join(120)
     finally:
+        # Each producer alone: it aborts its requests and shuts its engine down in order (the
+        # engine core stops its workers). A signal to its group would also reach vLLM's workers,
+        # which then die under a live engine core ("Worker proc VllmWorker-0 died unexpectedly",
+        # a fatal-error dump on the console). _reap kills the group of what is left.
         for p in producers.values():
-            _stop(p, signal.SIGTERM)
+            _stop(p, signal.SIGTERM, group=False)
         _reap(procs, grace_s=20.0)
         forget_tracked(reclaim_orphans(shm_before))
         forget_record()

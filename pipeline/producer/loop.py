@@ -86,6 +86,8 @@ from sync.transfer import (
 
 log = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 5.0  # the learner answers control requests at once; longer means it is down
+# Logged when a producer starts its engine's shutdown (``shutdown_engine``).
+ENGINE_SHUTDOWN = "engine shutdown: requests aborted, stopping the engine core and its workers"
 
 
 class LearnerFinished(Exception):
@@ -740,8 +742,22 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     finally:
         endpoint.close()
         rewards.close()
-        engine.shutdown()
+        shutdown_engine(engine, f"p{index}")
         # Collect the engine now: AsyncLLM.__del__ calls shutdown() again, which fails noisily
         # when it runs at interpreter teardown.
         del engine
         gc.collect()
+
+
+def shutdown_engine(engine: Any, producer_id: str) -> None:
+    """Shut the engine down once its requests are aborted (``Producer.run``): the engine core
+    stops its workers before it exits, so none dies under a live core. This process is the
+    one the launcher signals (its engine's are not). A library error of the shutdown stays in
+    this process's log file, with one warning line for the console."""
+    log.info("%s: %s", producer_id, ENGINE_SHUTDOWN)
+    try:
+        engine.shutdown()
+    except Exception as e:
+        log.info("%s: engine shutdown failed", producer_id, exc_info=True)
+        log.warning("%s: the engine's shutdown raised %s (traceback in this process's log "
+                    "file)", producer_id, type(e).__name__)

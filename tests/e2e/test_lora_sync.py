@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors import safe_open
 from train_run import pipeline_train, tiny_args
 
@@ -24,20 +26,23 @@ pytestmark = pytest.mark.slow
 PROBE = [ord(c) for c in "The quick brown fox jumps over the lazy dog."]
 
 
-def _lora_run(tiny_model: Path, tmp_path: Path, *extra: str) -> tuple[Path, Path, str]:
-    """A LoRA run through the real launcher; returns (run dir, snapshot dir, all its logs)."""
+def _lora_run(tiny_model: Path, tmp_path: Path, *extra: str) -> tuple[Path, Path, str, str]:
+    """A LoRA run through the real launcher; returns (run dir, snapshot dir, all its logs, the
+    console alone)."""
     run_dir, snaps = tmp_path / "run", tmp_path / "snaps"
     proc = pipeline_train(
         *tiny_args(tiny_model, run_dir),
         "--reward", "pipeline.tasks.rewards:length_reward", "--mode", "async",
         "--max-staleness", "1", "--steps", "4", "--train.lr", "0.01",
         "--sync.snapshot_dir", str(snaps), "--sync.keep_snapshots", "4", "--tensorboard", "false",
+        "--sync.lora_adapters", "on",  # adapters on CPU too ('auto' merges there)
         *extra,
         tag="lora",
     )
-    logs = proc.stdout + proc.stderr
-    logs += "".join(f.read_text(errors="replace") for f in sorted((run_dir / "logs").glob("*.log")))
-    return run_dir, snaps, logs
+    console = proc.stdout + proc.stderr
+    logs = console + "".join(
+        f.read_text(errors="replace") for f in sorted((run_dir / "logs").glob("*.log")))
+    return run_dir, snaps, logs, console
 
 
 def _snapshot_names(snaps: Path) -> list[str] | None:
@@ -49,7 +54,7 @@ def _snapshot_names(snaps: Path) -> list[str] | None:
 
 
 def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
-    run_dir, snaps, logs = _lora_run(tiny_model, tmp_path, "--train.lora_rank", "8")
+    run_dir, snaps, logs, console = _lora_run(tiny_model, tmp_path, "--train.lora_rank", "8")
     assert "merged full weights" not in logs
     rows = [
         json.loads(line)
@@ -65,10 +70,35 @@ def test_lora_run_trains_with_adapter_only_sync(tiny_model, tmp_path):
     names = _snapshot_names(snaps)
     if names is not None:
         assert names and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in names)
+    _assert_console_ends_with_the_summary(console)
+    _assert_engine_shut_down_in_order(run_dir)
+
+
+def _assert_engine_shut_down_in_order(run_dir: Path) -> None:
+    """The producer began its engine's shutdown before the engine core got a signal (from the
+    producer's engine client, not from the launcher): vLLM's workers stop under a core that
+    is shutting down, never die under a live one."""
+    from pipeline.producer.loop import ENGINE_SHUTDOWN
+
+    lines = (run_dir / "logs" / "producer-0.log").read_text(errors="replace").splitlines()
+    ours = [i for i, x in enumerate(lines) if ENGINE_SHUTDOWN in x]
+    core = [i for i, x in enumerate(lines) if re.search(r"EngineCore.*received signal", x)]
+    assert ours and core and ours[0] < core[0], "\n".join(lines[-40:])
+    assert not [x for x in lines if "died unexpectedly" in x or "fatal error" in x]
+
+
+def _assert_console_ends_with_the_summary(console: str) -> None:
+    """No engine error, scheduler dump or traceback of the engine's shutdown on the console."""
+    lines = console.splitlines()
+    errors = [x for x in lines
+              if re.search(r"\bERROR\b|Traceback|died unexpectedly|EngineCore|Scheduler", x)]
+    assert not errors, console[-6000:]
+    out = [x for x in lines if x.startswith(("reward: first", "logs: "))]
+    assert len(out) == 2, console[-6000:]
 
 
 def test_lora_rank_vllm_cannot_serve_falls_back_to_merged_with_a_warning(tiny_model, tmp_path):
-    run_dir, snaps, logs = _lora_run(tiny_model, tmp_path, "--train.lora_rank", "1024")
+    run_dir, snaps, logs, _ = _lora_run(tiny_model, tmp_path, "--train.lora_rank", "1024")
     # One warning, from the learner (the producers decide the same way, silently).
     learner_log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
     warned = [line for line in learner_log.splitlines() if "merged full weights" in line]
@@ -112,6 +142,7 @@ def test_adapter_versions_change_engine_logprobs(tiny_model, tmp_path):
             "model.dtype": "float32",
             "train.lora_rank": 8,
             "train.lora_alpha": 16.0,
+            "sync.lora_adapters": "on",
         }
     )
     tr = PolicyTrainer(cfg, str(tiny_model), device="cpu")
@@ -174,3 +205,25 @@ def test_adapter_versions_change_engine_logprobs(tiny_model, tmp_path):
         err = np.abs(got[v] - want[v]).mean()
         assert err < 0.2 * np.abs(want[v] - want[0]).mean(), (v, err)
     assert np.abs(got[2] - got[1]).max() > 0.05
+
+
+def test_readme_lora_line_on_the_demo_config_trains_and_ends_quietly(tiny_model, tmp_path):
+    # README: `pipeline-train --config examples/demo.yaml` with `--train.lora_rank 16`; the demo
+    # sets train.freeze_layers (20: more layers than the tiny model has), which LoRA supersedes.
+    # The demo's model and sizes are swapped for the tiny model's (tiny_args) and a few steps.
+    run_dir = tmp_path / "demo-lora"
+    proc = pipeline_train(
+        "--config", "examples/demo.yaml", "--train.lora_rank", "16",
+        *tiny_args(tiny_model, run_dir), "--steps", "3", "--tensorboard", "false",
+        tag="demolora",
+    )
+    warned = [x for x in proc.stderr.splitlines() if "freeze_layers" in x]
+    assert len(warned) == 1 and "ignored" in warned[0], proc.stderr[-3000:]
+    # On CPU, sync.lora_adapters auto ships merged versions (vLLM's CPU LoRA kernels are slow).
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["sync"]["lora_adapters"] == "off"
+    logs = (run_dir / "logs" / "producer-0.log").read_text(errors="replace")
+    assert "serves each version as a LoRA adapter" not in logs
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _assert_console_ends_with_the_summary(proc.stdout + proc.stderr)
+    _assert_engine_shut_down_in_order(run_dir)

@@ -272,13 +272,25 @@ def test_sleep_when_idle_needs_sync_mode():
 
 
 def test_adapter_only_versions_are_refused_where_weights_are_streamed():
-    lora = {"train.lora_rank": 8}
-    assert load_config(None, lora).sync.lora_adapters == "auto"
+    lora = {"train.lora_rank": 8, "sync.lora_adapters": "on"}
+    assert load_config(None, lora).sync.lora_adapters == "on"
     for extra in ({"sync.stream_from": "tcp://10.0.0.1:5000"}, {"launch.backend": "ray"}):
         with pytest.raises(ConfigError, match=r"sync\.lora_adapters"):
             load_config(None, {**lora, **extra})
         load_config(None, {**lora, **extra, "sync.lora_adapters": "off"})
     load_config(None, {**lora, "launch.backend": "ray", "launch.stream_weights": "never"})
+
+
+@pytest.mark.parametrize("gpus, want", [(0, "off"), (1, "auto")])
+def test_lora_adapters_auto_is_merged_on_cpu_and_adapters_on_gpus(monkeypatch, gpus, want):
+    # vLLM's CPU LoRA kernels generate several times slower than merged weights (BENCHMARKS).
+    import pipeline.config as config
+
+    monkeypatch.setattr(config, "_cuda_device_count", lambda: gpus)
+    assert load_config(None, {"train.lora_rank": 8}).sync.lora_adapters == want
+    assert load_config(None, {"train.lora_rank": 8, "sync.lora_adapters": "on"}
+                       ).sync.lora_adapters == "on"
+    assert load_config(None, {}).sync.lora_adapters == "auto"  # no LoRA: nothing to decide
 
 
 def test_numpy_scalars_and_str_subclasses_stand_for_their_builtin():

@@ -114,11 +114,28 @@ def test_checkpoint_state_round_trip_with_peft(trainer, tiny_model, tmp_path):
 
 @pytest.mark.parametrize("over", [{"train.lora_rank": -1}, {"train.lora_alpha": 0},
                                   {"train.lora_dropout": 1.0},
-                                  {"train.lora_target_modules": []},
-                                  {"train.freeze_layers": 1}])
+                                  {"train.lora_target_modules": []}])
 def test_bad_lora_options_name_the_option(tiny_model, tmp_path, over):
     with pytest.raises(ConfigError, match=r"train\.lora"):
         _cfg(tiny_model, tmp_path, **over)
+
+
+def test_readme_lora_flag_on_the_demo_config_supersedes_freeze_layers(caplog):
+    # README: `pipeline-train --config examples/demo.yaml` and `--train.lora_rank 16`; the demo
+    # sets train.freeze_layers, which LoRA makes moot: one warning, then it is 0 everywhere.
+    from pipeline.config import flatten, to_dict
+    from pipeline.launch.cli import parse
+
+    with caplog.at_level("WARNING"):
+        cfg, _ = parse(["--config", "examples/demo.yaml", "--train.lora_rank", "16"])
+    assert cfg.train.lora_rank == 16 and cfg.train.freeze_layers == 0
+    warned = [r.getMessage() for r in caplog.records if "freeze_layers" in r.getMessage()]
+    assert warned == ["train.freeze_layers 20 is ignored: train.lora_rank 16 trains LoRA "
+                      "adapters on a frozen base"], warned
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # what a child process builds from config.yaml: silent
+        load_config(overrides=flatten(to_dict(cfg)))
+    assert not [r for r in caplog.records if "freeze_layers" in r.getMessage()]
 
 
 def test_follower_rank_snapshot_is_empty_not_a_merge_of_nothing(trainer, monkeypatch):
@@ -143,7 +160,7 @@ def test_merge_casts_each_module_to_the_snapshot_dtype(trainer):
 
 
 def test_adapter_sync_snapshot_is_the_peft_adapter(tiny_model, tmp_path):
-    tr = PolicyTrainer(_cfg(tiny_model, tmp_path, **{"sync.lora_adapters": "auto"}),
+    tr = PolicyTrainer(_cfg(tiny_model, tmp_path, **{"sync.lora_adapters": "on"}),
                        str(tiny_model), device="cpu")
     assert tr.adapter_sync
     _perturb_lora(tr)
@@ -160,7 +177,7 @@ def test_adapter_sync_snapshot_is_the_peft_adapter(tiny_model, tmp_path):
 
 def test_unservable_targets_fall_back_to_merged_with_one_warning(tiny_model, tmp_path, caplog):
     caplog.set_level("WARNING")
-    tr = PolicyTrainer(_cfg(tiny_model, tmp_path, **{"sync.lora_adapters": "auto",
+    tr = PolicyTrainer(_cfg(tiny_model, tmp_path, **{"sync.lora_adapters": "on",
                                                      "train.lora_target_modules":
                                                          ["q_proj", "lm_head"]}),
                        str(tiny_model), device="cpu")
