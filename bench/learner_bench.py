@@ -30,9 +30,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "legacy": {"train.micro_batch": 16},
     "rows": {"train.micro_batch": 16, "train.logprob_chunk": 0},
     "rows-chunk": {"train.micro_batch": 16},
+    "packed-5k": {"train.packing": True, "train.micro_batch_tokens": 5120},
+    "packed-8k": {"train.packing": True, "train.micro_batch_tokens": 8192},
     "packed-16k": {"train.packing": True, "train.micro_batch_tokens": 16384},
-    "packed-32k": {"train.packing": True, "train.micro_batch_tokens": 32768},
-    "packed-64k-ckpt": {"train.packing": True, "train.micro_batch_tokens": 65536,
+    "packed-32k-ckpt": {"train.packing": True, "train.micro_batch_tokens": 32768,
                         "train.gradient_checkpointing": True},
 }
 BASE = {"data.path": "arithmetic:10", "train.lr": 1e-6,

@@ -242,7 +242,8 @@ def format_progress(
     Example: ``step 12/40 | reward 0.41 (first 0.12) | 1.8k tok/s | learner 20k tok/s 41% MFU |
     stale 0.6 | buffer 5 | sync 0.42s | 3m10s elapsed, ~4m40s left``. Each part appears only
     when its key is present (``reward_mean``, ``tokens_per_s``, ``learner_tokens_per_s`` and
-    ``mfu``, ``staleness_mean``, ``buffer_size``, ``sync_s``, ``time`` for elapsed seconds); the estimate of time left needs ``total_steps`` and ``step > 0``.
+    ``mfu``, ``staleness_mean``, ``buffer_size``, ``sync_s``, ``time`` for elapsed seconds);
+    the estimate of time left needs ``total_steps`` and ``step > 0``.
     """
     parts = [f"step {step}/{total_steps}" if total_steps else f"step {step}"]
     if "reward_mean" in metrics:

@@ -41,6 +41,8 @@ import torch
 from buffer.schema import RolloutGroup
 from pipeline.config import RunConfig
 from pipeline.learner import distributed as D
+from pipeline.learner.attention import register as register_varlen
+from pipeline.learner.attention import varlen_kwargs
 from pipeline.learner.batching import (
     PackedBatch,
     collate,
@@ -79,7 +81,8 @@ def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.T
 
 def selected_logprobs(model: Any, input_ids: torch.Tensor, select: torch.Tensor,
                       attention_mask: torch.Tensor | None = None,
-                      position_ids: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+                      position_ids: torch.Tensor | None = None, chunk: int = 0,
+                      **attention: Any) -> torch.Tensor:
     """log pi(x_t | x_<t) of the tokens whose predicting position ``select`` marks (``select`` is
     aligned with positions [:, :-1]); a flat (K,) tensor, row by row.
 
@@ -87,14 +90,15 @@ def selected_logprobs(model: Any, input_ids: torch.Tensor, select: torch.Tensor,
     vocabulary they dominate the cost, and prompt positions carry no loss. With ``chunk`` > 0 they
     run ``chunk`` positions at a time, each chunk recomputed in the backward pass
     (``torch.utils.checkpoint``), so the fp32 logits of at most one chunk exist at once instead
-    of K x vocabulary of them.
+    of K x vocabulary of them. ``attention``: keyword arguments for the attention layers (a
+    packed row's sequence boundaries, ``pipeline.learner.attention.varlen_kwargs``).
     """
     if hasattr(model, "get_base_model"):  # peft: the HF model with LoRA layers injected
         model = model.get_base_model()
     # No KV cache: it is never read in training, and with one transformers only reads packed
     # sequences' boundaries from the position ids when there is none.
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, use_cache=False
+                              position_ids=position_ids, use_cache=False, **attention
                               ).last_hidden_state[:, :-1]
     h = hidden[select]
     targets = input_ids[:, 1:][select]
@@ -131,9 +135,9 @@ class _Policy(torch.nn.Module):
         self.model = model
         self.chunk = chunk
 
-    def forward(self, input_ids, select, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, select, attention_mask=None, position_ids=None, **attention):
         return selected_logprobs(self.model, input_ids, select, attention_mask, position_ids,
-                                 self.chunk)
+                                 self.chunk, **attention)
 
 
 def lora_modules(model: Any) -> dict[str, float]:
@@ -204,7 +208,9 @@ class PolicyTrainer:
         self._released = False
         # fp32 master weights; bf16 autocast on GPUs (CPU autocast is slower than fp32 here);
         # DeepSpeed with bf16 keeps bf16 weights and fp32 masters in the optimiser partitions.
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        # Packed rows need attention that stays inside each sequence (pipeline.learner.attention).
+        self.attn = {"attn_implementation": register_varlen()} if t.packing else {}
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **self.attn)
         if t.gradient_checkpointing:
             model.config.use_cache = False
             model.gradient_checkpointing_enable(
@@ -287,7 +293,7 @@ class PolicyTrainer:
         """The frozen reference for the KL term, behind the same token-logprob forward."""
         from transformers import AutoModelForCausalLM
 
-        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **self.attn)
         ref = _Policy(ref, self.cfg.train.logprob_chunk).eval().requires_grad_(False)
         if self.zero_stage != 3:
             return ref.to(self.device)
@@ -379,10 +385,18 @@ class PolicyTrainer:
         return plan_micro_batches(pb.lengths(), mine, t.micro_batch, t.micro_batch_tokens,
                                   t.packing)
 
-    def _collate(self, pb: PackedBatch, rows: list[int]) -> dict[str, torch.Tensor]:
-        b = collate_packed(pb, rows) if self.cfg.train.packing else \
-            collate(pb, rows, self.pad_id)
-        return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+    def _collate(self, pb: PackedBatch, rows: list[int]) -> tuple[dict[str, torch.Tensor],
+                                                                  dict[str, Any]]:
+        """The micro-batch on the device, and the model's keyword arguments (a packed row's
+        sequence boundaries, computed here on the host so the forward never waits for them)."""
+        if not self.cfg.train.packing:
+            b = collate(pb, rows, self.pad_id)
+            return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}, {}
+        b = collate_packed(pb, rows)
+        bounds = varlen_kwargs(b["position_ids"])
+        bounds = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+                  for k, v in bounds.items()}
+        return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}, bounds
 
     def _accumulate(self, groups: list[RolloutGroup]) -> tuple[PackedBatch, dict[str, float],
                                                               bool, int]:
@@ -405,43 +419,45 @@ class PolicyTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, torch.Tensor] = {}
         bad = torch.zeros((), dtype=torch.bool, device=self.device)
-        for ci, (rows, keep) in enumerate(chunks):
-            b = self._collate(pb, rows)
-            model_in = {k: b[k] for k in ("input_ids", "select", "attention_mask",
-                                          "position_ids") if k in b}
-            last = ci == len(chunks) - 1
-            if ds:
-                self.policy.set_gradient_accumulation_boundary(last)
-            sync = contextlib.nullcontext() if last or ds else \
-                self.accelerator.no_sync(self.policy)
-            with sync:
-                with self._autocast():
+        # One autocast region for the whole step: autocast casts each fp32 weight to bf16 once
+        # and caches it while the region lasts, instead of once per micro-batch.
+        with self._autocast():
+            for ci, (rows, keep) in enumerate(chunks):
+                b, attention = self._collate(pb, rows)
+                model_in = {k: b[k] for k in ("input_ids", "select", "attention_mask",
+                                              "position_ids") if k in b} | attention
+                last = ci == len(chunks) - 1
+                if ds:
+                    self.policy.set_gradient_accumulation_boundary(last)
+                sync = contextlib.nullcontext() if last or ds else \
+                    self.accelerator.no_sync(self.policy)
+                with sync:
                     lp = _on_grid(self.policy(**model_in), b["mask"])
                     ref = None
                     if self.ref_model is not None:
                         with torch.no_grad():
                             ref = _on_grid(self.ref_model(**model_in), b["mask"])
-                out = grpo_loss(lp, b["behaviour"], b["advantages"], b["mask"].float(), lc,
-                                ref_logprobs=ref,
-                                normalizer=normalizer if lc.agg == "token_mean" else
-                                float(len(pb.sequences)), tensor_metrics=True)
-                loss = out.loss
-                # A non-finite loss is back-propagated anyway (the update is skipped after all
-                # micro-batches): ranks stay in step and DeepSpeed reaches its boundary.
-                bad = bad | ~torch.isfinite(loss.detach())
-                # Gradient reduction averages over ranks; the loss is a sum over the global
-                # batch, so undo the 1/world.
-                if ds:  # not accelerator.backward: under DeepSpeed it steps at each call
-                    self.policy.backward(loss * (keep * self.world))
-                else:
-                    self.accelerator.backward(loss * (keep * self.world))
-            if keep:
-                weight = b["mask"].sum() / normalizer
-                for k, v in out.metrics.items():
-                    if k.endswith("_max"):  # the largest over the batch, not a mean
-                        acc[k] = torch.maximum(acc[k], v) if k in acc else v
+                    out = grpo_loss(lp, b["behaviour"], b["advantages"], b["mask"].float(), lc,
+                                    ref_logprobs=ref,
+                                    normalizer=normalizer if lc.agg == "token_mean" else
+                                    float(len(pb.sequences)), tensor_metrics=True)
+                    loss = out.loss
+                    # A non-finite loss is back-propagated anyway (the update is skipped after all
+                    # micro-batches): ranks stay in step and DeepSpeed reaches its boundary.
+                    bad = bad | ~torch.isfinite(loss.detach())
+                    # Gradient reduction averages over ranks; the loss is a sum over the global
+                    # batch, so undo the 1/world.
+                    if ds:  # not accelerator.backward: under DeepSpeed it steps at each call
+                        self.policy.backward(loss * (keep * self.world))
                     else:
-                        acc[k] = acc.get(k, 0.0) + v * (1.0 if k == "loss" else weight)
+                        self.accelerator.backward(loss * (keep * self.world))
+                if keep:
+                    weight = b["mask"].sum() / normalizer
+                    for k, v in out.metrics.items():
+                        if k.endswith("_max"):  # the largest over the batch, not a mean
+                            acc[k] = torch.maximum(acc[k], v) if k in acc else v
+                        else:
+                            acc[k] = acc.get(k, 0.0) + v * (1.0 if k == "loss" else weight)
         keys = sorted(acc)
         values = torch.stack([acc[k].float() for k in keys] + [bad.float()]).tolist()
         finite = values.pop() == 0.0
