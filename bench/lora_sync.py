@@ -184,6 +184,8 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
         "prepare_s": med("prepare_s"),
         "engine_idle_s": med("idle_s"),
         "load_s": med("load_s"),
+        **({"prepare_write_s": med("prepare_write_s"),
+            "prepare_add_lora_s": med("prepare_add_lora_s")} if adapter else {}),
         **rates,
     }
 

@@ -26,6 +26,12 @@ LOG_DATEFMT = "%H:%M:%S"
 CONSOLE = "pipeline.console"
 """Logger of the lines a run shows on the console whatever the level (progress, summary)."""
 LOGS_DIR = "logs"
+ENGINE_SHUTDOWN = "engine shutdown: requests aborted, stopping the engine core and its workers"
+"""A producer's record as it shuts its engine down: library errors after it in its log file, up
+to the next ``ENGINE_START`` (a restarted producer), are that shutdown's, kept from the console
+but for one line (``pipeline.launch.console``)."""
+ENGINE_START = "starting vLLM"
+"""How the record that starts an engine begins (``pipeline.producer.engine.build_engine``)."""
 
 
 def log_file(run_dir: str | Path, process: str) -> Path:

@@ -8,7 +8,9 @@ the only process that writes to the console, so lines of different processes nev
   alone, on stdout;
 - errors of any process and library (vLLM's engine core included), raw tracebacks, and the
   warnings of this project's code, each with its continuation lines: on stderr;
-- warnings of vLLM and other libraries are counted, and named in one line at the end;
+- warnings of vLLM and other libraries are counted, and named in one line at the end; so are
+  library errors and tracebacks that follow a producer's ``ENGINE_SHUTDOWN`` record in its file
+  (up to its next ``ENGINE_START``: the noise of an engine stopping, the run's outcome decided);
 - with ``verbose``, every line (the libraries' INFO and warnings too): on stderr.
 
 The launcher's own records go to ``logs/launcher.log`` and, from WARNING up (every level with
@@ -26,7 +28,16 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from pipeline.procs import CONSOLE, LOG_DATEFMT, LOG_FORMAT, LOGS_DIR, log_file, setup_logging
+from pipeline.procs import (
+    CONSOLE,
+    ENGINE_SHUTDOWN,
+    ENGINE_START,
+    LOG_DATEFMT,
+    LOG_FORMAT,
+    LOGS_DIR,
+    log_file,
+    setup_logging,
+)
 
 _LEVELS = {
     "DEBUG": 10,
@@ -60,6 +71,8 @@ class LineFilter:
     def __init__(self, verbose: bool = False) -> None:
         self.verbose = verbose
         self.hidden_warnings = 0
+        self.shutdown_errors = 0  # error records and tracebacks after ENGINE_SHUTDOWN, hidden
+        self._shutting_down = False
         self._show = False  # whether the record the next continuation line belongs to shows
         self._console = False  # whether that record is a console line
 
@@ -73,9 +86,13 @@ class LineFilter:
             ours = logger.split(".")[0] in _OWN_LOGGERS or (
                 logger == "py.warnings" and "site-packages" not in message
             )
+            if ours and ENGINE_SHUTDOWN in message:
+                self._shutting_down = True
+            elif ours and message.startswith(ENGINE_START):  # a restarted producer's engine
+                self._shutting_down = False
             self._start(level, ours)
         elif _ERROR_START.match(line):
-            self._start(logging.ERROR, True)
+            self._start(logging.ERROR, not self._shutting_down)
         elif _PY_WARNING.match(line):
             self._start(logging.WARNING, "site-packages" not in line.split(":", 1)[0])
         elif m := _RECORD.match(line):
@@ -91,6 +108,9 @@ class LineFilter:
         self._show = level >= logging.ERROR or (level >= logging.WARNING and ours)
         if level == logging.WARNING and not ours:
             self.hidden_warnings += 1
+        if level >= logging.ERROR and not ours and self._shutting_down:
+            self._show = False
+            self.shutdown_errors += 1
 
 
 class LogFollower:
@@ -146,6 +166,11 @@ class LogFollower:
                 f"are in {self.dir}/ (--verbose shows them)",
                 file=err,
             )
+        shutdown = sorted(n for n, f in self._filters.items() if f.shutdown_errors)
+        if final and not self.verbose and shutdown:
+            count = sum(self._filters[n].shutdown_errors for n in shutdown)
+            print(f"pipeline-train: {count} library errors as the engines shut down are in "
+                  f"{', '.join(str(self.dir / n) for n in shutdown)}", file=err)
         out.flush()
         err.flush()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import EngineConfig, ModelConfig
+from pipeline.procs import ENGINE_START
 from pipeline.producer.vllm_version import VllmVersionError, check_vllm_version
 from sync.barrier import WORKER_EXTENSION
 from sync.lora import vllm_max_lora_rank
@@ -131,7 +132,7 @@ def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: i
         # The CPU backend sizes its KV cache from this variable (GiB), not from memory fraction.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.cpu_kvcache_space_gib))
     kw = engine_kwargs(model, eng, model_path, seed, current_platform, lora_rank, max_loras)
-    log.info("starting vLLM %s AsyncLLM: %s", vllm.__version__, kw)
+    log.info("%s %s AsyncLLM: %s", ENGINE_START, vllm.__version__, kw)
     # The producer is a batch generator, not a latency-bound server: take the batch defaults vLLM
     # gives offline ``LLM`` (max_num_seqs 1024 on a big GPU). AsyncLLM's own default context gets
     # 128 sequences, which ran the producer at 0.22 of offline throughput on an H100.

@@ -51,6 +51,7 @@ from buffer.protocol import (
 from buffer.schema import Completion, RolloutGroup
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig, curve_keys, may_admit, producer_budget
+from pipeline.procs import ENGINE_SHUTDOWN
 from pipeline.producer.adapters import AdapterSet
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
@@ -86,8 +87,6 @@ from sync.transfer import (
 
 log = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 5.0  # the learner answers control requests at once; longer means it is down
-# Logged when a producer starts its engine's shutdown (``shutdown_engine``).
-ENGINE_SHUTDOWN = "engine shutdown: requests aborted, stopping the engine core and its workers"
 
 
 class LearnerFinished(Exception):

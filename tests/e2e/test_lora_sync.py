@@ -78,7 +78,7 @@ def _assert_engine_shut_down_in_order(run_dir: Path) -> None:
     """The producer began its engine's shutdown before the engine core got a signal (from the
     producer's engine client, not from the launcher): vLLM's workers stop under a core that
     is shutting down, never die under a live one."""
-    from pipeline.producer.loop import ENGINE_SHUTDOWN
+    from pipeline.procs import ENGINE_SHUTDOWN
 
     lines = (run_dir / "logs" / "producer-0.log").read_text(errors="replace").splitlines()
     ours = [i for i, x in enumerate(lines) if ENGINE_SHUTDOWN in x]

@@ -127,6 +127,41 @@ def test_follower_copies_new_lines_of_every_process_and_skips_the_launchers_own(
     assert "from before" not in err.getvalue() and "shown already" not in err.getvalue()
 
 
+def test_library_errors_of_an_engine_shutdown_stay_in_the_file_with_one_line_at_the_end(
+    tmp_path,
+):
+    from pipeline.procs import ENGINE_SHUTDOWN, ENGINE_START
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    out, err = io.StringIO(), io.StringIO()
+    follower = LogFollower(logs, out=out, err=err)
+    before = VLLM.format(level="ERROR", msg="an error while training")
+    ours = OURS.format(level="ERROR", msg="p0: a failure of ours")
+    restarted = VLLM.format(level="ERROR", msg="an error of the restarted engine")
+    (logs / "producer-0.log").write_text("\n".join([
+        before,
+        OURS.format(level="INFO", msg=f"p0: {ENGINE_SHUTDOWN}"),
+        "(Worker pid=7) ERROR 11-25 09:01:02 [multiproc_executor.py:1] Worker proc died",
+        VLLM.format(level="ERROR", msg="EngineCore encountered a fatal error."),
+        "Traceback (most recent call last):",
+        '  File "core.py", line 1, in run_busy_loop',
+        "RuntimeError: cancelled",
+        "SchedulerOutput(scheduled_new_reqs=[...])",
+        ours,
+        OURS.format(level="INFO", msg=f"{ENGINE_START} 0.32.0 AsyncLLM: {{}}"),
+        restarted,
+    ]) + "\n")
+    follower.pump(final=True)
+    # Errors before the shutdown, ours, and a restarted engine's show; the shutdown's do not.
+    assert err.getvalue().splitlines() == [
+        before, ours, restarted,
+        f"pipeline-train: 3 library errors as the engines shut down are in "
+        f"{logs / 'producer-0.log'}",
+    ]
+    assert out.getvalue() == ""
+
+
 def test_a_follower_limited_to_one_file_shows_only_that_process(tmp_path):
     """A Ray actor follows only its own role's file in a log directory other roles share."""
     logs = tmp_path / "logs"
