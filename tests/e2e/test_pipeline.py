@@ -50,12 +50,15 @@ def test_async_mode_then_resume_continues_step_version_and_buffer(tiny_model, tm
     assert state["step"] == 3 and state["version"] == 2
     assert sum(state["received"].values()) >= 6  # both producers delivered
 
-    _train(tiny_model, run_dir, "--mode", "async", "--max-staleness", "2", "--steps", "5",
-           "--resume")
+    proc = _train(tiny_model, run_dir, "--mode", "async", "--max-staleness", "2", "--steps", "5",
+                  "--resume", "--train.checkpoint_every", "1")
     rows = _metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     resumed = rows[3:]
     assert resumed[0]["version"] == 3  # continues from version 2, publishes 3
+    # Step 4's checkpoint went to the background writer; the last step's is the final one.
+    assert resumed[0]["checkpoint_stall_s"] > 0 and resumed[1]["checkpoint_stall_s"] == 0
+    assert "final checkpoint " in proc.stdout and "s writing" in proc.stdout, proc.stdout
     # Conservation across the restart: everything the learner ever received is trained,
     # dropped (counted) or still held, including groups restored from the checkpoint.
     last = rows[-1]
