@@ -84,7 +84,7 @@ def lora_scales(state: dict[str, Any], alpha: float) -> dict[str, float]:
 
 
 def engine_weights(state: dict[str, Any], lora_alpha: float, dtype: Any
-                   ) -> tuple[dict[str, Any], int]:
+                   ) -> tuple[dict[str, Any], dict[str, int]]:
     """The model's weights under the base model's names in ``dtype``, LoRA merged as the
     learner merges a version; returns (weights, {LoRA module: its rank})."""
     if not any(k.startswith(PEFT_PREFIX) for k in state):

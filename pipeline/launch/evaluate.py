@@ -118,11 +118,8 @@ async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, floa
     from transformers import AutoTokenizer
 
     from pipeline.producer.engine import build_engine
-    from pipeline.producer.episode import load_episode
-    from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
+    from pipeline.producer.evaluate import eval_records
     from pipeline.producer.rewards import RewardSet
-    from sync.barrier import RequestTracker, SwapBarrier
-    from sync.transfer import FileTransport, swap_with_fallback
 
     records = eval_records(cfg.data, cfg.eval)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -131,31 +128,44 @@ async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, floa
     )
     engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed)
     try:
-        barrier = SwapBarrier(
-            engine, RequestTracker(), mode="keep", load_timeout_s=cfg.sync.load_timeout_s
-        )
-        report = await swap_with_fallback(barrier, "file", ref, FileTransport(engine))
-        if not report.ok:
-            raise RuntimeError(f"loading the checkpoint's weights failed: {report.error}")
-        return await generate_and_score(
-            engine,
-            tokenizer,
-            cfg.data,
-            cfg.eval,
-            cfg.generation.max_tokens,
-            cfg.engine.max_model_len,
-            records,
-            rewards,
-            ref.version,
-            episodes=EpisodeRun(load_episode(cfg.episode.fn), cfg.episode, cfg.rewards.on_failure)
-            if cfg.episode.fn
-            else None,
-        )
+        return await _load_and_score(engine, cfg, tokenizer, records, rewards, ref)
     finally:
         rewards.close()
         engine.shutdown()
+        # Collect the engine now (the barrier and transport that held it died with
+        # _load_and_score): AsyncLLM.__del__ calls shutdown() again, which fails noisily when
+        # it runs at interpreter teardown.
         del engine
         gc.collect()
+
+
+async def _load_and_score(engine: Any, cfg: RunConfig, tokenizer: Any, records: Any,
+                          rewards: Any, ref: Any) -> dict[str, float]:
+    from pipeline.producer.episode import load_episode
+    from pipeline.producer.evaluate import EpisodeRun, generate_and_score
+    from sync.barrier import RequestTracker, SwapBarrier
+    from sync.transfer import FileTransport, swap_with_fallback
+
+    barrier = SwapBarrier(
+        engine, RequestTracker(), mode="keep", load_timeout_s=cfg.sync.load_timeout_s
+    )
+    report = await swap_with_fallback(barrier, "file", ref, FileTransport(engine))
+    if not report.ok:
+        raise RuntimeError(f"loading the checkpoint's weights failed: {report.error}")
+    return await generate_and_score(
+        engine,
+        tokenizer,
+        cfg.data,
+        cfg.eval,
+        cfg.generation.max_tokens,
+        cfg.engine.max_model_len,
+        records,
+        rewards,
+        ref.version,
+        episodes=EpisodeRun(load_episode(cfg.episode.fn), cfg.episode, cfg.rewards.on_failure)
+        if cfg.episode.fn
+        else None,
+    )
 
 
 def _reward_cluster(cfg: RunConfig) -> Any:

@@ -50,6 +50,7 @@ def _train_and_eval(tiny_model: Path, tmp_path: Path, tag: str, *extra: str,
     out = tmp_path / "step2_eval.json"
     proc = pipeline_train("eval", "--checkpoint", str(run_dir / "checkpoints" / "step_2"),
                           "--out", str(out), tag=tag, env=env)
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     return evals, json.loads(out.read_text()), proc.stdout
 
 
