@@ -22,11 +22,13 @@ a ``.tmp_step_*`` directory, removed by the next writer once its process is gone
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import pickle
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+_HOST = socket.gethostname().replace("/", "-")  # temp dirs name their writer: host and pid
 
 
 class CheckpointError(RuntimeError):
@@ -79,7 +82,7 @@ def save_checkpoint(run_dir: Path, state: LearnerState, tensors: dict[str, Any],
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state.step}"
-    tmp = root / f".tmp_step_{state.step}_{os.getpid()}"
+    tmp = root / f".tmp_step_{state.step}_{_HOST}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -144,12 +147,12 @@ def _pid_alive(pid: int) -> bool:
 
 
 def remove_partial(run_dir: Path) -> list[Path]:
-    """Remove the temporary directories of writes whose process is gone (killed mid-write);
-    a live process's write in progress is left alone."""
+    """Remove the temporary directories of writes whose process, on this host, is gone (killed
+    mid-write); a live process's write, or another host's (a shared run_dir), is left alone."""
     removed = []
-    for tmp in (Path(run_dir) / "checkpoints").glob(".tmp_step_*_*"):
-        pid = tmp.name.rsplit("_", 1)[1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+    for tmp in (Path(run_dir) / "checkpoints").glob(".tmp_step_*"):
+        rest, _, pid = tmp.name.rpartition("_")
+        if rest.endswith(f"_{_HOST}") and pid.isdigit() and not _pid_alive(int(pid)):
             shutil.rmtree(tmp, ignore_errors=True)
             removed.append(tmp)
     return removed
@@ -218,7 +221,8 @@ class CheckpointWriter:
         self.write_s: float | None = None  # seconds the newest complete write took
         self.completed = 0                 # writes completed (a new write_s each)
         self._staging: dict[tuple, torch.Tensor] = {}
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # the write in flight
+        self._copy: asyncio.Future | None = None  # the host copy in flight (fills _staging)
         self._error: BaseException | None = None
         remove_partial(self.run_dir)
 
@@ -233,6 +237,9 @@ class CheckpointWriter:
 
     async def wait(self) -> Path | None:
         """Wait for the write in flight, if any; raise its error. Returns the newest checkpoint."""
+        if self._copy is not None:  # a save cancelled mid-copy: its thread still fills _staging
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._copy)
         if self._task is not None:
             await asyncio.shield(self._task)  # a cancelled waiter leaves the write running
         self.raise_if_failed()
@@ -252,7 +259,10 @@ class CheckpointWriter:
                                            buffer_bytes, self.keep, shards)
             self._done(path, time.monotonic() - t0, on_durable)
             return time.monotonic() - t0
-        host = await asyncio.to_thread(lambda: host_copy(tensors(), self._staging))
+        self._copy = asyncio.ensure_future(
+            asyncio.to_thread(lambda: host_copy(tensors(), self._staging)))
+        host = await asyncio.shield(self._copy)
+        self._copy = None
         self._task = asyncio.get_running_loop().create_task(
             self._write(state, host, buffer_bytes, on_durable))
         return time.monotonic() - t0

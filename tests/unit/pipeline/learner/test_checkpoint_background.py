@@ -306,7 +306,7 @@ def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(tmp_pa
     root = tmp_path / "checkpoints"
     try:
         assert proc.stdout.readline().strip() == "writing"
-        tmp = root / f".tmp_step_2_{proc.pid}"
+        tmp = root / f".tmp_step_2_{ck._HOST}_{proc.pid}"
         deadline = time.monotonic() + 60
         target = tmp / ("trainer.pt" if where == "torch.save" else "state.json")
         while not (target.is_file() and target.stat().st_size > 0):
@@ -331,6 +331,36 @@ def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(tmp_pa
 
 def test_remove_partial_leaves_a_live_write_alone(tmp_path):
     root = tmp_path / "checkpoints"
-    mine = root / f".tmp_step_3_{os.getpid()}"
-    mine.mkdir(parents=True)
-    assert remove_partial(tmp_path) == [] and mine.is_dir()
+    mine = root / f".tmp_step_3_{ck._HOST}_{os.getpid()}"
+    elsewhere = root / f".tmp_step_3_{ck._HOST}x_{2**22 + 1}"  # another host's write
+    for d in (mine, elsewhere):
+        d.mkdir(parents=True)
+    assert remove_partial(tmp_path) == [] and mine.is_dir() and elsewhere.is_dir()
+
+
+def test_a_save_cancelled_mid_copy_is_waited_for_before_the_next(tmp_path):
+    """SIGTERM during a periodic checkpoint's copy: the final checkpoint must not fill the
+    staging buffers while the cancelled copy's thread still writes them."""
+    release, started = threading.Event(), threading.Event()
+    live = _live()
+
+    def slow_state():
+        started.set()
+        assert release.wait(30)
+        return live
+
+    async def main():
+        w = CheckpointWriter(tmp_path)
+        first = asyncio.create_task(w.save(_state(1), slow_state, b"", lambda p: None))
+        await _until(started)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        final = asyncio.create_task(w.save(_state(2), lambda: live, b"", lambda p: None))
+        await asyncio.sleep(0.2)
+        assert not final.done()  # held behind the cancelled copy
+        release.set()
+        await final
+        assert await w.wait() == tmp_path / "checkpoints" / "step_2"
+
+    asyncio.run(main())
