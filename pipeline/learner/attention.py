@@ -97,9 +97,14 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, is_causal=True)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    if q.is_cuda:
+    if q.is_cuda and q.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        # Rotary embeddings leave q/k in fp32 under autocast; SDPA would be cast by autocast,
+        # this op is not on its list: cast as it would.
+        low = torch.get_autocast_dtype("cuda")
+        q, k, v = q.to(low), k.to(low), v.to(low)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         out = _flash(q, k, v, cu.to(q.device, torch.int32), int(kwargs["max_length_q"]), scaling)
-    else:
+    else:  # the flash kernels have no fp32: each sequence through SDPA
         out = _per_sequence(q, k, v, cu, scaling)
     return out[None], None
 
