@@ -462,7 +462,8 @@ class WeightPublisher:
             # One bucket per transfer (transfers to several producers may overlap); the
             # caching allocator hands the same memory back for the next one.
             staging = None if flat.is_cuda else torch.empty(
-                max(e - s for s, e in ranges), dtype=torch.uint8, device=self.device)
+                max((e - s for s, e in ranges), default=0), dtype=torch.uint8,
+                device=self.device)
             for i, (start, end) in enumerate(ranges):
                 if staging is None:
                     buf = flat[start:end]

@@ -267,7 +267,8 @@ class WeightSyncExtension:
             raise SnapshotError(f"v{version}: NCCL link epoch {epoch} is not joined here")
         layout = self._sync_checked_layout(version, layout_wire)
         total = total_bytes(layout)
-        ranges = ranges_from_wire(buckets_wire, layout) if buckets_wire else [(0, total)]
+        ranges = ranges_from_wire(buckets_wire, layout) if buckets_wire else \
+            [(0, total)] if total else []
         dev, comm = self._sync_device(), link[1]
         deadline = time.monotonic() + timeout_s
 
@@ -277,7 +278,8 @@ class WeightSyncExtension:
             return [int(x) for x in h.tolist()]
 
         def receive(on_bucket: Any) -> None:
-            staging = torch.empty(max(e - s for s, e in ranges), dtype=torch.uint8, device=dev)
+            staging = torch.empty(max((e - s for s, e in ranges), default=0),
+                                  dtype=torch.uint8, device=dev)
             self._sync_gpu_staging = True  # released to the driver after the apply
             for i, (start, end) in enumerate(ranges):
                 got_i, nbytes, want = header(f"header of v{version} bucket {i}")
