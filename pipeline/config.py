@@ -392,9 +392,10 @@ class SyncConfig:
                 "several times slower than merged weights (docs/lora.md)")
     sync_every: int = opt(1, "publish a snapshot every k learner steps")
     keep_snapshots: int = opt(2, "snapshot files kept on disk")
-    bucket_mb: int = opt(1024, "weights are copied out of the learner this many MB at a time "
-                               "(engine dtype): a ZeRO-3 learner gathers one bucket at a time, "
-                               "never the whole model on one GPU", ge=1)
+    bucket_mb: float = opt(1024.0, "weights are copied out of the learner, and sent to GPU-route "
+                                   "producers, this many MB (MiB, engine dtype) at a time: a "
+                                   "ZeRO-3 learner gathers one bucket at a time, never the whole "
+                                   "model on one GPU", gt=0)
     retain_groups: int = opt(4096, "groups a producer keeps until the learner has checkpointed "
                                    "them (resent after a learner restart; oldest dropped first)",
                              ge=0)

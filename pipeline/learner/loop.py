@@ -452,8 +452,8 @@ class Learner:
             flat = torch.empty(total_bytes(layout), dtype=torch.uint8,
                                pin_memory=torch.cuda.is_available())
         buckets = [tensors] if tensors is not None else \
-            tr.snapshot_buckets(self.cfg.sync.bucket_mb << 20)
-        pack_buckets(buckets, layout, flat)
+            tr.snapshot_buckets(int(self.cfg.sync.bucket_mb * 2**20))
+        self.capture_buckets = pack_buckets(buckets, layout, flat)
         if gpu_routes:
             try:
                 self.publisher.publish_packed(version, flat, layout,
@@ -551,6 +551,7 @@ class Learner:
                 t1 = time.monotonic()
                 flat, layout = await asyncio.to_thread(self._capture, st.version + 1)
                 m["snapshot_copy_s"] = time.monotonic() - t1
+                m["snapshot_buckets"] = float(self.capture_buckets)
                 st.version += 1
                 self.writer.submit(st.version, flat, layout)
                 del flat
@@ -693,7 +694,7 @@ class Learner:
             self.learner_gpu = str(torch.cuda.get_device_properties(dev).uuid)
             if self.cfg.sync.transport != "file":
                 self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s,
-                                                 bucket_bytes=self.cfg.sync.bucket_mb << 20)
+                                                 bucket_bytes=int(self.cfg.sync.bucket_mb * 2**20))
         if self.state.version > 0:  # resumed: producers must load this version first
             flat, layout = await asyncio.to_thread(self._capture, self.state.version)
             self.snapshot = await self.writer.write_now(self.state.version, flat, layout)
