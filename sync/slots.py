@@ -20,6 +20,7 @@ and a failure of either side is seen by the other at once through the state word
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -65,8 +66,10 @@ class ControlBlock:
 
     def __init__(self, path: str | Path, create: bool = False):
         self.path = str(path)
-        if create:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        if create:  # a new file, never one a worker still maps (truncating it would fault)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             os.ftruncate(fd, _WORDS * 8)
         else:
             fd = os.open(self.path, os.O_RDWR)
