@@ -202,10 +202,14 @@ class WeightSyncExtension:
             receive(on_bucket)
             _sync_device_barrier()
         except Exception as e:
+            restored = ""
             if loaded[0]:
-                self._sync_restore_previous()
-            raise SnapshotError(f"{e} ({loaded[0]} of {len(ranges)} buckets loaded"
-                                f"{', previous weights restored' if loaded[0] else ''})"
+                try:
+                    self._sync_restore_previous()
+                    restored = ", previous weights restored"
+                except Exception as r:  # say both: the engine may now serve a torn set
+                    restored = f", restoring the previous weights failed too: {r!r}"
+            raise SnapshotError(f"{e} ({loaded[0]} of {len(ranges)} buckets loaded{restored})"
                                 ) from None
         self._sync_staged = (ref, {})
         return {"receive_s": time.perf_counter() - t0, "buckets": float(len(ranges))}
