@@ -18,7 +18,9 @@ minus still held), which producers use for admission control.
 Weights: every version is written as a snapshot file; producers whose route (picked per producer
 from the GPUs in its Hello, ``sync.transfer.choose_transport``) is ``ipc`` or ``nccl`` also get
 it from a packed GPU copy (``sync.publish.WeightPublisher``): its IPC handle or NCCL link offer
-rides in the Announce, and SyncReady messages drive the NCCL side of each transfer.
+rides in the Announce, and SyncReady messages drive the NCCL side of each transfer. A sharded
+(ZeRO-3) learner packs into host memory instead, gathering ``sync.bucket_mb`` at a time, and its
+GPU-route producers take each version bucket by bucket (``capture_device``).
 """
 
 from __future__ import annotations
