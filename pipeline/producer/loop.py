@@ -735,25 +735,35 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
                           lora_rank=t.lora_rank if adapters else 0,
                           max_loras=cfg.train.max_staleness + 2)
+    failed = True
     try:
         await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,
                        stop_when_learner_done).run()
+        failed = False
+    except (asyncio.CancelledError, KeyboardInterrupt):  # stopped: the run's normal end
+        failed = False
+        raise
     finally:
         endpoint.close()
         rewards.close()
-        shutdown_engine(engine, f"p{index}")
+        shutdown_engine(engine, f"p{index}", failed)
         # Collect the engine now: AsyncLLM.__del__ calls shutdown() again, which fails noisily
         # when it runs at interpreter teardown.
         del engine
         gc.collect()
 
 
-def shutdown_engine(engine: Any, producer_id: str) -> None:
+def shutdown_engine(engine: Any, producer_id: str, failed: bool = False) -> None:
     """Shut the engine down once its requests are aborted (``Producer.run``): the engine core
     stops its workers before it exits, so none dies under a live core. This process is the
     one the launcher signals (its engine's are not). A library error of the shutdown stays in
-    this process's log file, with one warning line for the console."""
-    log.info("%s: %s", producer_id, ENGINE_SHUTDOWN)
+    this process's log file, with one warning line for the console; so do vLLM's errors that
+    follow (``ENGINE_SHUTDOWN``), unless the producer ``failed``: then its traceback and the
+    engine's errors all reach the console."""
+    if failed:
+        log.info("%s: engine shutdown after a failure", producer_id)
+    else:
+        log.info("%s: %s", producer_id, ENGINE_SHUTDOWN)
     try:
         engine.shutdown()
     except Exception as e:
