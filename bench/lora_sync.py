@@ -12,6 +12,7 @@ weights, rounds interleaved with the adapter's), which separates the cost of ser
 adapter from that of an engine built with LoRA enabled.
 
     python -m bench.lora_sync --model smollm2-135m --rank 16 --versions 3
+    python -m bench.lora_sync --model smollm2-135m --ops   # one layer's LoRA ops, no engine
     bash bench/run_gpu.sh lora    # GPU: the 0.5B model, 256 x 128 tokens, CUDA graphs
 """
 
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -190,6 +192,72 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
     }
 
 
+def lora_ops(model_dir: Path, rank: int, token_counts: tuple[int, ...] = (32, 1024),
+             repeats: int = 5) -> list[dict]:
+    """One decoder layer's projections of ``model_dir``'s shapes, bf16, in this process (no
+    engine): ms for the base weights' matmuls, for vLLM's torch LoRA ops as its CPU build runs
+    them (``PunicaWrapperCPU``: shrink to fp32 buffers, expand into each output slice), and for
+    the same adapter applied as two thin matmuls per slice (all tokens on one adapter); the
+    best of ``repeats``. Tells whether an adapter's cost is vLLM's kernels."""
+    from vllm.lora.ops.torch_ops import sgmv_expand_slice, sgmv_shrink
+
+    c = json.loads((model_dir / "config.json").read_text())
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    kv = c.get("num_key_value_heads", c["num_attention_heads"]) * (h // c["num_attention_heads"])
+    mods = {"qkv": (h, [h, kv, kv]), "o": (h, [h]), "gate_up": (h, [inter, inter]),
+            "down": (inter, [h])}
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    a = {n: [rand(2, 1, rank, d) for _ in outs] for n, (d, outs) in mods.items()}
+    b = {n: [rand(2, 1, o, rank) for o in outs] for n, (d, outs) in mods.items()}
+    w = {n: rand(sum(outs), d) for n, (d, outs) in mods.items()}
+
+    def base(x: dict) -> None:
+        for n, (d, _outs) in mods.items():
+            x[d] @ w[n].T
+
+    def vllm_ops(x: dict) -> None:
+        n_tok = x[h].shape[0]
+        start, lens, idx = torch.tensor([0]), torch.tensor([n_tok]), torch.tensor([1])
+        for n, (d, outs) in mods.items():
+            buf = [torch.zeros(n_tok, rank) for _ in outs]
+            y = torch.zeros(n_tok, sum(outs), dtype=torch.bfloat16)
+            for k in range(len(outs)):
+                sgmv_shrink(x[d], a[n][k], buf[k], start, lens, idx, 1, n_tok, n_tok, 1.0)
+            off = 0
+            for k, o in enumerate(outs):
+                sgmv_expand_slice(buf[k], b[n][k], y, start, lens, idx, 1, n_tok, n_tok, off, o,
+                                  True)
+                off += o
+
+    def grouped(x: dict) -> None:
+        for n, (d, outs) in mods.items():
+            y = torch.zeros(x[h].shape[0], sum(outs), dtype=torch.bfloat16)
+            off = 0
+            for k, o in enumerate(outs):
+                y[:, off:off + o] += (x[d] @ a[n][k][1, 0].T) @ b[n][k][1, 0].T
+                off += o
+
+    rows = []
+    for n_tok in token_counts:
+        x = {h: rand(n_tok, h), inter: rand(n_tok, inter)}
+        row: dict = {"tokens": n_tok}
+        for name, fn in (("base_ms", base), ("vllm_lora_ms", vllm_ops),
+                         ("grouped_lora_ms", grouped)):
+            fn(x)
+            best = math.inf
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn(x)
+                best = min(best, time.perf_counter() - t0)
+            row[name] = best * 1e3
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny", help="'tiny', 'smollm2-135m' or a HF directory")
@@ -200,8 +268,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed rounds (best kept)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="engine.enforce_eager=false (GPU: CUDA graphs, as training runs use)")
+    ap.add_argument("--ops", action="store_true",
+                    help="only time one decoder layer's LoRA ops on CPU (vLLM's torch ops vs "
+                         "two matmuls per slice vs the base matmuls), no engine")
     args = ap.parse_args()
     from pipeline.models import resolve_model
+
+    if args.ops:
+        model_dir = resolve_model(args.model, Path(tempfile.gettempdir()) / "pipeline-models")
+        for row in lora_ops(model_dir, args.rank):
+            print(json.dumps(row), flush=True)
+        return
 
     with tempfile.TemporaryDirectory() as d:
         model_dir = resolve_model(args.model, Path(tempfile.gettempdir()) / "pipeline-models")
