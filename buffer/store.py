@@ -1,7 +1,8 @@
 """The learner's rollout buffer: pure bookkeeping of whole groups, no sockets.
 
-Owns admission (capacity), staleness enforcement at consume time, ordering, and the counters
-reported to the user. Invariants, after every public call:
+Owns admission (capacity), staleness enforcement at consume time (the rule itself is
+``buffer.staleness``), ordering, and the counters reported to the user. Invariants, after
+every public call:
 
 - ``received == served + dropped_stale + dropped_capacity + rejected_groups + len(buffer)``
   where ``rejected_groups`` is the total over reasons of groups that decoded but failed the
@@ -28,6 +29,7 @@ import msgpack
 
 from buffer.checks import Rejection
 from buffer.schema import DecodeError, RolloutGroup, decode, encode
+from buffer.staleness import is_trainable
 
 Order = Literal["fifo", "freshest"]
 _SNAPSHOT_FORMAT = 2  # carries rejected_groups; format 1 (without them) still loads
@@ -121,8 +123,8 @@ class RolloutBuffer:
         """Drop (and count) every group older than max_staleness; returns how many."""
         if self.max_staleness is None:
             return 0
-        oldest_ok = learner_version - self.max_staleness
-        stale = [s for s, (v, _) in self._groups.items() if v < oldest_ok]
+        stale = [s for s, (v, _) in self._groups.items()
+                 if not is_trainable(v, learner_version, self.max_staleness)]
         for s in stale:
             del self._groups[s]
         if stale:

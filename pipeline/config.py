@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 import yaml
 
+from buffer.staleness import admission_budget
+
 log = logging.getLogger(__name__)
 
 
@@ -746,39 +748,6 @@ def producer_gpu_env(producer_gpus: list[str], index: int) -> dict[str, str]:
 def learner_gpu_env(learner_gpus: str) -> dict[str, str]:
     """Environment pinning the learner (every rank) to its GPUs ({} = inherit)."""
     return {"CUDA_VISIBLE_DEVICES": str(learner_gpus)} if learner_gpus else {}
-
-
-def admission_budget(batch_groups: int, max_staleness: int) -> int:
-    """Groups that may be generated-or-buffered at once, all producers together.
-
-    A group admitted while the engines hold version v is trained at the earliest at learner
-    version v; with FIFO consumption it is trainable within ``max_staleness`` only if no more
-    than (max_staleness + 1) batches are ahead of it.
-    """
-    return (max_staleness + 1) * batch_groups
-
-
-def may_admit(outstanding: int, batch_groups: int, max_staleness: int, num_producers: int,
-               index: int, engine_version: int, learner_heading_to: int) -> bool:
-    """Whether producer ``index`` may start one more group now.
-
-    The learner trains the next batch at ``learner_heading_to`` (its version, plus one while it
-    trains on a batch it has taken), the one after at +1, and so on. A group started on
-    ``engine_version`` is trainable only within the batches up to ``max_staleness`` versions
-    ahead of the engine, so the budget shrinks by the engine's lag behind the learner: a
-    producer still on v while the learner trains towards v+1 would, with the whole budget,
-    spend its engine on groups the buffer must drop (in sync mode, a batch per step).
-    """
-    lag = max(learner_heading_to - engine_version, 0)
-    if lag > max_staleness:
-        return False
-    return outstanding < producer_budget(batch_groups, max_staleness - lag, num_producers, index)
-
-
-def producer_budget(batch_groups: int, max_staleness: int, num_producers: int, index: int) -> int:
-    """Producer ``index``'s share of the admission budget (shares differ by at most one)."""
-    total = admission_budget(batch_groups, max_staleness)
-    return total // num_producers + (1 if index < total % num_producers else 0)
 
 
 # ---------------------------------------------------------------- types, building, YAML

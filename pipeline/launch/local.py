@@ -167,6 +167,7 @@ def waiting_groups_line(run_dir: Path, max_staleness: int) -> str | None:
     import json
 
     from buffer.ledger import GroupLedger
+    from buffer.staleness import is_trainable
     from pipeline.learner.checkpoint import latest_checkpoint
     from pipeline.producer.outbox import undelivered
 
@@ -177,7 +178,7 @@ def waiting_groups_line(run_dir: Path, max_staleness: int) -> str | None:
         return None
     version = int(state.get("version", 0))
     total = sum(len(v) for v in waiting.values())
-    fresh = sum(version - v <= max_staleness for vs in waiting.values() for v in vs)
+    fresh = sum(is_trainable(v, version, max_staleness) for vs in waiting.values() for v in vs)
     where = ", ".join(f"{name}: {len(vs)}" for name, vs in waiting.items())
     stale = (f" (the other {total - fresh}: dropped, older than train.max_staleness allows)"
              if fresh < total else "")

@@ -53,6 +53,7 @@ from buffer.protocol import (
     Welcome,
 )
 from buffer.schema import RolloutGroup
+from buffer.staleness import oldest_kept
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
 from pipeline.config import RunConfig, completion_max_tokens, curve_keys, to_dict
@@ -199,16 +200,16 @@ class Learner:
 
     # ------------------------------------------------------------------ checks
     def limits(self) -> RunLimits:
-        """What a group must fit now (``buffer.checks``). The oldest version kept is the
-        staleness window plus the snapshot files kept: a producer cannot honestly be further
-        behind, as it loads only announced snapshots."""
+        """What a group must fit now (``buffer.checks``); the oldest version kept is
+        ``buffer.staleness.oldest_kept``."""
         v = self.state.version
-        window = self.cfg.train.max_staleness + self.cfg.sync.keep_snapshots
         return RunLimits(group_size=self.cfg.generation.group_size,
                          vocab_size=self._vocab_size,
                          max_tokens=completion_max_tokens(self.cfg),
                          max_model_len=self.cfg.engine.max_model_len,
-                         learner_version=v, oldest_version=max(0, v - window))
+                         learner_version=v,
+                         oldest_version=oldest_kept(v, self.cfg.train.max_staleness,
+                                                    self.cfg.sync.keep_snapshots))
 
     def _log_rejected(self, g: RolloutGroup, reason: str, detail: str) -> None:
         """One line per rejected group, at WARNING for the first few of each (producer, reason)

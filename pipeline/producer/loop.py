@@ -1,7 +1,7 @@
 """A producer: one vLLM AsyncLLM turning prompts into scored GRPO groups, pushed to the learner.
 
 Three coroutines under one TaskGroup (an error in any stops the producer):
-- ``_admit``: starts a group whenever the admission budget allows (``pipeline.config.may_admit``:
+- ``_admit``: starts a group whenever the admission budget allows (``buffer.staleness.may_admit``:
   in-flight + sent-but-not-yet-consumed groups <= this producer's share of
   (max_staleness + 1 - the engine's lag behind the learner) x batch_groups), so no
   generation is spent on a group that would be too stale to train;
@@ -49,8 +49,9 @@ from buffer.protocol import (
     Welcome,
 )
 from buffer.schema import Completion, RolloutGroup
+from buffer.staleness import may_admit, producer_budget, versions_in_flight
 from buffer.transport import ProducerEndpoint
-from pipeline.config import RunConfig, curve_keys, may_admit, producer_budget
+from pipeline.config import RunConfig, curve_keys
 from pipeline.procs import ENGINE_SHUTDOWN
 from pipeline.producer.adapters import AdapterSet
 from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
@@ -151,7 +152,7 @@ class Producer:
         self._group_tasks: set[asyncio.Task] = set()
         self._engine_lock = asyncio.Lock()  # sleep, wake and swap never interleave
         self._asleep = False
-        self.learner_heading_to = 0  # Announce.heading_to: see pipeline.config.may_admit
+        self.learner_heading_to = 0  # Announce.heading_to: see buffer.staleness.may_admit
         self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
         # Only producer 0 evaluates: one evaluation per version, whatever the producer count.
         ev = cfg.eval
@@ -731,10 +732,9 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     t = cfg.train
     adapters = adapter_sync_plan(cfg.sync.lora_adapters, t.lora_rank,
                                  list(t.lora_target_modules))[0]
-    # Requests of up to max_staleness + 1 older versions may still run beside the newest.
     engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
                           lora_rank=t.lora_rank if adapters else 0,
-                          max_loras=cfg.train.max_staleness + 2)
+                          max_loras=versions_in_flight(cfg.train.max_staleness))
     failed = True
     try:
         await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,
