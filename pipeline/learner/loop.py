@@ -69,7 +69,7 @@ from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
 from pipeline.owner import owned_name
 from pipeline.procs import LOGS_DIR, ConsoleStream
-from pipeline.producer.evaluate import is_due, last_version
+from pipeline.schedule import is_due, last_version
 from sync.packing import Layout, pack_buckets, plan_layout, plan_layout_of, total_bytes
 from sync.snapshot import SnapshotRef
 from sync.transfer import TransportChoiceError, choose_transport

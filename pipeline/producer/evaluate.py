@@ -1,5 +1,6 @@
-"""Evaluation on held-out prompts: which versions to evaluate, generating and scoring them, and
-the figures the learner logs (``eval/reward_mean``, ``eval/pass@k``, ``eval/<reward>``).
+"""Evaluation on held-out prompts: generating and scoring them, and the figures the learner logs
+(``eval/reward_mean``, ``eval/pass@k``, ``eval/<reward>``); which versions are evaluated is
+``pipeline.schedule``.
 
 Invariants: evaluation completions are never rollout groups. They are generated here, scored
 by the run's rewards, reduced to a few numbers, and only those numbers leave the producer (an
@@ -47,18 +48,6 @@ def eval_records(data: DataConfig, ev: EvalConfig) -> list[PromptRecord]:
         raise _as_eval_error(e) from None
     n = len(recs) if not ev.max_prompts else min(ev.max_prompts, len(recs))
     return [next(source) for _ in range(n)]
-
-
-def last_version(steps: int, sync_every: int) -> int:
-    """The last weights version a run publishes: one per ``sync_every`` steps, none after the
-    final step (a step whose update was skipped as non-finite publishes nothing: then fewer)."""
-    return max(steps - 1, 0) // sync_every
-
-
-def is_due(version: int, every: int, last: int) -> bool:
-    """Whether ``version`` is evaluated: every ``every``-th one (0 included: the base model),
-    and always the last; never when evaluation is off (``every`` 0)."""
-    return every > 0 and (version % every == 0 or version == last)
 
 
 def pass_at_k(passed: Sequence[Sequence[bool]]) -> float:

@@ -68,12 +68,11 @@ from pipeline.producer.evaluate import (
     EpisodeRun,
     eval_records,
     generate_and_score,
-    is_due,
-    last_version,
 )
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
 from pipeline.producer.stats import ProducerStats
+from pipeline.schedule import is_due, last_version
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.lora import adapter_config, adapter_sync_plan
 from sync.snapshot import SnapshotRef

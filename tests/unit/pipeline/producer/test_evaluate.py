@@ -1,4 +1,4 @@
-"""Pure parts of evaluation: which versions are due, pass@k, aggregation, held-out records."""
+"""Pure parts of evaluation: pass@k, aggregation, held-out records."""
 
 from __future__ import annotations
 
@@ -9,19 +9,7 @@ from producer_fakes import CharTokenizer
 
 from buffer.protocol import EvalResult, decode, encode
 from pipeline.config import ConfigError, DataConfig, EvalConfig, load_config
-from pipeline.producer.evaluate import aggregate, eval_records, is_due, last_version, pass_at_k
-
-
-def test_last_version_counts_publishes_before_the_final_step():
-    assert last_version(6, 1) == 5  # steps 1..5 publish v1..v5; step 6 ends the run
-    assert last_version(6, 2) == 2  # steps 2 and 4 publish
-    assert last_version(1, 1) == 0  # nothing published: the base weights are the last
-
-
-def test_due_every_kth_and_always_the_last():
-    due = [v for v in range(8) if is_due(v, 3, 7)]
-    assert due == [0, 3, 6, 7]
-    assert not any(is_due(v, 0, 7) for v in range(8))  # off
+from pipeline.producer.evaluate import aggregate, eval_records, pass_at_k
 
 
 def test_pass_at_k_counts_prompts_with_any_pass():
