@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.learner.checkpoint import CheckpointError, load_checkpoint
-from pipeline.learner.trainer import DEEPSPEED_DIR, DEEPSPEED_TAG, hf_name, merge_lora
+from pipeline.learner.lora import hf_name, merge_lora
+from pipeline.learner.trainer import DEEPSPEED_DIR, DEEPSPEED_TAG
 
 PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<prefix>.+)\.lora_(?P<part>[AB])\.default\.weight$")

@@ -5,8 +5,8 @@ receiving groups). Owns: model loading (optionally LoRA through peft), micro-bat
 forward/backward (batch layouts and micro-batch plans: ``pipeline.learner.batching``) with the loss
 from ``pipeline.learner.loss``, log-probabilities computed in vocabulary chunks, the per-step
 throughput and MFU (``pipeline.learner.flops``), the non-finite-step guard, and the
-weights that go into snapshots (LoRA merged into plain HF names, so vLLM loads them as full
-weights).
+weights that go into snapshots (LoRA merged into plain HF names by ``pipeline.learner.lora``, so
+vLLM loads them as full weights).
 
 Model and optimiser go through an ``accelerate.Accelerator``: one process by default; under
 ``accelerate launch`` (DDP, DeepSpeed ZeRO) rank 0 drives and the other ranks ``follow()``: every
@@ -52,6 +52,7 @@ from pipeline.learner.batching import (
 )
 from pipeline.learner.checkpoint import CheckpointError
 from pipeline.learner.flops import ModelShape, peak_flops, train_flops
+from pipeline.learner.lora import lora_modules, merge_lora
 from pipeline.learner.loss import grpo_loss
 from sync.lora import adapter_sync_plan, adapter_tensors
 from sync.packing import plan_buckets, plan_layout_of
@@ -138,38 +139,6 @@ class _Policy(torch.nn.Module):
     def forward(self, input_ids, select, attention_mask=None, position_ids=None, **attention):
         return selected_logprobs(self.model, input_ids, select, attention_mask, position_ids,
                                  self.chunk, **attention)
-
-
-def lora_modules(model: Any) -> dict[str, float]:
-    """peft LoRA layers of ``model``: state-dict prefix -> scaling of the default adapter."""
-    from peft.tuners.lora import LoraLayer
-
-    return {name: float(m.scaling["default"]) for name, m in model.named_modules()
-            if isinstance(m, LoraLayer) and "default" in m.scaling}
-
-
-def hf_name(peft_name: str) -> str:
-    """peft state-dict name -> the base model's name (as in its safetensors files)."""
-    name = peft_name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".")
-
-
-def merge_lora(state: dict[str, torch.Tensor], modules: dict[str, float],
-               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """W + scale * B @ A for each LoRA module of a peft state dict, under the base model's name.
-
-    Computed from a (gathered) state dict, not from the live modules, so it works for ZeRO-3
-    partitioned parameters too; only the LoRA-targeted weights are returned (nothing else
-    changes under LoRA). Each merge is done in fp32 and cast to ``dtype`` at once, so the fp32
-    copies never all exist together (about twice the model, on the learner's GPU)."""
-    out = {}
-    for prefix, scale in modules.items():
-        w = state[f"{prefix}.base_layer.weight"].float()
-        a = state[f"{prefix}.lora_A.default.weight"].float()
-        b = state[f"{prefix}.lora_B.default.weight"].float()
-        merged = w + scale * (b @ a)
-        out[hf_name(f"{prefix}.weight")] = merged if dtype is None else merged.to(dtype)
-    return out
 
 
 def make_accelerator(cuda: bool) -> Any:

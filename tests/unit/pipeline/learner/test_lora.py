@@ -149,7 +149,7 @@ def test_follower_rank_snapshot_is_empty_not_a_merge_of_nothing(trainer, monkeyp
 def test_merge_casts_each_module_to_the_snapshot_dtype(trainer):
     import torch
 
-    from pipeline.learner.trainer import merge_lora
+    from pipeline.learner.lora import merge_lora
 
     sd = trainer._model_state()
     merged = merge_lora(sd, trainer._lora, torch.bfloat16)
