@@ -249,6 +249,19 @@ class GenerationConfig:
                  "state: near-offline throughput); delta: every token streamed to the producer")
     admit_rate_per_s: float | None = opt(None, "max prompts admitted per second per producer "
                                                "(asyncio-throttle; None = no limit)")
+    dynamic_sampling: bool = opt(False, "drop a scored group whose rewards are all equal (zero "
+                                        "advantage) before it is sent, counted, and admit "
+                                        "another in its place within the staleness budget "
+                                        "(DAPO's dynamic sampling)")
+    dynamic_sampling_min_std: float = opt(0.0, "with generation.dynamic_sampling: also drop a "
+                                               "group whose reward std (sample std) is below "
+                                               "this (0: only groups whose rewards are all "
+                                               "equal)", ge=0)
+    dynamic_sampling_max_extra: float = opt(4.0, "with generation.dynamic_sampling: a producer "
+                                                 "drops at most this many times its share of a "
+                                                 "batch per learner step; past it the step's "
+                                                 "groups are sent as they are (one warning)",
+                                            gt=0)
 
     def __post_init__(self) -> None:
         _enforce(self)

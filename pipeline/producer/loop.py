@@ -4,7 +4,10 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
 - ``_admit``: starts a group whenever the admission budget allows (``buffer.staleness.may_admit``:
   in-flight + sent-but-not-yet-consumed groups <= this producer's share of
   (max_staleness + 1 - the engine's lag behind the learner) x batch_groups), so no
-  generation is spent on a group that would be too stale to train;
+  generation is spent on a group that would be too stale to train. With
+  ``generation.dynamic_sampling`` a scored group whose rewards are all equal is dropped before it
+  is sent (counted; at most a cap per learner step, ``pipeline.producer.sampling``) and its slot
+  goes to a new admission, checked like any other;
 - ``_listen``: applies announces: new snapshot -> sync barrier -> ack; consumption counts.
   The weights come by the route the learner names for us (file, ipc or nccl; see
   ``sync.transfer``); a GPU route that fails is followed by a file swap to the same version;
@@ -71,6 +74,7 @@ from pipeline.producer.evaluate import (
 )
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
+from pipeline.producer.sampling import DropCap, extra_cap, is_uninformative
 from pipeline.producer.stats import ProducerStats
 from pipeline.schedule import is_due, last_version
 from sync.barrier import RequestTracker, SwapBarrier
@@ -152,6 +156,13 @@ class Producer:
         self._engine_lock = asyncio.Lock()  # sleep, wake and swap never interleave
         self._asleep = False
         self.learner_heading_to = 0  # Announce.heading_to: see buffer.staleness.may_admit
+        # generation.dynamic_sampling: uninformative groups dropped, at most a cap per learner
+        # step (pipeline.producer.sampling); the step is told by the groups the learner took.
+        g = cfg.generation
+        self.drop_cap = DropCap(extra_cap(cfg.train.batch_groups, g.dynamic_sampling_max_extra,
+                                          cfg.num_producers, index)) \
+            if g.dynamic_sampling else None
+        self.learner_consumed = 0  # groups the learner has taken, all producers (Announce)
         self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
         # Only producer 0 evaluates: one evaluation per version, whatever the producer count.
         ev = cfg.eval
@@ -260,6 +271,9 @@ class Producer:
             self._drop(group_id, record.prompt_id, "a reward failed")
             return
         totals, breakdowns = scored
+        if self._uninformative(totals):
+            self._drop_zero_variance(group_id, record.prompt_id)
+            return
         comps = []
         for (comp, _text), total, breakdown in zip(completions, totals, breakdowns, strict=True):
             comp.reward = float(total)
@@ -288,6 +302,31 @@ class Producer:
             self.stats.groups_dropped_episode += 1
         self._log_sent({"dropped_by_reward": group_id, "prompt_id": prompt_id})
         log.warning("group for prompt %s dropped: %s (on_failure=drop)", prompt_id, why)
+        self._counted.set()
+
+    def _uninformative(self, rewards: list[float]) -> bool:
+        """generation.dynamic_sampling: whether to drop this scored group as uninformative. Past
+        the step's cap it is sent as it is, with one warning the first time and a count."""
+        g = self.cfg.generation
+        if self.drop_cap is None or not is_uninformative(rewards, g.dynamic_sampling_min_std):
+            return False
+        hits = self.drop_cap.capped_windows
+        if self.drop_cap.drop(self.learner_consumed):
+            return True
+        if self.drop_cap.capped_windows > hits:
+            self.stats.dynamic_sampling_cap_hits += 1
+            log.log(logging.WARNING if hits == 0 else logging.INFO,
+                    "%s: %d uninformative groups dropped in this learner step "
+                    "(generation.dynamic_sampling_max_extra %g x its share of a batch); the "
+                    "step's other groups are sent as they are", self.producer_id,
+                    self.drop_cap.cap, g.dynamic_sampling_max_extra)
+        return False
+
+    def _drop_zero_variance(self, group_id: str, prompt_id: str) -> None:
+        """generation.dynamic_sampling: the group is not sent (counted, and in the sent log for
+        conservation); its admission slot frees as it ends, for a group in its place."""
+        self.stats.groups_dropped_zero_variance += 1
+        self._log_sent({"dropped_zero_variance": group_id, "prompt_id": prompt_id})
         self._counted.set()
 
     def _sampling(self, **overrides: Any) -> Any:
@@ -464,6 +503,7 @@ class Producer:
                 await self._report(report, ann.learner_session)
         pid = self.producer_id
         self.learner_heading_to = ann.heading_to
+        self.learner_consumed = sum(ann.consumed.values())
         self.held = max(ann.received.get(pid, 0) - ann.consumed.get(pid, 0), 0)
         self.accepted = ann.accepted.get(self.incarnation, 0)
         if ref is None and self._loaded_session != ann.learner_session:

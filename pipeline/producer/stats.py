@@ -61,6 +61,10 @@ class ProducerStats:
     groups_started: int = 0
     groups_sent: int = 0
     groups_dropped_reward: int = 0
+    # generation.dynamic_sampling: groups dropped as uninformative (all rewards equal, or their
+    # std below the threshold), and learner steps in which the drop cap was reached.
+    groups_dropped_zero_variance: int = 0
+    dynamic_sampling_cap_hits: int = 0
     prompts_skipped_too_long: int = 0
     completions_resubmitted: int = 0
     groups_resent: int = 0
