@@ -10,7 +10,14 @@ that checkpoint lacks), stops the run, and then checks from the counters that
 where *produced* is every group a producer handed to its socket (``run_dir/producers/*.jsonl``)
 minus those a killed producer had not delivered and that still wait in its outbox log for a
 successor to resend (reported as pending), with nothing lost; and that no group was trained
-twice. Prints a table and writes ``run_dir/soak.json``.
+twice. Groups a producer generated but never sent are in the same logs under their reason (a
+failed reward or episode, ``dropped_by_reward``; an uninformative group under
+``generation.dynamic_sampling``, ``dropped_zero_variance``), so every group whose generation
+ended is accounted for:
+
+    generated = produced + dropped by reward + dropped as zero-variance
+
+Prints a table and writes ``run_dir/soak.json``.
 """
 
 from __future__ import annotations
@@ -66,7 +73,7 @@ def tally(run_dir: Path) -> dict[str, float]:
     st = buf.stats
     ledger = GroupLedger.from_dict(state.ledger)
     produced: dict[str, set[int]] = {}
-    dropped_by_reward = 0
+    dropped_by_reward = dropped_zero_variance = 0
     for f in sorted((run_dir / "producers").glob("*.jsonl")):
         seqs = produced.setdefault(f.stem, set())
         for line in f.read_text().splitlines():
@@ -75,6 +82,8 @@ def tally(run_dir: Path) -> dict[str, float]:
                 seqs.add(int(rec["seq"]))
             elif "dropped_by_reward" in rec:
                 dropped_by_reward += 1
+            elif "dropped_zero_variance" in rec:
+                dropped_zero_variance += 1
     n_produced = sum(len(s) for s in produced.values())
     accepted = {inc: ledger.accepted(inc) for inc in produced}
     missing = {(i, q) for i in produced for q in produced[i] - accepted[i]}
@@ -87,8 +96,10 @@ def tally(run_dir: Path) -> dict[str, float]:
     unknown = sum(len(ledger.accepted(i)) for i in ledger.streams if i not in produced)
     return {
         "incarnations": len(produced),
+        "generated": n_produced + dropped_by_reward + dropped_zero_variance,
         "produced": n_produced,
         "dropped_by_reward": dropped_by_reward,
+        "dropped_zero_variance": dropped_zero_variance,
         "received_unique": st.received,
         "trained": st.served,
         "dropped_stale": st.dropped_stale,
@@ -102,9 +113,10 @@ def tally(run_dir: Path) -> dict[str, float]:
         "frames_rejected": st.rejected,
         "buffer_invariant_ok": st.received == st.served + st.dropped_stale
         + st.dropped_capacity + sum(st.rejected_groups.values()) + st.size,
-        "conservation_ok": lost == 0 and n_produced - pending
-        == st.served + st.dropped_stale + st.dropped_capacity + sum(st.rejected_groups.values())
-        + st.size,
+        # generated = trained + dropped (by reason, at either side) + rejected + held
+        "conservation_ok": lost == 0 and n_produced + dropped_by_reward + dropped_zero_variance
+        - pending == st.served + st.dropped_stale + st.dropped_capacity + dropped_by_reward
+        + dropped_zero_variance + sum(st.rejected_groups.values()) + st.size,
         "steps": state.step,
         "version": state.version,
     }
