@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from producer_fakes import RecordingEndpoint
+from producer_fakes import Cursor, RecordingEndpoint
 
+from buffer.protocol import Announce
 from buffer.schema import Completion, RolloutGroup
 from buffer.staleness import admission_budget, may_admit
 from pipeline.config import ConfigError, load_config
@@ -236,3 +237,26 @@ def test_past_the_cap_the_steps_groups_are_sent_with_one_warning(tmp_path, caplo
     assert p.stats.dynamic_sampling_cap_hits == 2
     warnings = [r for r in caplog.records if "uninformative" in r.getMessage()]
     assert [r.levelno for r in warnings] == [logging.WARNING, logging.INFO]  # later: the log file
+
+
+def test_the_announces_consumption_counts_start_a_new_step_for_the_cap(tmp_path):
+    """The learner taking a batch shows in the Announce's ``consumed`` (all producers): the
+    cap counts again from zero."""
+    p, endpoint = _producer(tmp_path, max_extra=1.0, batch_groups=2)  # cap: 2 per step
+    p.prompts = Cursor()
+
+    def announce(consumed: dict[str, int]) -> None:
+        asyncio.run(p._apply_announce(Announce(
+            version=0, snapshot_uri="", snapshot_checksum="", learner_session="s",
+            received=dict(consumed), consumed=consumed)))
+
+    announce({"p0": 0})
+    _run(p, equal=True, n=3)
+    assert (p.stats.groups_dropped_zero_variance, len(_sent(endpoint))) == (2, 1)
+    announce({"p0": 0})  # the periodic announce, nothing taken: the same step
+    _run(p, equal=True)
+    assert (p.stats.groups_dropped_zero_variance, len(_sent(endpoint))) == (2, 2)
+    announce({"p0": 1, "p1": 1})  # a batch of 2 taken
+    _run(p, equal=True, n=3)
+    assert (p.stats.groups_dropped_zero_variance, len(_sent(endpoint))) == (4, 3)
+    assert p.learner_consumed == 2
