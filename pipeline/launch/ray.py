@@ -206,11 +206,21 @@ class _Role:
         self._cleanup()
         os._exit(1)
 
-    def _kill(self, sig: int) -> None:
-        """``sig`` once to the child's group (the child and its engines), or to the child alone
-        before it has made its group. Once: a second SIGINT would interrupt the learner's final
-        checkpoint (the first cancels its main task, the next raises KeyboardInterrupt)."""
+    # Whether stop() signals the child's whole group first. A producer is signalled alone: it
+    # aborts its requests and shuts its engine down in order (the engine core stops its
+    # workers); a signal to its group would kill vLLM's workers under a live engine core.
+    stop_group_first = True
+
+    def _kill(self, sig: int, group: bool = True) -> None:
+        """``sig`` once to the child's group (the child and its engines; ``group``), or to the
+        child alone (always before it has made its group). Once: a second SIGINT would interrupt
+        the learner's final checkpoint (the first cancels its main task, the next raises
+        KeyboardInterrupt)."""
         if self.proc is None or self.proc.pid is None:
+            return
+        if not group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.proc.pid, sig)
             return
         try:
             os.killpg(self.proc.pid, sig)
@@ -242,7 +252,7 @@ class _Role:
     def stop(self, sig: int, grace_s: float) -> int | None:
         """Signal the child (its group), wait ``grace_s``, then kill what is left."""
         self.stopping = True
-        self._kill(sig)
+        self._kill(sig, group=self.stop_group_first)
         self.proc.join(grace_s)
         self._kill(signal.SIGKILL)
         self.proc.join(5)
@@ -377,6 +387,8 @@ class _PopenProc:
 
 
 class ProducerActor(_Role):
+    stop_group_first = False  # see _Role.stop_group_first
+
     def __init__(
         self,
         cfg_dict: dict,

@@ -130,3 +130,28 @@ def test_stopping_a_role_signals_its_child_once_mocked_kill(monkeypatch, group_e
     role.proc = types.SimpleNamespace(pid=4242)
     role._kill(signal.SIGINT)
     assert sent == [("group" if group_exists else "pid", 4242, signal.SIGINT)]
+
+
+def test_a_producer_role_is_signalled_alone_before_its_group_mocked_kill(monkeypatch):
+    """A producer actor's stop signals the producer process alone (it shuts its engine down in
+    order: a signal to the group would kill vLLM's workers under a live engine core), and only
+    what is left after the grace period gets SIGKILL with its group; the learner's stop
+    signals the group. Pure signalling logic: os.killpg / os.kill replaced by recorders, the
+    actor objects made without Ray, the child's join a no-op."""
+    import signal
+    import types
+
+    import pipeline.launch.ray as ray_launch
+    import pipeline.procs
+
+    sent = []
+    monkeypatch.setattr(ray_launch.os, "killpg", lambda pid, sig: sent.append(("group", sig)))
+    monkeypatch.setattr(ray_launch.os, "kill", lambda pid, sig: sent.append(("pid", sig)))
+    monkeypatch.setattr(pipeline.procs, "wait_group_gone", lambda pid: None)
+    for cls, first in ((ray_launch.ProducerActor, "pid"), (ray_launch.LearnerActor, "group")):
+        sent.clear()
+        role = object.__new__(cls)
+        role.proc = types.SimpleNamespace(pid=4242, join=lambda t=None: None, exitcode=0)
+        role.keys_dir = None
+        role.stop(signal.SIGTERM, 0.0)
+        assert sent == [(first, signal.SIGTERM), ("group", signal.SIGKILL)], cls
