@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import ConfigError, RunConfig, flatten, iter_options, load_config, parse_value
-from pipeline.launch.cli import OneLineParser
+from pipeline.launch.args import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from pipeline.config import RunConfig, _coerce, flatten, iter_options, load_config, to_dict
 from pipeline.launch import cli
+from pipeline.launch.args import attach_negative_values
 
 OPTIONS = [(name, tp) for name, _f, tp in iter_options(RunConfig)]
 
@@ -120,10 +121,10 @@ def test_argparse_mistakes_are_one_line_on_stderr_too(fake_run, capsys, argv, na
 
 
 def test_a_negative_value_after_a_flag_reaches_validation():
-    assert cli.attach_negative_values(["--lr", "-1e-5", "--steps", "3"]) == [
+    assert attach_negative_values(["--lr", "-1e-5", "--steps", "3"]) == [
         "--lr=-1e-5", "--steps", "3"]
     # Values already attached, short flags and words are left as they are.
-    assert cli.attach_negative_values(["--lr=1", "-1", "-h", "--name", "-x"]) == [
+    assert attach_negative_values(["--lr=1", "-1", "-h", "--name", "-x"]) == [
         "--lr=1", "-1", "-h", "--name", "-x"]
     cfg, _args = cli.parse(["--set", "train.loss.kl_coef=0.1", "--train.loss.clip_eps_low",
                             "2e-1"])
