@@ -20,10 +20,14 @@ def hanging_tool() -> str:
 
 
 async def two_turns(
-    ctx, prompt, log: str = "", tool_delay_s: float = 0.0, hang_every: int = 0, **meta
+    ctx, prompt, log: str = "", tool_delay_s: float = 0.0, hang_every: int = 0,
+    slow_every: int = 0, slow_delay_s: float = 0.0, **meta
 ):
     """Turn 1, the tool's answer, turn 2; the first episode of every ``hang_every``-th prompt
-    calls a tool that hangs (the run's episode.tool_timeout_s must end it)."""
+    calls a tool that hangs (the run's episode.tool_timeout_s must end it). Prompts numbered
+    1 modulo ``slow_every`` wait ``slow_delay_s`` for their tool instead of ``tool_delay_s``:
+    their groups finish well after the others, so the learner trains on the others and
+    publishes a version while these wait between their turns, however busy the machine."""
     entry = {"prompt_id": meta["prompt_id"], "index": ctx.index}
     if log:
         with open(log + ".started", "a") as fh:
@@ -33,7 +37,8 @@ async def two_turns(
     try:
         if hang_every and ctx.index == 0 and number % hang_every == 0:
             await ctx.tool(hanging_tool)
-        result = await ctx.tool(slow_tool, tool_delay_s)
+        slow = slow_every and number % slow_every == 1
+        result = await ctx.tool(slow_tool, slow_delay_s if slow else tool_delay_s)
         turns.append(await ctx.generate(f" -> {result} ", max_tokens=6))
     finally:
         entry["versions"] = [t.versions for t in turns]
