@@ -5,6 +5,7 @@ starts, its prompt id and index to ``<log>.started``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -25,7 +26,7 @@ async def two_turns(
 ):
     """Turn 1, the tool's answer, turn 2; the first episode of every ``hang_every``-th prompt
     calls a tool that hangs (the run's episode.tool_timeout_s must end it). Prompts numbered
-    1 modulo ``slow_every`` wait ``slow_delay_s`` for their tool instead of ``tool_delay_s``:
+    1 modulo ``slow_every`` also wait ``slow_delay_s`` between their turns (not in a tool):
     their groups finish well after the others, so the learner trains on the others and
     publishes a version while these wait between their turns, however busy the machine."""
     entry = {"prompt_id": meta["prompt_id"], "index": ctx.index}
@@ -37,8 +38,9 @@ async def two_turns(
     try:
         if hang_every and ctx.index == 0 and number % hang_every == 0:
             await ctx.tool(hanging_tool)
-        slow = slow_every and number % slow_every == 1
-        result = await ctx.tool(slow_tool, slow_delay_s if slow else tool_delay_s)
+        if slow_every and number % slow_every == 1:
+            await asyncio.sleep(slow_delay_s)  # the environment, outside the tool's timeout
+        result = await ctx.tool(slow_tool, tool_delay_s)
         turns.append(await ctx.generate(f" -> {result} ", max_tokens=6))
     finally:
         entry["versions"] = [t.versions for t in turns]

@@ -25,8 +25,8 @@ EPISODES = Path(__file__).resolve().parent / "episodes.py"
 
 def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "episodes.jsonl"
-    # A third of the prompts wait 6 s for their tool: a version is published while they wait,
-    # whatever the machine's load (a swap landing between turns by chance was a race).
+    # A third of the prompts wait 6 s between their turns: a version is published while they
+    # wait, whatever the machine's load (a swap landing between turns by chance was a race).
     kwargs = json.dumps({"log": str(log), "tool_delay_s": 0.5, "hang_every": 3,
                          "slow_every": 3, "slow_delay_s": 6.0})
     heldout = tmp_path / "heldout.jsonl"  # evaluated with episodes too
@@ -38,7 +38,7 @@ def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, t
         "--reward", "pipeline.tasks.rewards:length_reward",
         "--mode", "async", "--max-staleness", "2", "--steps", "4",
         "--episode.fn", f"{EPISODES}:two_turns", "--episode.kwargs", kwargs,
-        "--episode.max_tokens", "40", "--episode.tool_timeout_s", "10",
+        "--episode.max_tokens", "40", "--episode.tool_timeout_s", "3",
         # Blocks of 32 tokens (the CPU default is 128): the short transcripts fill some, so
         # the prefix cache has something to serve.
         "--engine.extra", '{"block_size": 32}',
