@@ -115,9 +115,8 @@ def selected_logprobs(model: Any, input_ids: torch.Tensor, select: torch.Tensor,
 def token_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    mask: torch.Tensor, chunk: int = 0) -> torch.Tensor:
     """log pi(x_t | x_<t) for t >= 1, shape (B, L-1); 0 where ``mask`` is False."""
-    flat = selected_logprobs(model, input_ids, mask, attention_mask=attention_mask, chunk=chunk)
-    out = torch.zeros(mask.shape, dtype=flat.dtype, device=flat.device)
-    return out.masked_scatter(mask, flat)
+    return _on_grid(selected_logprobs(model, input_ids, mask, attention_mask=attention_mask,
+                                      chunk=chunk), mask)
 
 
 def _on_grid(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
