@@ -197,9 +197,13 @@ def test_learner_killed_stops_everything_then_resume_continues(tiny_model, tmp_p
                     "two steps and a checkpoint")
         producers = {pid for _p, pid, _v in la.connects()}
         kids = psutil.Process(la.proc.pid).children()
-        learner = [c for c in kids if c.pid not in producers
-                   and "resource_tracker" not in " ".join(c.cmdline())]
-        assert len(learner) == 1, [(c.pid, c.cmdline()) for c in kids]
+        # The launcher starts the learner before the producers; a producer whose engine is
+        # still starting has not connected yet, so it is told apart by its later start.
+        others = sorted((c for c in kids if c.pid not in producers
+                         and "resource_tracker" not in " ".join(c.cmdline())),
+                        key=lambda c: (c.create_time(), c.pid))
+        assert 1 <= len(others) <= 2, [(c.pid, c.cmdline()) for c in kids]
+        learner = others[:1]
         every = psutil.Process(la.proc.pid).children(recursive=True)
         names = [c.name() for c in every]
         every = [c.pid for c in every]
@@ -232,8 +236,10 @@ def test_learner_killed_stops_everything_then_resume_continues(tiny_model, tmp_p
     versions = [r["version"] for r in resumed]
     assert versions[0] >= v and versions == sorted(versions)
     assert versions[0] >= v + 1 or steps == k + 1  # publishes v+1 after its first step
-    # Producers reconnected to the resumed learner and caught up to its version first.
-    assert {c[0] for c in la.connects()} == {"p0", "p1"}
+    # Producers reconnected to the resumed learner. Not necessarily both: the remaining steps can
+    # all be trained on the groups of the first engine up while the other is still starting.
+    joined = {c[0] for c in la.connects()}
+    assert joined and joined <= {"p0", "p1"}, la.connects()
     final = json.loads((run_dir / "checkpoints" / f"step_{steps}" / "state.json").read_text())
     assert final["step"] == steps and final["version"] >= v
     assert sum(final["received"].values()) >= sum(state["received"].values())
