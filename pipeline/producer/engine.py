@@ -104,10 +104,31 @@ def check_extra(extra: dict[str, Any]) -> None:
             "vLLM's AsyncEngineArgs has no such field)")
 
 
+def cpu_cores(index: int, count: int, allowed: list[int]) -> str | None:
+    """The cores for engine ``index`` of ``count`` engines on one CPU machine, in the form of
+    ``VLLM_CPU_OMP_THREADS_BIND`` ("2-3"), or None to leave the choice to vLLM.
+
+    vLLM's automatic binding gives every engine the same cores (the first NUMA node's, minus one
+    it reserves): two engines on one machine then spin their OpenMP threads on the same core, and
+    the one still starting (imports, model load) gets a few percent of it for minutes. Each engine
+    gets its own slice of the allowed cores instead; with more engines than cores they take turns.
+    """
+    if count <= 1 or not allowed:
+        return None
+    cpus = sorted(allowed)
+    if count >= len(cpus):
+        return str(cpus[index % len(cpus)])
+    per = len(cpus) // count
+    mine = cpus[(index % count) * per:(index % count + 1) * per]
+    return ",".join(map(str, mine))
+
+
 def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: int,
-                 lora_rank: int = 0, max_loras: int = 2) -> Any:
+                 lora_rank: int = 0, max_loras: int = 2, share: tuple[int, int] = (0, 1)
+                 ) -> Any:
     """Start an AsyncLLM (imports vLLM lazily: the CLI and unit tests must not pay for it);
-    ``lora_rank`` > 0 enables vLLM's LoRA support (see ``engine_kwargs``)."""
+    ``lora_rank`` > 0 enables vLLM's LoRA support (see ``engine_kwargs``); ``share`` is
+    (this engine's index, engines on the machine), which picks its cores on a CPU machine."""
     try:
         import vllm
     except ImportError as e:
@@ -131,6 +152,9 @@ def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: i
     if current_platform.is_cpu():
         # The CPU backend sizes its KV cache from this variable (GiB), not from memory fraction.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(eng.cpu_kvcache_space_gib))
+        cores = cpu_cores(*share, sorted(os.sched_getaffinity(0)))
+        if cores is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
     kw = engine_kwargs(model, eng, model_path, seed, current_platform, lora_rank, max_loras)
     log.info("%s %s AsyncLLM: %s", ENGINE_START, vllm.__version__, kw)
     # The producer is a batch generator, not a latency-bound server: take the batch defaults vLLM

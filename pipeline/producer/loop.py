@@ -773,7 +773,8 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
                                  list(t.lora_target_modules))[0]
     engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
                           lora_rank=t.lora_rank if adapters else 0,
-                          max_loras=versions_in_flight(cfg.train.max_staleness))
+                          max_loras=versions_in_flight(cfg.train.max_staleness),
+                          share=(index, cfg.num_producers))
     failed = True
     try:
         await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,

@@ -11,6 +11,7 @@ from pipeline.config import EngineConfig, ModelConfig
 from pipeline.producer.engine import (
     WORKER_EXTENSION,
     EngineSetupError,
+    cpu_cores,
     engine_kwargs,
 )
 
@@ -150,3 +151,11 @@ def test_lora_rank_enables_vllm_lora_with_an_accepted_max_rank():
     assert kw["max_loras"] == 3 and kw["max_cpu_loras"] == 4
     assert "enable_lora" not in engine_kwargs(ModelConfig(), EngineConfig(), "/m", 0,
                                               _FakePlatform(cpu=True))
+
+
+def test_cpu_engines_on_one_machine_get_their_own_cores():
+    assert cpu_cores(0, 1, [0, 1]) is None  # one engine: vLLM's own binding
+    assert [cpu_cores(i, 2, [0, 1]) for i in range(2)] == ["0", "1"]
+    assert [cpu_cores(i, 2, [0, 1, 2, 3, 4]) for i in range(2)] == ["0,1", "2,3"]
+    assert [cpu_cores(i, 3, [4, 5]) for i in range(3)] == ["4", "5", "4"]  # turns
+    assert cpu_cores(3, 2, [0, 1, 2, 3]) == "2,3"  # a restarted producer's index wraps
