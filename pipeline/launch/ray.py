@@ -1,24 +1,15 @@
-"""The Ray launcher (``pipeline-train --launcher ray``): the learner and every producer as Ray
-actors placed on a cluster, with ZeroMQ still carrying rollout groups, control and weights.
+"""The Ray launcher's driver (``pipeline-train --launcher ray``): the learner and every producer as
+Ray actors (``pipeline.launch.ray_actors``) placed on a cluster, with ZeroMQ still carrying rollout
+groups, control and weights.
 
-What runs where:
-- the driver (this process) connects to the cluster (``launch.ray_address``) or starts a private
-  single-node instance; makes the run's CurveZMQ keys in memory; reserves a placement group for
-  the learner (one bundle: all its ranks on one node) and one for the producers (a bundle each,
-  ``launch.producer_strategy``, SPREAD by default); then starts the actors and watches them;
-- ``LearnerActor`` picks the learner's ports on its node's address (found by the driver through
-  the actor, never typed) and runs the learner as its child process, which binds them and serves
-  its snapshot files to other nodes (``sync.serve_stream``);
-- ``ProducerActor`` k runs producer k as its child process, connected to the learner's address;
-  off the learner's node it streams each version into its own node (``sync.stream_from``).
-
-Each actor runs its role as a child in its own process group (the same entry points as the local
-launcher), so stopping it stops vLLM's engine cores too. The child watches its parent: if the actor
-process dies (kill -9, node loss) the child kills its whole group, so no engine outlives its actor.
-If the child dies, the actor process exits, and Ray restarts the actor (``max_restarts`` from
-``--max-producer-restarts`` / ``--max-learner-restarts``): Ray does the supervision. A restarted
-producer resends what its outbox holds; a restarted learner resumes from its last checkpoint on the
-same ports, so producers reconnect by themselves.
+The driver (this process) connects to the cluster (``launch.ray_address``) or starts a private
+single-node instance; makes the run's CurveZMQ keys in memory; reserves a placement group for the
+learner (one bundle: all its ranks on one node) and one for the producers (a bundle each,
+``launch.producer_strategy``, SPREAD by default; ``pipeline.launch.ray_placement``); then starts
+the actors and watches them. Ray restarts an actor whose role died (``max_restarts`` from
+``--max-producer-restarts`` / ``--max-learner-restarts``); the driver reports restarts and lost
+nodes, and stops the run when Ray gives up on an actor or the learner's node (with its
+checkpoints) is gone.
 
 Files: actors on the driver's node (or with ``launch.shared_run_dir``) write into ``run_dir``;
 others into a directory of their node, and the driver mirrors the learner's metrics into
@@ -31,454 +22,32 @@ Ray) what the local launcher's console would show of it (every line with ``--ver
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
-import multiprocessing as mp
 import os
-import shutil
 import signal
 import tempfile
-import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pipeline.config import ConfigError, RunConfig, flatten, load_config, to_dict
-from pipeline.launch.ray_cluster import _FORWARDED, _connect, _import_ray, start_private_node
+from pipeline.config import RunConfig
+from pipeline.launch.ray_actors import (
+    KEY_FILES,
+    PRODUCER_KEY_FILES,
+    VERBOSE_ENV,
+    LearnerActor,
+    ProducerActor,
+)
+from pipeline.launch.ray_cluster import connect, forwarded_env, import_ray, start_private_node
+from pipeline.launch.ray_placement import bundle, place
+from pipeline.options import ConfigError, to_dict
 
 log = logging.getLogger("pipeline")
 
 MIRROR_MAX_BYTES = 64 << 20  # files the driver copies back at the end (checkpoint weights stay)
-KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
-OLD_CHILD_WAIT_S = 30.0  # a dead actor's child kills its group 5 s after noticing
-PRODUCER_KEY_FILES = ("server.key", "client.key", "client.key_secret")
-VERBOSE_ENV = "PIPELINE_GRPO_VERBOSE"  # the driver's --verbose, for the actors' consoles
-
-
-# ---------------------------------------------------------------- shared by both actors
-
-
-def _workdir(run_dir: str, same_as_driver: bool) -> Path:
-    """The role's run_dir on this node: the driver's when it is visible here, else a directory
-    of this node named after it (the same on a restart, so outboxes and checkpoints survive)."""
-    if same_as_driver:
-        return Path(run_dir)
-    key = hashlib.sha1(run_dir.encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / "pipeline-grpo-ray" / f"{Path(run_dir).name}-{key}"
-
-
-def _write_keys(files: dict[str, bytes]) -> Path:
-    """The run's keys in a private directory of this node (0700, files 0600)."""
-    d = Path(tempfile.mkdtemp(prefix="pipeline-keys-"))
-    for name, data in files.items():
-        fd = os.open(d / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-    return d
-
-
-def _watch_parent(parent: int, keys_dir: str) -> None:
-    """In the child: when the actor process is gone (kill -9, node loss), remove the key copy
-    and kill this process group (the role and its vLLM engine cores) after a short grace for
-    PDEATHSIG's SIGTERM."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        shutil.rmtree(keys_dir, ignore_errors=True)
-        time.sleep(5.0)
-        os.killpg(0, signal.SIGKILL)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _learner_child(parent: int, cfg_dict: dict, model_path: str, resume: bool) -> None:
-    from pipeline.launch.local import learner_entry
-
-    _watch_parent(parent, cfg_dict["curve_keys"])
-    learner_entry(cfg_dict, model_path, resume, log_to_file=True)
-
-
-def _producer_child(parent: int, cfg_dict: dict, model_path: str, index: int) -> None:
-    from pipeline.launch.local import producer_entry
-
-    _watch_parent(parent, cfg_dict["curve_keys"])
-    producer_entry(cfg_dict, model_path, index, log_to_file=True)
-
-
-def _local_model(model_path: str, cfg: RunConfig) -> str:
-    """The driver's model directory when this node sees it, else the model built or converted
-    here ('tiny', 'smollm2-135m'); a plain HF directory must exist on every node."""
-    if (Path(model_path) / "config.json").is_file():
-        return model_path
-    from pipeline.models import resolve_model
-
-    return str(resolve_model(cfg.model.path, Path(tempfile.gettempdir()) / "pipeline-models"))
-
-
-class _Role:
-    """What both actors do: start the child, exit the actor when it dies unexpectedly (Ray then
-    restarts the actor), stop it in order, hand files back to the driver."""
-
-    name = "role"
-
-    def __init__(self) -> None:
-        import ray
-
-        ctx = ray.get_runtime_context()
-        self.node_id = ctx.get_node_id()
-        with warnings.catch_warnings():  # Ray's own property trips its deprecation warning
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.restarted = ctx.was_current_actor_reconstructed
-        # This node's address as the cluster knows it (the machine may have several).
-        self.ip: str = next(
-            n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == self.node_id
-        )
-        self.proc: Any = None
-        self.stopping = False
-        self.keys_dir: Path | None = None
-        self.workdir = Path(".")
-        self.tag = "role"
-        self.log_name = "role.log"  # the child's file under workdir/logs (pipeline.procs)
-
-    def _wait_previous(self, tag: str) -> None:
-        """On a restart: wait until the child of the actor's previous incarnation is gone. It may
-        still hold ports, write a checkpoint on its way out (SIGTERM when its actor died), append
-        to the outbox or use shared memory; the new child starts from what it left."""
-        import psutil
-
-        self.tag = tag
-        record = self.workdir / f".ray-child-{tag}.json"
-        if not (self.restarted and record.is_file()):
-            return
-        old = json.loads(record.read_text())
-        with contextlib.suppress(psutil.Error):
-            child = psutil.Process(old["pid"])
-            if abs(child.create_time() - old["created"]) < 0.01:
-                log.warning("%s: waiting for the previous child (pid %d)", self.name, child.pid)
-                try:
-                    child.wait(OLD_CHILD_WAIT_S)
-                except psutil.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(child.pid, signal.SIGKILL)
-                    child.wait(10)
-
-    def _start(self, proc: Any) -> None:
-        import psutil
-
-        from pipeline.launch.console import LogFollower
-
-        self.proc = proc
-        # The child writes everything to its log file; this actor's console (which Ray brings to
-        # the driver's) gets what the local launcher's console would show of it.
-        follower = LogFollower(self.workdir / "logs", verbose=os.environ.get(VERBOSE_ENV) == "1",
-                               only=(self.log_name,))
-        proc.start()
-        threading.Thread(target=self._follow, args=(follower,), name="log-follow",
-                         daemon=True).start()
-        with contextlib.suppress(psutil.Error):
-            created = psutil.Process(proc.pid).create_time()
-            record = self.workdir / f".ray-child-{self.tag}.json"
-            record.write_text(json.dumps({"pid": proc.pid, "created": created}))
-        threading.Thread(target=self._monitor, name="child-monitor", daemon=True).start()
-
-    def _follow(self, follower: Any) -> None:
-        while self.proc.exitcode is None:
-            with contextlib.suppress(OSError):
-                follower.pump()
-            time.sleep(0.5)
-        with contextlib.suppress(OSError):
-            follower.pump(final=True)
-
-    def _monitor(self) -> None:
-        proc = self.proc
-        proc.join()
-        code = proc.exitcode
-        if self.stopping or code == 0:
-            return
-        log.error(
-            "%s exited with code %s; the actor exits so that Ray restarts it", self.name, code
-        )
-        self._cleanup()
-        os._exit(1)
-
-    # Whether stop() signals the child's whole group first. A producer is signalled alone: it
-    # aborts its requests and shuts its engine down in order (the engine core stops its
-    # workers); a signal to its group would kill vLLM's workers under a live engine core.
-    stop_group_first = True
-
-    def _kill(self, sig: int, group: bool = True) -> None:
-        """``sig`` once to the child's group (the child and its engines; ``group``), or to the
-        child alone (always before it has made its group). Once: a second SIGINT would interrupt
-        the learner's final checkpoint (the first cancels its main task, the next raises
-        KeyboardInterrupt)."""
-        if self.proc is None or self.proc.pid is None:
-            return
-        if not group:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.proc.pid, sig)
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.proc.pid, sig)
-
-    def _cleanup(self) -> None:
-        if self.keys_dir is not None:
-            shutil.rmtree(self.keys_dir, ignore_errors=True)
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "ip": self.ip,
-            "pid": self.proc.pid if self.proc else None,
-            "actor_pid": os.getpid(),
-            "workdir": str(self.workdir),
-        }
-
-    def poll(self) -> dict[str, Any]:
-        return {
-            "pid": self.proc.pid,
-            "exit": self.proc.exitcode,
-            "node_id": self.node_id,
-            "ip": self.ip,
-        }
-
-    def stop(self, sig: int, grace_s: float) -> int | None:
-        """Signal the child (its group), wait ``grace_s``, then kill what is left."""
-        self.stopping = True
-        self._kill(sig, group=self.stop_group_first)
-        self.proc.join(grace_s)
-        self._kill(signal.SIGKILL)
-        self.proc.join(5)
-        from pipeline.procs import wait_group_gone
-
-        wait_group_gone(self.proc.pid)
-        self._cleanup()
-        return self.proc.exitcode
-
-    def files(self, under: str = "") -> list[tuple[str, int]]:
-        """Files of this role's workdir (relative paths and sizes), for the driver's mirror."""
-        root = self.workdir / under
-        if not root.is_dir():
-            return []
-        return sorted(
-            (str(p.relative_to(self.workdir)), p.stat().st_size)
-            for p in root.rglob("*")
-            if p.is_file() and not p.name.endswith(".sock")
-        )
-
-    def read(self, rel: str, offset: int = 0, size: int = -1) -> bytes:
-        path = (self.workdir / rel).resolve()
-        if self.workdir.resolve() not in path.parents:
-            raise PermissionError(f"{rel} is outside the run's directory")
-        with open(path, "rb") as fh:
-            fh.seek(offset)
-            return fh.read(size)
-
-
-class LearnerActor(_Role):
-    name = "learner"
-
-    def __init__(
-        self,
-        cfg_dict: dict,
-        model_path: str,
-        keys: dict[str, bytes],
-        resume: bool,
-        driver_node: str,
-    ):
-        super().__init__()
-        from buffer.transport import free_tcp_port_pair
-        from pipeline.launch.ray_node import free_port
-
-        cfg = load_config(overrides=flatten(cfg_dict))
-        same = self.node_id == driver_node or cfg.launch.shared_run_dir
-        self.workdir = _workdir(cfg.run_dir, same)
-        ports_file = self.workdir / ".ray-learner.json"
-        if not same and not resume and not self.restarted:
-            shutil.rmtree(self.workdir, ignore_errors=True)  # an earlier run of this run_dir
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        ip = self.ip
-        if self.restarted and ports_file.is_file():  # same ports: producers reconnect alone
-            ports = json.loads(ports_file.read_text())
-        else:
-            ports = {"learner": free_tcp_port_pair(ip), "stream": free_port(ip)}
-            ports_file.write_text(json.dumps(ports))
-        self.keys_dir = _write_keys({k: keys[k] for k in KEY_FILES})
-        self.same = same
-        # The learner serves its own snapshot files to producers on other nodes
-        # (sync.serve_stream), encrypted with the run's keys.
-        cfg_dict = dict(
-            cfg_dict,
-            run_dir=str(self.workdir),
-            addr=f"tcp://{ip}:{ports['learner']}",
-            curve_keys=str(self.keys_dir),
-            insecure=False,
-            sync=dict(cfg_dict["sync"], serve_stream=f"tcp://{ip}:{ports['stream']}"),
-        )
-        (self.workdir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
-        self.log_name = "learner.log"
-        # This actor owns what its learner leaves in /dev/shm (pipeline.owner): the child
-        # inherits the tag.
-        from pipeline.launch.shm import reclaim_dead_owners
-        from pipeline.owner import OWNER_ENV, owner_tag
-
-        reclaim_dead_owners()  # what a killed run left in this node's /dev/shm
-        os.environ[OWNER_ENV] = owner_tag()
-        self.endpoints = {
-            "addr": cfg_dict["addr"],
-            "stream": cfg_dict["sync"]["serve_stream"],
-            "ip": ip,
-        }
-        model_path = _local_model(model_path, cfg)
-        from pipeline.learner.checkpoint import latest_checkpoint
-
-        self._wait_previous("learner")
-        resume = resume or (self.restarted and latest_checkpoint(self.workdir) is not None)
-        if self.restarted:
-            log.warning(
-                "learner actor restarted by Ray%s", " from its last checkpoint" if resume else ""
-            )
-        ctx = mp.get_context("spawn")
-        if cfg.train.learner_processes > 1 or cfg.train.accelerate_config:
-            from pipeline.launch.local import LaunchedLearner
-
-            run_cfg = load_config(overrides=flatten(cfg_dict))
-            # accelerate's launcher has PDEATHSIG set: it stops its ranks when the actor dies.
-            self._start(_PopenProc(LaunchedLearner(run_cfg, model_path, resume)))
-        else:
-            self._start(
-                ctx.Process(
-                    target=_learner_child,
-                    name="learner",
-                    args=(os.getpid(), cfg_dict, model_path, resume),
-                )
-            )
-
-    def get_endpoints(self) -> dict[str, Any]:
-        return self.info() | self.endpoints | {"same_dir": self.same}
-
-
-class _PopenProc:
-    """``LaunchedLearner`` (accelerate launch) behind the slice of ``mp.Process`` _Role uses."""
-
-    def __init__(self, learner: Any):
-        self.learner = learner
-
-    def start(self) -> None:
-        self.learner.start()
-
-    @property
-    def pid(self) -> int | None:
-        return self.learner.pid
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.learner.exitcode
-
-    def join(self, timeout: float | None = None) -> None:
-        self.learner.join(timeout)
-
-
-class ProducerActor(_Role):
-    stop_group_first = False  # see _Role.stop_group_first
-
-    def __init__(
-        self,
-        cfg_dict: dict,
-        model_path: str,
-        index: int,
-        keys: dict[str, bytes],
-        learner: Any,
-        driver_node: str,
-        resume: bool,
-    ):
-        """``learner``: the learner actor; its endpoints are asked for here (again after a
-        restart of either actor), so producers start while the learner does."""
-        super().__init__()
-        import ray
-
-        learner = ray.get(learner.get_endpoints.remote())
-        from pipeline.launch.shm import list_segments, reclaim_dead_owners, reclaim_orphans
-
-        self.name = f"producer {index}"
-        self.log_name = f"producer-{index}.log"
-        from pipeline.owner import OWNER_ENV, owner_tag
-
-        os.environ[OWNER_ENV] = owner_tag()  # owns its engines' shared memory (pipeline.owner)
-        from pipeline.producer.ray_rewards import NODE_IP_ENV
-
-        os.environ[NODE_IP_ENV] = self.ip  # where its ray rewards' client joins the cluster
-        cfg = load_config(overrides=flatten(cfg_dict))
-        same = self.node_id == driver_node or cfg.launch.shared_run_dir
-        self.workdir = _workdir(cfg.run_dir, same)
-        out = self.workdir / "producers"
-        out.mkdir(parents=True, exist_ok=True)
-        # Segments a killed engine of an earlier incarnation left: reclaimed against what
-        # existed before the first incarnation started (recorded on this node).
-        shm_file = out / f".shm-before-p{index}.json"
-        self._wait_previous(f"p{index}")
-        reclaim_dead_owners()  # what a killed run (or driver) left in this node's /dev/shm
-        if self.restarted and shm_file.is_file():
-            reclaim_orphans(set(json.loads(shm_file.read_text())))
-            log.warning("producer %d actor restarted by Ray", index)
-        else:
-            shm_file.write_text(json.dumps(sorted(list_segments())))
-            if not resume:  # a fresh run must not resend an earlier run's outbox
-                for stale in out.glob(f"p{index}-*.wal"):
-                    stale.unlink()
-        self.shm_before = set(json.loads(shm_file.read_text()))
-        self.keys_dir = _write_keys(keys)
-        stream = cfg.launch.stream_weights == "always" or (
-            cfg.launch.stream_weights == "auto" and self.node_id != learner["node_id"]
-        )
-        sync = dict(cfg_dict["sync"], stream_from=learner["stream"] if stream else "")
-        cfg_dict = dict(
-            cfg_dict,
-            run_dir=str(self.workdir),
-            addr=learner["addr"],
-            curve_keys=str(self.keys_dir),
-            insecure=False,
-            sync=sync,
-        )
-        model_path = _local_model(model_path, cfg)
-        self._start(
-            mp.get_context("spawn").Process(
-                target=_producer_child,
-                name=f"producer{index}",
-                args=(os.getpid(), cfg_dict, model_path, index),
-            )
-        )
-        threading.Thread(target=self._record_segments, name="shm-record", daemon=True).start()
-
-    def _record_segments(self) -> None:
-        """Keep a record of the segments its engine made, under this actor's owner tag: if the
-        actor is killed with its engine (kill -9, the driver gone), the next run on this node,
-        or the private node's guard, reclaims them (pipeline.launch.shm.reclaim_dead_owners)."""
-        from pipeline.launch.shm import record_segments
-
-        known: set[str] | None = None
-        while not self.stopping:
-            with contextlib.suppress(OSError):
-                known = record_segments(self.shm_before, known=known)
-            time.sleep(2.0)
-
-    def _cleanup(self) -> None:
-        super()._cleanup()
-        from pipeline.launch.shm import forget_record, reclaim_orphans
-
-        with contextlib.suppress(Exception):
-            reclaim_orphans(self.shm_before)
-            forget_record()
-
-
-# ---------------------------------------------------------------- driver
 
 
 def make_keys() -> dict[str, bytes]:
@@ -491,60 +60,240 @@ def make_keys() -> dict[str, bytes]:
         return {name: (Path(d) / name).read_bytes() for name in KEY_FILES}
 
 
-def _bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, float]:
-    b = {"CPU": float(cpus), "GPU": float(gpus)} | {k: float(v) for k, v in resources.items()}
-    return {k: v for k, v in b.items() if v > 0}
-
-
-def _missing(ray: Any, bundle: dict[str, float], labels: dict[str, str]) -> str:
-    """Why no node fits ``bundle``: what the cluster lacks, in one phrase."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    total = ray.cluster_resources()
-    for name, amount in bundle.items():
-        if total.get(name, 0) < amount:
-            have = total.get(name, 0)
-            return (
-                f"the cluster has {have:g} {name} in all"
-                if have
-                else f"no node has resource {name!r}"
-            ) + f" (needs {amount:g})"
-    fits = [n for n in nodes if all(n["Resources"].get(k, 0) >= v for k, v in bundle.items())]
-    if not fits:
-        return f"no single node has all of {bundle}"
-    if labels:
-        return f"no node with {bundle} matches the labels {labels}"
-    return f"the nodes with {bundle} are busy (resources held by other jobs)"
-
-
-def _place(
-    ray: Any,
-    name: str,
-    bundles: list[dict[str, float]],
-    strategy: str,
-    labels: dict[str, str],
-    timeout_s: float,
-) -> Any:
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    if not all(bundles):
-        raise ConfigError(
-            f"launch: the {name}'s bundle reserves nothing (set "
-            f"launch.{name}_num_cpus > 0 or a resource)"
-        )
-    selector = [dict(labels) for _ in bundles] if labels else None
-    pg = placement_group(bundles, strategy=strategy, bundle_label_selector=selector)
+def run(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    max_producer_restarts: int = 0,
+    max_learner_restarts: int = 0,
+    verbose: bool = False,
+) -> int:
+    """Run the whole job on Ray; returns an exit code (like ``pipeline.launch.local.run``).
+    ``verbose``: the actors' consoles show every line of their roles' logs, not only what the
+    local launcher's console shows."""
+    # 1. Ray itself, and the options Ray decides instead of the config.
+    ray = _checked_ray(cfg)
+    # 2. The private node (if any) starts while the config, model and rewards are checked; then
+    #    the driver connects.
+    node, model_path, connect_t0 = _prepare(ray, cfg, resume)
+    driver = _Driver(ray, cfg, model_path, resume)
+    code = 0
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        why = _missing(ray, bundles[0], labels)
-        if strategy == "STRICT_SPREAD" and len(bundles) > 1:
-            why += f"; STRICT_SPREAD needs {len(bundles)} nodes that fit it"
+        log.info(
+            "ray: connected in %.1fs (%d nodes)",
+            time.monotonic() - connect_t0,
+            sum(1 for n in ray.nodes() if n.get("Alive")),
+        )
+        # 3. Placement groups for the learner and the producers, before any actor starts.
+        driver.place()
+        # 4. The actors' environment (and the replicas of executor: ray rewards), the actors.
+        driver.start_actors(driver.actor_env(verbose), max_producer_restarts,
+                            max_learner_restarts)
+        # 5. Where each role runs, on the console and in run_dir/placement.json.
+        learner_ep = driver.report_placement()
+        # 6. Watch until the learner's child exits.
+        code = driver.watch(learner_ep, movable=cfg.launch.shared_run_dir
+                            and max_learner_restarts > 0)
+    except KeyboardInterrupt:
+        code = code or 130
+        log.warning("stopping: learner saves a checkpoint, producers shut down")
+    finally:
+        # 7. Learner first (its final checkpoint), then producers, actors, placement groups,
+        #    reward replicas, the connection and the private node.
+        driver.teardown()
+        if node is not None:
+            node.stop()
+    return code
+
+
+def _checked_ray(cfg: RunConfig) -> Any:
+    """The ray module, once the config leaves to Ray what Ray decides (addresses, GPUs)."""
+    # Every actor's lines on the console, as with the local launcher (Ray folds similar lines
+    # of different actors into one by default).
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray = import_ray()
+    if cfg.addr:
         raise ConfigError(
-            f"launch: cannot place the {name} within {timeout_s:.0f}s: {why} "
-            f"(launch.{name}_num_cpus/_num_gpus/_resources/_labels)"
-        ) from None
-    return pg
+            "addr: the Ray launcher binds the learner on its node's address "
+            "itself; leave addr empty"
+        )
+    if cfg.producer_gpus or cfg.learner_gpus:
+        raise ConfigError(
+            "producer_gpus/learner_gpus: Ray assigns GPUs; use "
+            "launch.producer_num_gpus / launch.learner_num_gpus"
+        )
+    return ray
+
+
+def _prepare(ray: Any, cfg: RunConfig, resume: bool) -> tuple[Any, str, float]:
+    """Check the run (model, data, rewards) while the private node starts, set run_dir up
+    (absolute, an earlier run set aside, its config written), connect. Returns the private node
+    (or None), the model's path and when connecting began; the node is stopped on failure."""
+    from pipeline.launch.local import prepare, set_aside_previous_run
+
+    node = start_private_node(cfg)
+    try:
+        model_path = prepare(cfg, "all")
+        run_dir = Path(cfg.run_dir).resolve()
+        cfg.run_dir = str(run_dir)
+        if not resume:
+            set_aside_previous_run(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            for stale in (run_dir / "producers").glob("*.wal"):
+                stale.unlink()
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        t0 = time.monotonic()
+        node = connect(ray, cfg, node)
+    except BaseException:
+        if node is not None:
+            node.stop()
+        raise
+    return node, model_path, t0
+
+
+class _Driver:
+    """What the driver started (placement groups, actors, reward replicas, the mirror), step by
+    step, so that the teardown stops whatever of it exists."""
+
+    def __init__(self, ray: Any, cfg: RunConfig, model_path: str, resume: bool):
+        self.ray, self.cfg, self.model_path, self.resume = ray, cfg, model_path, resume
+        self.cfg_dict = to_dict(cfg)
+        self.run_dir = Path(cfg.run_dir)
+        self.pgs: list[Any] = []
+        self.learner: Any = None
+        self.producers: dict[int, Any] = {}
+        self.watched: _Producers | None = None
+        self.mirror: _Mirror | None = None
+        self.reward_actors: list[Any] = []
+
+    def place(self) -> None:
+        """Reserve the learner's bundle (all its ranks on one node) and the producers'."""
+        lc, ray = self.cfg.launch, self.ray
+        lb = bundle(lc.learner_num_cpus, lc.learner_num_gpus, lc.learner_resources)
+        pb = bundle(lc.producer_num_cpus, lc.producer_num_gpus, lc.producer_resources)
+        self.pgs.append(
+            place(ray, "learner", [lb], "STRICT_PACK", lc.learner_labels, lc.ray_timeout_s)
+        )
+        self.pgs.append(
+            place(
+                ray,
+                "producer",
+                [pb] * self.cfg.num_producers,
+                lc.producer_strategy,
+                lc.producer_labels,
+                lc.ray_timeout_s,
+            )
+        )
+
+    def actor_env(self, verbose: bool) -> dict:
+        """The actors' runtime env: this process's forwarded environment, ``--verbose``, and
+        where the replicas of ``executor: ray`` rewards (shared by every producer) are, started
+        here."""
+        from pipeline.producer.rewards.ray_replicas import HANDLE_ENV, ray_specs, start_replicas
+
+        env = {"env_vars": forwarded_env() | {VERBOSE_ENV: "1" if verbose else "0"}}
+        if ray_specs(self.cfg.rewards.specs):
+            handle, self.reward_actors = start_replicas(
+                self.ray, self.cfg.rewards.specs, timeout_s=self.cfg.launch.ray_timeout_s,
+                runtime_env=env,
+            )
+            env["env_vars"][HANDLE_ENV] = json.dumps(handle)
+        return env
+
+    def start_actors(self, env: dict, max_producer_restarts: int,
+                     max_learner_restarts: int) -> None:
+        """The learner actor, then the producers beside it: each producer actor asks the learner
+        for its endpoints, so they start while the learner does."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        lc, ray = self.cfg.launch, self.ray
+        driver_node = ray.get_runtime_context().get_node_id()
+        keys = make_keys()
+        producer_keys = {k: keys[k] for k in PRODUCER_KEY_FILES}
+
+        def opts(pg: Any, i: int, cpus: float, gpus: float, res: dict, restarts: int) -> dict:
+            return {
+                "num_cpus": cpus,
+                "num_gpus": gpus,
+                "resources": dict(res),
+                "max_restarts": restarts,
+                "max_task_retries": 0,
+                "runtime_env": env,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=i
+                ),
+            }
+
+        self.learner = (
+            ray.remote(LearnerActor)
+            .options(name=None, **opts(self.pgs[0], 0, lc.learner_num_cpus, lc.learner_num_gpus,
+                                       lc.learner_resources, max_learner_restarts))
+            .remote(self.cfg_dict, self.model_path, keys, self.resume, driver_node)
+        )
+        for i in range(self.cfg.num_producers):
+            self.producers[i] = (
+                ray.remote(ProducerActor)
+                .options(**opts(self.pgs[1], i, lc.producer_num_cpus, lc.producer_num_gpus,
+                                lc.producer_resources, max_producer_restarts))
+                .remote(self.cfg_dict, self.model_path, i, producer_keys, self.learner,
+                        driver_node, self.resume)
+            )
+
+    def report_placement(self) -> dict[str, Any]:
+        """Log where the learner and each producer run, write run_dir/placement.json, and set up
+        the producers' watch and the learner's mirror; returns the learner's endpoints."""
+        ray, producers = self.ray, self.producers
+        ep = ray.get(self.learner.get_endpoints.remote())
+        log.info(
+            "ray: learner on node %s (%s), actor pid %d, learner pid %d, rollouts at %s, "
+            "snapshots streamed from %s",
+            ep["node_id"][:12],
+            ep["ip"],
+            ep["actor_pid"],
+            ep["pid"],
+            ep["addr"],
+            ep["stream"],
+        )
+        infos = ray.get([p.info.remote() for p in producers.values()])
+        placement = {"learner": ep["node_id"]} | {
+            f"producer{i}": info["node_id"] for i, info in zip(producers, infos, strict=True)
+        }
+        (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
+        for i, info in zip(producers, infos, strict=True):
+            log.info(
+                "ray: producer %d on node %s (%s), actor pid %d, producer pid %d",
+                i,
+                info["node_id"][:12],
+                info["ip"],
+                info["actor_pid"],
+                info["pid"],
+            )
+        self.mirror = None if ep["same_dir"] else _Mirror(ray, self.learner, self.run_dir)
+        self.watched = _Producers(ray, producers, infos)
+        return ep
+
+    def watch(self, learner_ep: dict[str, Any], movable: bool) -> int:
+        """Until the learner's child exits (``_watch``); ``movable``: Ray may restart the
+        learner on another node (its checkpoints are on a shared run_dir)."""
+        assert self.watched is not None
+        return _watch(self.ray, self.learner, self.watched, self.mirror, learner_ep["pid"],
+                      learner_ep["node_id"], movable)
+
+    def teardown(self) -> None:
+        """Stop what was started, producers whose node is gone not waited for."""
+        watched = self.watched
+        gone = watched.lost | watched.dead if watched is not None else set()
+        _teardown(self.ray, self.learner, self.producers, self.pgs, self.run_dir, self.mirror,
+                  gone)
+        if self.reward_actors:
+            from pipeline.producer.rewards.ray_replicas import stop_replicas
+
+            stop_replicas(self.ray, self.reward_actors)
+        with contextlib.suppress(Exception):
+            self.ray.shutdown()
 
 
 class _Mirror:
@@ -577,190 +326,6 @@ class _Mirror:
             dest.write_bytes(self.ray.get(self.learner.read.remote(rel), timeout=60))
         if left:
             log.info("left on the learner's node: %d large file(s), e.g. %s", len(left), left[0])
-
-
-def run(
-    cfg: RunConfig,
-    *,
-    resume: bool = False,
-    max_producer_restarts: int = 0,
-    max_learner_restarts: int = 0,
-    verbose: bool = False,
-) -> int:
-    """Run the whole job on Ray; returns an exit code (like ``pipeline.launch.local.run``).
-    ``verbose``: the actors' consoles show every line of their roles' logs, not only what the
-    local launcher's console shows."""
-    from pipeline.launch.local import prepare, set_aside_previous_run
-
-    # Every actor's lines on the console, as with the local launcher (Ray folds similar lines
-    # of different actors into one by default).
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray = _import_ray()
-    if cfg.addr:
-        raise ConfigError(
-            "addr: the Ray launcher binds the learner on its node's address "
-            "itself; leave addr empty"
-        )
-    if cfg.producer_gpus or cfg.learner_gpus:
-        raise ConfigError(
-            "producer_gpus/learner_gpus: Ray assigns GPUs; use "
-            "launch.producer_num_gpus / launch.learner_num_gpus"
-        )
-    # The private Ray node (if any) starts while the config, model and rewards are checked.
-    node = start_private_node(cfg)
-    try:
-        model_path = prepare(cfg, "all")
-        run_dir = Path(cfg.run_dir).resolve()
-        cfg.run_dir = str(run_dir)
-        if not resume:
-            set_aside_previous_run(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            for stale in (run_dir / "producers").glob("*.wal"):
-                stale.unlink()
-        cfg_dict = to_dict(cfg)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg_dict, sort_keys=False))
-        t0 = time.monotonic()
-        node = _connect(ray, cfg, node)
-    except BaseException:
-        if node is not None:
-            node.stop()
-        raise
-    lc = cfg.launch
-    pgs: list[Any] = []
-    actors: list[Any] = []
-    learner = None
-    producers: dict[int, Any] = {}
-    watched: _Producers | None = None
-    mirror: _Mirror | None = None
-    reward_actors: list[Any] = []
-    code = 0
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        driver_node = ray.get_runtime_context().get_node_id()
-        log.info(
-            "ray: connected in %.1fs (%d nodes)",
-            time.monotonic() - t0,
-            sum(1 for n in ray.nodes() if n.get("Alive")),
-        )
-        lb = _bundle(lc.learner_num_cpus, lc.learner_num_gpus, lc.learner_resources)
-        pb = _bundle(lc.producer_num_cpus, lc.producer_num_gpus, lc.producer_resources)
-        pgs.append(_place(ray, "learner", [lb], "STRICT_PACK", lc.learner_labels, lc.ray_timeout_s))
-        pgs.append(
-            _place(
-                ray,
-                "producer",
-                [pb] * cfg.num_producers,
-                lc.producer_strategy,
-                lc.producer_labels,
-                lc.ray_timeout_s,
-            )
-        )
-        keys = make_keys()
-        producer_keys = {k: keys[k] for k in PRODUCER_KEY_FILES}
-        env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}
-               | {VERBOSE_ENV: "1" if verbose else "0"}}
-        from pipeline.producer.ray_rewards import HANDLE_ENV, ray_specs, start_replicas
-
-        if ray_specs(cfg.rewards.specs):  # executor: ray, shared by every producer
-            handle, reward_actors = start_replicas(
-                ray, cfg.rewards.specs, timeout_s=lc.ray_timeout_s, runtime_env=env
-            )
-            env["env_vars"][HANDLE_ENV] = json.dumps(handle)
-
-        def opts(pg: Any, i: int, cpus: float, gpus: float, res: dict, restarts: int) -> dict:
-            return {
-                "num_cpus": cpus,
-                "num_gpus": gpus,
-                "resources": dict(res),
-                "max_restarts": restarts,
-                "max_task_retries": 0,
-                "runtime_env": env,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=i
-                ),
-            }
-
-        learner = (
-            ray.remote(LearnerActor)
-            .options(
-                name=None,
-                **opts(
-                    pgs[0],
-                    0,
-                    lc.learner_num_cpus,
-                    lc.learner_num_gpus,
-                    lc.learner_resources,
-                    max_learner_restarts,
-                ),
-            )
-            .remote(cfg_dict, model_path, keys, resume, driver_node)
-        )
-        actors.append(learner)
-        # Producers start beside the learner: each actor asks the learner for its endpoints.
-        for i in range(cfg.num_producers):
-            producers[i] = (
-                ray.remote(ProducerActor)
-                .options(
-                    **opts(
-                        pgs[1],
-                        i,
-                        lc.producer_num_cpus,
-                        lc.producer_num_gpus,
-                        lc.producer_resources,
-                        max_producer_restarts,
-                    )
-                )
-                .remote(cfg_dict, model_path, i, producer_keys, learner, driver_node, resume)
-            )
-            actors.append(producers[i])
-        ep = ray.get(learner.get_endpoints.remote())
-        log.info(
-            "ray: learner on node %s (%s), actor pid %d, learner pid %d, rollouts at %s, "
-            "snapshots streamed from %s",
-            ep["node_id"][:12],
-            ep["ip"],
-            ep["actor_pid"],
-            ep["pid"],
-            ep["addr"],
-            ep["stream"],
-        )
-        infos = ray.get([p.info.remote() for p in producers.values()])
-        placement = {"learner": ep["node_id"]} | {
-            f"producer{i}": info["node_id"] for i, info in zip(producers, infos, strict=True)
-        }
-        (run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
-        for i, info in zip(producers, infos, strict=True):
-            log.info(
-                "ray: producer %d on node %s (%s), actor pid %d, producer pid %d",
-                i,
-                info["node_id"][:12],
-                info["ip"],
-                info["actor_pid"],
-                info["pid"],
-            )
-        mirror = None if ep["same_dir"] else _Mirror(ray, learner, run_dir)
-        watched = _Producers(ray, producers, infos)
-        movable = lc.shared_run_dir and max_learner_restarts > 0
-        code = _watch(ray, learner, watched, mirror, ep["pid"], ep["node_id"], movable)
-    except KeyboardInterrupt:
-        code = code or 130
-        log.warning("stopping: learner saves a checkpoint, producers shut down")
-    finally:
-        gone = watched.lost | watched.dead if watched is not None else set()
-        _teardown(ray, learner, producers, pgs, run_dir, mirror, gone)
-        if reward_actors:
-            from pipeline.producer.ray_rewards import stop_replicas
-
-            stop_replicas(ray, reward_actors)
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        if node is not None:
-            node.stop()
-    return code
 
 
 DEAD_CONFIRM = 3  # failed calls in a row before an actor counts as dead for good

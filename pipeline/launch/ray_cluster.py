@@ -9,14 +9,22 @@ import contextlib
 import os
 from typing import Any
 
-from pipeline.config import ConfigError, RunConfig
+from pipeline.config import RunConfig
+from pipeline.options import ConfigError
 from pipeline.owner import owner_tag
 
 MIN_RAY = (2, 49)  # label selectors on placement-group bundles
-_FORWARDED = ("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_")  # environment the actors get
+FORWARDED_PREFIXES = ("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_")  # environment the actors get
 
 
-def _import_ray() -> Any:
+def forwarded_env() -> dict[str, str]:
+    """This process's environment that Ray actors get (``FORWARDED_PREFIXES``): the run's own
+    settings and vLLM's, Hugging Face's and the tokenizers' (offline mode, cache sizes)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)}
+
+
+def import_ray() -> Any:
+    """The ray module, or a ConfigError saying how to install a recent enough Ray."""
     try:
         import ray
     except ImportError:
@@ -47,7 +55,7 @@ def _probe(address: str, timeout_s: float) -> str:
 
 def start_private_node(cfg: RunConfig) -> Any:
     """With no ``launch.ray_address``: start this run's own Ray node (a ``RayNode``, not yet
-    ready: the caller checks the config meanwhile and ``_connect`` waits for it); else None."""
+    ready: the caller checks the config meanwhile and ``connect`` waits for it); else None."""
     from pipeline.launch.ray_node import RayNode
 
     lc = cfg.launch
@@ -68,7 +76,7 @@ def start_private_node(cfg: RunConfig) -> Any:
     )
 
 
-def _connect(ray: Any, cfg: RunConfig, node: Any = None) -> Any:
+def connect(ray: Any, cfg: RunConfig, node: Any = None) -> Any:
     """Connect to ``launch.ray_address``, or to the private node (``node``, started by
     ``start_private_node`` here when not given); a cluster that does not answer within
     ``launch.ray_timeout_s`` is a ConfigError, never a hang. Returns the private node."""
@@ -105,15 +113,15 @@ class RewardCluster:
     """The local launcher's use of Ray: only the replicas of its ``executor: ray`` rewards run on
     the cluster at ``launch.ray_address`` (this machine must be one of its nodes); the learner
     and producers stay local processes, which find the replicas through the environment they
-    inherit (``pipeline.producer.ray_rewards``)."""
+    inherit (``pipeline.producer.rewards.ray_replicas``)."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        from pipeline.producer.ray_rewards import start_replicas
+        from pipeline.producer.rewards.ray_replicas import start_replicas
 
-        self.ray = _import_ray()
-        _connect(self.ray, cfg)
+        self.ray = import_ray()
+        connect(self.ray, cfg)
         try:
-            env = {"env_vars": {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED)}}
+            env = {"env_vars": forwarded_env()}
             _handle, self.actors = start_replicas(
                 self.ray, cfg.rewards.specs, timeout_s=cfg.launch.ray_timeout_s, runtime_env=env
             )
@@ -122,7 +130,7 @@ class RewardCluster:
             raise
 
     def stop(self) -> None:
-        from pipeline.producer.ray_rewards import stop_replicas
+        from pipeline.producer.rewards.ray_replicas import stop_replicas
 
         stop_replicas(self.ray, self.actors)
         with contextlib.suppress(Exception):

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import ConfigError, flatten, load_config, to_dict
+from pipeline.config import flatten, load_config
 from pipeline.launch.cli import main, parse
-from pipeline.launch.ray import KEY_FILES, _bundle, _missing, _workdir, make_keys
+from pipeline.launch.ray import make_keys
+from pipeline.launch.ray_actors import KEY_FILES, role_workdir
+from pipeline.launch.ray_placement import bundle, why_unplaced
+from pipeline.options import ConfigError, to_dict
 
 
 def test_flags_and_yaml_reach_the_launch_section():
@@ -53,12 +56,12 @@ def test_cli_bad_input_is_one_line_exit_2(capsys):
 
 
 def test_bundles_drop_zero_amounts():
-    assert _bundle(1, 0, {"learner_node": 1}) == {"CPU": 1.0, "learner_node": 1.0}
-    assert _bundle(0, 0, {}) == {}
+    assert bundle(1, 0, {"learner_node": 1}) == {"CPU": 1.0, "learner_node": 1.0}
+    assert bundle(0, 0, {}) == {}
 
 
 class FakeRay:
-    """Answers the two cluster queries _missing makes, from a fixed node table."""
+    """Answers the two cluster queries why_unplaced makes, from a fixed node table."""
 
     def __init__(self, nodes):
         self._nodes = nodes
@@ -76,10 +79,11 @@ class FakeRay:
 
 def test_missing_names_the_resource():
     ray = FakeRay([{"CPU": 2, "producer_node": 1}, {"CPU": 2, "learner_node": 1}])
-    assert "no node has resource 'GPU'" in _missing(ray, {"CPU": 1, "GPU": 1}, {})
-    assert "has 4 CPU in all" in _missing(ray, {"CPU": 8}, {})
-    assert "no single node" in _missing(ray, {"CPU": 1, "producer_node": 1, "learner_node": 1}, {})
-    assert "labels" in _missing(ray, {"CPU": 1}, {"zone": "a"})
+    assert "no node has resource 'GPU'" in why_unplaced(ray, {"CPU": 1, "GPU": 1}, {})
+    assert "has 4 CPU in all" in why_unplaced(ray, {"CPU": 8}, {})
+    assert "no single node" in why_unplaced(
+        ray, {"CPU": 1, "producer_node": 1, "learner_node": 1}, {})
+    assert "labels" in why_unplaced(ray, {"CPU": 1}, {"zone": "a"})
 
 
 def test_keys_are_certificate_files_of_z85_key_pairs(tmp_path):
@@ -99,10 +103,10 @@ def test_workdir_is_run_dir_on_the_driver_node_else_node_local(tmp_path, monkeyp
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)
-    assert _workdir("/runs/a", True).as_posix() == "/runs/a"
-    local = _workdir("/runs/a", False)
+    assert role_workdir("/runs/a", True).as_posix() == "/runs/a"
+    local = role_workdir("/runs/a", False)
     assert local.parent == tmp_path / "pipeline-grpo-ray" and local.name.startswith("a-")
-    assert _workdir("/runs/a", False) == local and _workdir("/other/a", False) != local
+    assert role_workdir("/runs/a", False) == local and role_workdir("/other/a", False) != local
 
 
 
@@ -115,7 +119,7 @@ def test_stopping_a_role_signals_its_child_once_mocked_kill(monkeypatch, group_e
     import signal
     import types
 
-    import pipeline.launch.ray as ray_launch
+    import pipeline.launch.ray_actors as ray_actors
 
     sent = []
 
@@ -124,9 +128,9 @@ def test_stopping_a_role_signals_its_child_once_mocked_kill(monkeypatch, group_e
             raise ProcessLookupError
         sent.append(("group", pid, sig))
 
-    monkeypatch.setattr(ray_launch.os, "killpg", killpg)
-    monkeypatch.setattr(ray_launch.os, "kill", lambda pid, sig: sent.append(("pid", pid, sig)))
-    role = object.__new__(ray_launch._Role)
+    monkeypatch.setattr(ray_actors.os, "killpg", killpg)
+    monkeypatch.setattr(ray_actors.os, "kill", lambda pid, sig: sent.append(("pid", pid, sig)))
+    role = object.__new__(ray_actors.RoleActor)
     role.proc = types.SimpleNamespace(pid=4242)
     role._kill(signal.SIGINT)
     assert sent == [("group" if group_exists else "pid", 4242, signal.SIGINT)]
@@ -141,14 +145,14 @@ def test_a_producer_role_is_signalled_alone_before_its_group_mocked_kill(monkeyp
     import signal
     import types
 
-    import pipeline.launch.ray as ray_launch
+    import pipeline.launch.ray_actors as ray_actors
     import pipeline.procs
 
     sent = []
-    monkeypatch.setattr(ray_launch.os, "killpg", lambda pid, sig: sent.append(("group", sig)))
-    monkeypatch.setattr(ray_launch.os, "kill", lambda pid, sig: sent.append(("pid", sig)))
+    monkeypatch.setattr(ray_actors.os, "killpg", lambda pid, sig: sent.append(("group", sig)))
+    monkeypatch.setattr(ray_actors.os, "kill", lambda pid, sig: sent.append(("pid", sig)))
     monkeypatch.setattr(pipeline.procs, "wait_group_gone", lambda pid: None)
-    for cls, first in ((ray_launch.ProducerActor, "pid"), (ray_launch.LearnerActor, "group")):
+    for cls, first in ((ray_actors.ProducerActor, "pid"), (ray_actors.LearnerActor, "group")):
         sent.clear()
         role = object.__new__(cls)
         role.proc = types.SimpleNamespace(pid=4242, join=lambda t=None: None, exitcode=0)
