@@ -7,7 +7,7 @@ metrics (throughput, MFU, weight sync, staleness) and the rows ``bench.gpu_bench
 How TRL runs it, and what this script does for it:
 - generation is a ``vllm serve`` started by ``python -m trl.scripts.vllm_serve`` (NCCL weight
   transfer, dev mode), here on ``--server-gpus`` in its own process group, stopped at the end
-  (bench.trl_grpo.VllmServer); the trainer sees only ``--trainer-gpus`` (the split layout);
+  (bench.trl_runner.VllmServer); the trainer sees only ``--trainer-gpus`` (the split layout);
 - its rollout worker is a spawned child (``/v1/completions`` over HTTP, rewards scored there), so
   this module is run as ``python -m bench.trl_async`` behind a ``__main__`` guard, and the reward
   is a picklable module-level object (``ExactMatchReward``);
@@ -47,23 +47,17 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
-import math
 import os
-import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.trl_grpo import (
-    VllmServer,
-    _versions,
     arithmetic_dataset_rows,
     default_micro_batch,
     exact_match_reward,
-    server_command,
 )
+from bench.trl_runner import number, package_versions, run_main, serving
 
 # Response parsers whose whole text is the content: completions carry no tool calls here, and TRL
 # parses each with the tokenizer's (``tokenizer.parse_response``), which raises for a chat template
@@ -446,13 +440,6 @@ def make_callback(rec: Recorder):
     return _Marks()
 
 
-def _num(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
 
 def metrics_rows(step_end: dict[int, float], logs: dict[int, dict], *, train_begin: float,
                  unix0: float) -> list[dict[str, Any]]:
@@ -466,7 +453,7 @@ def metrics_rows(step_end: dict[int, float], logs: dict[int, dict], *, train_beg
         row: dict[str, Any] = {"step": s, "ts": round(unix0 + end, 3),
                                "step_s": round(end - prev, 4)}
         for key, ours in TRL_KEYS.items():
-            v = _num(log.get(key))
+            v = number(log.get(key))
             if v is not None:
                 row[ours] = v
         if "mfu_wall_pct" in row:
@@ -500,56 +487,40 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     rec = Recorder()
     out_dir = args.out.resolve().parent
     workdir = args.workdir or out_dir / f"{args.out.stem}.trl"
-    server: VllmServer | None = None
     result.update(framework="trl-async",
                   args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
-
-    def _on_term(signum, frame):  # SIGTERM runs the finally below (stops the server)
-        raise SystemExit(128 + signum)
-
-    old_term = signal.signal(signal.SIGTERM, _on_term)
     try:
-        server_url = args.server_url
-        if server_url is None:
-            server_url = f"http://127.0.0.1:{args.server_port}"
-            server = VllmServer(server_command(args), args.server_gpus,
-                                args.server_log or out_dir / f"{args.out.stem}.server.log")
-            print(f"[trl-async] starting vLLM server on GPU(s) {args.server_gpus}: "
-                  f"{' '.join(server.cmd)}", flush=True)
-            startup = server.start(server_url, args.server_timeout)
-            print(f"[trl-async] server healthy after {startup:.1f} s", flush=True)
-            result["server"] = {"cmd": server.cmd, "gpus": args.server_gpus,
-                                "startup_s": startup, "log": str(server.log_path)}
+        with serving(args, result, "trl-async", out_dir) as server_url:
+            import torch
+            from datasets import Dataset
+            from transformers import AutoTokenizer
+            from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
-        import torch
-        from datasets import Dataset
-        from transformers import AutoTokenizer
-        from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-
-        cuda = torch.cuda.is_available()
-        if not cuda:
-            no_mfu_without_cuda()
-        if args.attention == "torch":
-            use_torch_attention()
-            if cuda:
-                result["attention_check_max_err"] = check_torch_attention()
-        if args.ignore_eos:
-            install_ignore_eos()  # harmless here; the rollout child installs it on unpickling
-        tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(args.model))
-        rows = arithmetic_dataset_rows(args.num_prompts, args.max_operand, chat=True)
-        cfg_kw = async_config_kwargs(args, cuda=cuda, output_dir=str(workdir),
-                                     server_url=server_url)
-        config = AsyncGRPOConfig(**cfg_kw)
-        trainer = AsyncGRPOTrainer(model=str(args.model),
-                                   reward_funcs=[ExactMatchReward(args.ignore_eos)], args=config,
-                                   train_dataset=Dataset.from_list(rows),
-                                   processing_class=tokenizer, callbacks=[make_callback(rec)],
-                                   weight_transfer=(NoWeightSync() if args.weight_sync == "none"
-                                                    else None))
-        result["config"] = {k: v for k, v in cfg_kw.items() if k != "output_dir"}
-        result["config"]["max_inflight_tasks"] = config.max_inflight_tasks
-        result["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
-        trainer.train()
+            cuda = torch.cuda.is_available()
+            if not cuda:
+                no_mfu_without_cuda()
+            if args.attention == "torch":
+                use_torch_attention()
+                if cuda:
+                    result["attention_check_max_err"] = check_torch_attention()
+            if args.ignore_eos:
+                install_ignore_eos()  # harmless here; the rollout child installs it on unpickling
+            tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(args.model))
+            rows = arithmetic_dataset_rows(args.num_prompts, args.max_operand, chat=True)
+            cfg_kw = async_config_kwargs(args, cuda=cuda, output_dir=str(workdir),
+                                         server_url=server_url)
+            config = AsyncGRPOConfig(**cfg_kw)
+            trainer = AsyncGRPOTrainer(model=str(args.model),
+                                       reward_funcs=[ExactMatchReward(args.ignore_eos)],
+                                       args=config,
+                                       train_dataset=Dataset.from_list(rows),
+                                       processing_class=tokenizer, callbacks=[make_callback(rec)],
+                                       weight_transfer=(NoWeightSync() if args.weight_sync == "none"
+                                                        else None))
+            result["config"] = {k: v for k, v in cfg_kw.items() if k != "output_dir"}
+            result["config"]["max_inflight_tasks"] = config.max_inflight_tasks
+            result["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
+            trainer.train()
     finally:
         rows_out = metrics_rows(rec.step_end, rec.logs, train_begin=rec.train_begin or 0.0,
                                 unix0=rec.unix0)
@@ -557,40 +528,19 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         result.update(summarize(rows_out))
         result["startup_s"] = rec.train_begin
         result["logs"] = {str(k): v for k, v in rec.logs.items()}
-        if server is not None:
-            server.stop()
-        signal.signal(signal.SIGTERM, old_term)
         result["total_wall_s"] = rec.now()
-        result["versions"] = _versions()
+        result["versions"] = package_versions()
+
+
+def _summary(result: dict[str, Any], out: Path) -> str:
+    med = result.get("median_after_first_step", {})
+    return (f"[trl-async] {result.get('steps_done')} steps; median s/step {med.get('step_s')}, "
+            f"MFU wall {med.get('mfu_wall_pct')} %, fwd+bwd {med.get('mfu_fwd_bwd_pct')} % "
+            f"-> {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        validate_args(args)
-    except ValueError as e:
-        print(f"trl_async: {e}", file=sys.stderr)
-        return 2
-    args.model = Path(args.model)
-    if not (args.model / "config.json").exists():
-        print(f"trl_async: --model {args.model} is not a local HF model dir", file=sys.stderr)
-        return 2
-    if args.trainer_gpus is not None:  # before torch is imported, which reads it once
-        os.environ["CUDA_VISIBLE_DEVICES"] = args.trainer_gpus
-    result: dict[str, Any] = {}
-    try:
-        run(args, result)
-    except BaseException as e:
-        result["error"] = f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    med = result.get("median_after_first_step", {})
-    print(f"[trl-async] {result.get('steps_done')} steps; median s/step {med.get('step_s')}, "
-          f"MFU wall {med.get('mfu_wall_pct')} %, fwd+bwd {med.get('mfu_fwd_bwd_pct')} % "
-          f"-> {args.out}", flush=True)
-    return 0
+    return run_main("trl_async", build_parser(), argv, validate_args, run, _summary)
 
 
 if __name__ == "__main__":  # TRL's rollout worker is spawned: it re-imports this module

