@@ -14,15 +14,10 @@ import sys
 import typing
 from typing import Any
 
-from pipeline.config import (
-    ConfigError,
-    RunConfig,
-    iter_help,
-    iter_options,
-    load_config,
-    parse_value,
-)
+from pipeline.config import RunConfig, load_config
 from pipeline.launch.args import OneLineParser
+from pipeline.launch.placement import check_placement
+from pipeline.options import ConfigError, iter_help, iter_options, parse_value
 
 ALIASES = {
     "mode": "train.mode", "max-staleness": "train.max_staleness", "steps": "train.steps",
@@ -188,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, args = parse(argv)
         # A pinned placement that rules out an explicit transport fails here, in one line,
         # not as a silent file fallback once the engines are up.
-        cfg.sync.check_placement(cfg.learner_gpus, cfg.producer_gpus)
+        check_placement(cfg.sync.transport, cfg.learner_gpus, cfg.producer_gpus)
     except ConfigError as e:
         print(f"pipeline-train: config error: {e}", file=sys.stderr)
         return 2

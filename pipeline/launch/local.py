@@ -24,17 +24,10 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import (
-    ConfigError,
-    RunConfig,
-    curve_keys,
-    flatten,
-    learner_gpu_env,
-    load_config,
-    producer_gpu_env,
-    to_dict,
-)
+from pipeline.config import RunConfig, flatten, load_config
+from pipeline.keys import curve_keys
 from pipeline.launch.console import LogFollower, log_to_run_dir, resource_tracker_to
+from pipeline.launch.placement import learner_gpu_env, producer_gpu_env
 from pipeline.launch.shm import (
     forget_record,
     forget_tracked,
@@ -43,6 +36,7 @@ from pipeline.launch.shm import (
     reclaim_orphans,
     record_segments,
 )
+from pipeline.options import ConfigError, to_dict
 from pipeline.owner import OWNER_ENV, owner_tag
 from pipeline.procs import (
     LOGS_DIR,
@@ -60,7 +54,7 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     """Fail fast, before any process starts: model, data and rewards must all resolve."""
     from pipeline.models import resolve_model
     from pipeline.producer.data import check_data
-    from pipeline.producer.rewards import validate_specs
+    from pipeline.producer.rewards.loading import validate_specs
 
     try:
         model_path = str(resolve_model(cfg.model.path, Path(cfg.model.cache_dir)))

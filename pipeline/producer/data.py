@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError, DataConfig
+from pipeline.config import DataConfig
+from pipeline.options import ConfigError
 
 FORMATS = (
     "a .jsonl/.json, .parquet or .csv file, a `datasets` dir saved with save_to_disk, "

@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config import ConfigError, DataConfig, EvalConfig
+from pipeline.config import DataConfig, EvalConfig
+from pipeline.options import ConfigError
 from pipeline.producer.data import PromptRecord, PromptSource, load_records, render_prompt
 
 

@@ -61,7 +61,9 @@ def test_a_secret_key_others_can_access_is_refused(tmp_path, role, secret, mode)
 
 
 def test_the_launcher_turns_it_into_a_config_error(tmp_path):
-    from pipeline.config import ConfigError, curve_keys, load_config
+    from pipeline.config import load_config
+    from pipeline.keys import curve_keys
+    from pipeline.options import ConfigError
 
     d = tmp_path / "keys"
     generate_curve_keys(d)

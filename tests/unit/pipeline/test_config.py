@@ -5,12 +5,8 @@ from __future__ import annotations
 import pytest
 
 from buffer.staleness import admission_budget
-from pipeline.config import (
-    ConfigError,
-    RunConfig,
-    load_config,
-    parse_value,
-)
+from pipeline.config import RunConfig, load_config
+from pipeline.options import ConfigError, parse_value
 
 
 def test_defaults_load():
@@ -108,7 +104,7 @@ def test_buffer_capacity_default_and_check():
 
 
 def test_gpu_placement_pins_each_producer_and_the_learner():
-    from pipeline.config import learner_gpu_env, producer_gpu_env
+    from pipeline.launch.placement import learner_gpu_env, producer_gpu_env
 
     cfg = load_config(overrides={"num_producers": 3, "producer_gpus": [1, "2,3"],
                                  "learner_gpus": 0})
@@ -131,7 +127,7 @@ def test_children_pin_their_gpus_before_building_the_config_fake_load(monkeypatc
     import os
 
     import pipeline.launch.local as launch
-    from pipeline.config import to_dict
+    from pipeline.options import to_dict
 
     cfg = to_dict(load_config(overrides={"num_producers": 2, "producer_gpus": ["1", "2"],
                                          "learner_gpus": "3"}))
@@ -187,20 +183,17 @@ def test_gpu_transport_on_this_cpu_machine_is_refused():
         load_config(None, {"sync.transport": "nccl"})
 
 
-def test_sync_check_placement_refuses_impossible_gpu_placements(monkeypatch):
-    import pipeline.config as config
+def test_check_placement_refuses_impossible_gpu_placements():
+    from pipeline.launch.placement import check_placement
 
-    monkeypatch.setattr(config, "_cuda_device_count", lambda: 2)  # mock: two GPUs
-    nccl = load_config(None, {"sync.transport": "nccl"}).sync
-    nccl.check_placement("0", ["1", "2,3"])
+    check_placement("nccl", "0", ["1", "2,3"])
     with pytest.raises(ConfigError, match=r"producer_gpus\[1\]: .*NCCL cannot put two ranks"):
-        nccl.check_placement("0", ["1", "0"])
-    ipc = load_config(None, {"sync.transport": "ipc"}).sync
-    ipc.check_placement("0", ["0"])
+        check_placement("nccl", "0", ["1", "0"])
+    check_placement("ipc", "0", ["0"])
     with pytest.raises(ConfigError, match="needs the producer on the learner's GPU"):
-        ipc.check_placement("0", ["1"])
-    ipc.check_placement("", ["1"])  # unknown placement: checked at run time instead
-    load_config().sync.check_placement("0", ["0"])  # auto always fits
+        check_placement("ipc", "0", ["1"])
+    check_placement("ipc", "", ["1"])  # unknown placement: checked at run time instead
+    check_placement("auto", "0", ["0"])  # auto always fits
 
 
 def test_sleep_when_idle_needs_sync_mode():
@@ -238,7 +231,8 @@ def test_numpy_scalars_and_str_subclasses_stand_for_their_builtin():
     import numpy as np
     import yaml
 
-    from pipeline.config import LossConfig, TrainConfig, to_dict
+    from pipeline.config import LossConfig, TrainConfig
+    from pipeline.options import to_dict
 
     class Name(str):
         pass

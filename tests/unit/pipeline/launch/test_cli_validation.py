@@ -19,9 +19,10 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import RunConfig, _coerce, flatten, iter_options, load_config, to_dict
+from pipeline.config import RunConfig, flatten, load_config
 from pipeline.launch import cli
 from pipeline.launch.args import attach_negative_values
+from pipeline.options import coerce, iter_options, to_dict
 
 OPTIONS = [(name, tp) for name, _f, tp in iter_options(RunConfig)]
 
@@ -216,7 +217,8 @@ def test_valid_values_of_every_type_are_accepted_and_converted(fake_run, capsys)
 
 
 def test_types_are_enforced_from_python_too():
-    from pipeline.config import ConfigError, LossConfig, TrainConfig
+    from pipeline.config import LossConfig, TrainConfig
+    from pipeline.options import ConfigError
 
     with pytest.raises(ConfigError, match=r"^train\.batch_groups: expected an integer, got 2\.5"):
         TrainConfig(batch_groups=2.5)
@@ -238,9 +240,9 @@ def test_help_lists_nested_options_with_their_docstrings(capsys):
     assert "--train.lr FLOAT, --lr FLOAT AdamW learning rate (default: 1e-05)" in out
     for name, _tp in OPTIONS:  # every option has a flag and a help text
         assert f"--{name} " in out, name
-    from pipeline.config import iter_help
+    from pipeline.options import iter_help
 
-    assert all(text for _n, _t, _d, text in iter_help()), "an option without help text"
+    assert all(text for _n, _t, _d, text in iter_help(RunConfig)), "an option without help text"
 
 
 # ------------------------------------------------------------------------- property test
@@ -337,7 +339,7 @@ def test_random_values_for_every_option_exit_2_or_build_a_sound_config(
     assert code == 0, (argv, err)
     (cfg,) = fake_run
     got = _option_value(cfg, name)
-    assert _coerce(got, tp, name) == got or (isinstance(got, float) and math.isnan(got))
+    assert coerce(got, tp, name) == got or (isinstance(got, float) and math.isnan(got))
     rebuilt = load_config(overrides=flatten(to_dict(cfg)))
     assert to_dict(rebuilt) == to_dict(cfg)
 

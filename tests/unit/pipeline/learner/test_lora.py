@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from buffer.schema import Completion, RolloutGroup
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
 from pipeline.learner.trainer import PolicyTrainer
+from pipeline.options import ConfigError
 from sync.snapshot import check_against_manifest, model_manifest
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -123,8 +124,9 @@ def test_bad_lora_options_name_the_option(tiny_model, tmp_path, over):
 def test_readme_lora_flag_on_the_demo_config_supersedes_freeze_layers(caplog):
     # README: `pipeline-train --config examples/demo.yaml` and `--train.lora_rank 16`; the demo
     # sets train.freeze_layers, which LoRA makes moot: one warning, then it is 0 everywhere.
-    from pipeline.config import flatten, to_dict
+    from pipeline.config import flatten
     from pipeline.launch.cli import parse
+    from pipeline.options import to_dict
 
     with caplog.at_level("WARNING"):
         cfg, _ = parse(["--config", "examples/demo.yaml", "--train.lora_rank", "16"])

@@ -12,11 +12,12 @@ import time
 
 import pytest
 
-from pipeline.config import ConfigError, load_config, to_dict
+from pipeline.config import load_config
 from pipeline.launch import local
 from pipeline.learner import trackers as trackers_mod
 from pipeline.learner.metrics import MetricsLogger
 from pipeline.learner.trackers import Trackers, flat_config, missing_packages, numeric
+from pipeline.options import ConfigError, to_dict
 
 STEPS = [
     {"reward_mean": 0.25, "reward/accuracy": 0.5, "loss": -0.125, "staleness_hist/0": 4.0,

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from pipeline.config import ConfigError, DataConfig
+from pipeline.config import DataConfig
+from pipeline.options import ConfigError
 from pipeline.producer.data import PromptSource, load_records
 
 

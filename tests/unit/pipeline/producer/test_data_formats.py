@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, DataConfig, load_config
+from pipeline.config import DataConfig, load_config
+from pipeline.options import ConfigError
 from pipeline.producer.data import (
     PromptSource,
     check_data,

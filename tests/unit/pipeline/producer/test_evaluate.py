@@ -8,7 +8,8 @@ import pytest
 from producer_fakes import CharTokenizer
 
 from buffer.protocol import EvalResult, decode, encode
-from pipeline.config import ConfigError, DataConfig, EvalConfig, load_config
+from pipeline.config import DataConfig, EvalConfig, load_config
+from pipeline.options import ConfigError
 from pipeline.producer.evaluate import aggregate, eval_records, pass_at_k
 
 
@@ -103,7 +104,7 @@ def test_episode_evaluation_runs_each_sample_as_an_episode_fake_engine():
     from pipeline.config import EpisodeConfig, RewardSpec
     from pipeline.producer.episode import load_episode
     from pipeline.producer.evaluate import EpisodeRun, generate_and_score
-    from pipeline.producer.rewards import RewardSet
+    from pipeline.producer.rewards.runner import RewardSet
 
     engine = FakeEngine()
     data = DataConfig(path="arithmetic:4", chat_template="none")

@@ -17,10 +17,11 @@ from producer_fakes import Cursor, RecordingEndpoint
 from buffer.protocol import Announce
 from buffer.schema import Completion, RolloutGroup
 from buffer.staleness import admission_budget, may_admit
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
+from pipeline.options import ConfigError
 from pipeline.producer.data import PromptRecord
 from pipeline.producer.loop import Producer
-from pipeline.producer.rewards import RewardSet
+from pipeline.producer.rewards.runner import RewardSet
 from pipeline.producer.sampling import DropCap, extra_cap, is_uninformative, reward_std
 
 # ------------------------------------------------------------------ the rule and the cap

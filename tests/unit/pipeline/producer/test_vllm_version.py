@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from pipeline.config import ConfigError
 from pipeline.launch import local
 from pipeline.launch.cli import parse
+from pipeline.options import ConfigError
 from pipeline.producer import vllm_version
 from pipeline.producer.vllm_version import (
     VllmVersionError,
