@@ -3,7 +3,7 @@ throughput on one engine.
 
 For each path: a LoRA PolicyTrainer (peft) gives a version's snapshot (``sync.lora_adapters``
 on: the adapter; off: the targeted weights merged), written as a snapshot file; a real vLLM
-engine then swaps to it through the producer's own code (merged: FileTransport in the sync
+engine then swaps to it through the producer's own code (merged: FileRoute in the sync
 barrier; adapter: AdapterSet.swap, no pause) while requests run. Then the engine generates a
 fixed batch on the last version (``--seqs`` requests of ``--gen-tokens`` tokens, ignore_eos,
 best of ``--repeats`` after a warm-up): tokens/s with the adapter and with the merged weights,
@@ -36,11 +36,11 @@ async def _swaps(engine, refs, adapters) -> list[dict[str, float]]:
     from vllm import SamplingParams
 
     from sync.barrier import RequestTracker, SwapBarrier
-    from sync.transfer import FileTransport
+    from sync.routes.file import FileRoute
 
     tracker = RequestTracker()
     barrier = SwapBarrier(engine, tracker)
-    ft = FileTransport(engine)
+    ft = FileRoute(engine)
     sp = SamplingParams(max_tokens=16, temperature=1.0)
 
     async def load(version: int, n: int) -> None:  # a few requests in flight during the swap

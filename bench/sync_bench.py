@@ -40,8 +40,11 @@ import torch
 from safetensors.torch import load_file
 
 from sync.barrier import BarrierMode, RequestTracker, SwapBarrier, SwapReport
+from sync.routes.base import swap_with_fallback
+from sync.routes.file import FileRoute
+from sync.routes.ipc import IpcRoute
+from sync.routes.nccl import NcclRoute
 from sync.snapshot import SnapshotRef
-from sync.transfer import FileTransport, IpcTransport, NcclTransport, swap_with_fallback
 
 MODES: tuple[BarrierMode, ...] = ("drain_prefill", "keep", "wait", "abort")
 STEPS = ("prepare_s", "gate_s", "drain_s", "pause_s", "load_s", "resume_s", "idle_s", "total_s")
@@ -112,7 +115,7 @@ async def generate(engine: Any, tracker: RequestTracker, rid: str, prompt_ids: l
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    from pipeline.producer.loop import sampled_logprobs  # the producer's own parsing, not a copy
+    from pipeline.producer.group import sampled_logprobs  # the producer's own parsing, not a copy
 
     sp = SamplingParams(n=1, max_tokens=max_tokens, temperature=temperature,
                         ignore_eos=ignore_eos, logprobs=top_logprobs,
@@ -170,9 +173,9 @@ class BenchSwapper:
     def __init__(self, engine: Any, transport: str, weights: list[dict[str, torch.Tensor]],
                  refs: list[SnapshotRef]):
         self.engine, self.transport, self.refs = engine, transport, refs
-        self.file = FileTransport(engine)
+        self.file = FileRoute(engine)
         self.pub: Any = None
-        self.nccl: NcclTransport | None = None
+        self.nccl: NcclRoute | None = None
         self._tasks: list[asyncio.Task] = []
         if transport != "file":
             from sync.publish import WeightPublisher
@@ -188,7 +191,7 @@ class BenchSwapper:
 
     async def setup(self) -> None:
         if self.transport == "nccl":
-            self.nccl = NcclTransport(self.engine, self._ready, timeout_s=60.0)
+            self.nccl = NcclRoute(self.engine, self._ready, timeout_s=60.0)
             self.pub.maintain({"bench": (True, 2)})
             await self.nccl.join(self.pub.links["bench"].offer())
             await asyncio.gather(*self._tasks)
@@ -205,7 +208,7 @@ class BenchSwapper:
         publish_s = time.perf_counter() - t0
         transfer = self.pub.payload(version, {"bench": self.transport})
         if self.transport == "ipc":
-            ipc = IpcTransport(self.engine, "bench")
+            ipc = IpcRoute(self.engine, "bench")
             rep = await swap_with_fallback(barrier, "ipc", ref, self.file,
                                            load=partial(ipc.apply, version),
                                            prepare=partial(ipc.stage, ref, transfer))

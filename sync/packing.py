@@ -1,6 +1,6 @@
 """Packed weights: every tensor of a snapshot in one flat byte buffer, plus its layout.
 
-The GPU transports (``ipc``, ``nccl``) move one contiguous buffer per version instead of ~300
+The GPU routes (``ipc``, ``nccl``) move one contiguous buffer per version instead of ~300
 tensors: one CUDA IPC handle to export and open, one NCCL broadcast to post. The layout (name,
 dtype, shape, byte offset of each tensor) travels as plain msgpack-safe lists, so it can ride in
 the learner's Announce; it is validated on the way in (``layout_from_wire``), and unpacking only

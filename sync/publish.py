@@ -1,5 +1,5 @@
-"""Learner side of the GPU transports: packed copies of the newest versions, their CUDA IPC
-handles, and one NCCL link per producer (the producer side is ``sync.transfer``).
+"""Learner side of the GPU weight routes: packed copies of the newest versions, their CUDA IPC
+handles, and one NCCL link per producer (the producer side is ``sync.routes``).
 
 Owns, on the learner's GPU: for each of the ``keep`` newest versions, one packed uint8 buffer
 (``sync.packing``), a copy taken when the version is published, so training can go on updating

@@ -2,11 +2,12 @@
 
 The learner's node runs a ``SnapshotServer`` (a ZeroMQ ROUTER, CurveZMQ-encrypted and limited
 to the run's client key) that serves byte ranges of the snapshot files under its roots. A producer
-elsewhere uses ``StreamedFileTransport``: its ``stage`` (run by the barrier *before* the pause)
-copies the announced file in chunks into a directory of its own node, hashes the bytes as they
-arrive and refuses a copy whose checksum differs from the announce, then stages that copy exactly
-as the file transport does (the vLLM workers read it and check checksum, names and shapes). So a
-torn or tampered stream never pauses the engine, and a load can only fail the way a file load can.
+elsewhere uses the stream route (``sync.routes.stream``): its ``stage`` (run by the barrier
+*before* the pause) copies the announced file in chunks (``fetch_snapshot``) into a directory of
+its own node, hashes the bytes as they arrive and refuses a copy whose checksum differs from the
+announce, then stages that copy exactly as the file route does (the vLLM workers read it and check
+checksum, names and shapes). So a torn or tampered stream never pauses the engine, and a load can
+only fail the way a file load can.
 
 Wire format (msgpack, no pickle): request ``{"path": str, "offset": int, "size": int}``; reply
 ``{"ok": True, "total": int, "data": bytes}`` or ``{"ok": False, "error": str}``. The client keeps
@@ -19,9 +20,7 @@ import asyncio
 import contextlib
 import logging
 import re
-import shutil
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +30,12 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from sync.snapshot import SnapshotError, SnapshotRef, checksum_bytes, prune_snapshots
-from sync.transfer import FileTransport
+from sync.snapshot import SnapshotError, SnapshotRef, checksum_bytes
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20
-_NAME = re.compile(r"^policy_v\d+\.safetensors$")
+SNAPSHOT_FILE_NAME = re.compile(r"^policy_v\d+\.safetensors$")
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,7 @@ class SnapshotServer:
 
     def _allowed(self, path: str) -> Path:
         p = Path(path).resolve()
-        if not _NAME.match(p.name) or p.parent not in self.roots:
+        if not SNAPSHOT_FILE_NAME.match(p.name) or p.parent not in self.roots:
             raise PermissionError(f"{path} is not a snapshot file this server serves")
         return p
 
@@ -223,40 +221,3 @@ async def fetch_snapshot(
         sock.close(0)
         tmp.unlink(missing_ok=True)
     return SnapshotRef(ref.version, str(dest), ref.checksum), received
-
-
-class StreamedFileTransport(FileTransport):
-    """The file transport for a producer that cannot read the learner's files: ``stage`` first
-    streams the version into ``local_dir`` (keeping the ``keep`` newest copies), then stages that
-    copy like any snapshot file. ``apply`` is the file transport's."""
-
-    def __init__(
-        self,
-        engine: Any,
-        addr: str,
-        keys: StreamKeys | None,
-        local_dir: str | Path,
-        keep: int = 2,
-        timeout_s: float = 30.0,
-    ):
-        super().__init__(engine)
-        self.addr, self.keys, self.keep, self.timeout_s = addr, keys, keep, timeout_s
-        self.local_dir = Path(local_dir)
-        self.fetches = 0
-        self.bytes = 0
-
-    async def stage(self, ref: SnapshotRef) -> dict[str, float]:
-        t0 = time.perf_counter()
-        local = self.local_dir / Path(ref.uri).name
-        if not _NAME.match(local.name):
-            raise SnapshotError(f"snapshot v{ref.version}: unexpected file name {ref.uri!r}")
-        got, n = await fetch_snapshot(self.addr, ref, local, self.keys, timeout_s=self.timeout_s)
-        stream_s = time.perf_counter() - t0
-        self.fetches += 1
-        self.bytes += n
-        await asyncio.to_thread(prune_snapshots, self.local_dir, self.keep)
-        timings = await super().stage(got)
-        return timings | {"stream_s": stream_s, "stream_bytes": float(n)}
-
-    def close(self) -> None:
-        shutil.rmtree(self.local_dir, ignore_errors=True)

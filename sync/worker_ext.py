@@ -5,9 +5,9 @@ called through ``AsyncLLM.collective_rpc`` and run in every worker process (CPU 
 weights never cross the engine-core boundary as Python objects: only a path and a checksum do
 (``file``), plain IPC handle fields (``ipc``), or a NCCL link's unique id (``nccl``).
 
-Every transport ends in the same two steps: a *stage* that leaves ``_sync_staged`` = (file ref of
+Every weight route ends in the same two steps: a *stage* that leaves ``_sync_staged`` = (file ref of
 the version, name -> tensor) fully received and checked, and ``sync_apply_staged`` inside the
-barrier's pause. The file ref is the rollback target whichever transport delivered the tensors.
+barrier's pause. The file ref is the rollback target whichever route delivered the tensors.
 Bucketed versions (nccl, and ipc from a sharded learner) are loaded bucket by bucket inside the
 pause as they arrive (``_sync_apply_buckets``: one bucket of staging, never a second model on
 the GPU); their ``sync_apply_staged`` only commits, and a bucket refused after others were

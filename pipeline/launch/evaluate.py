@@ -144,12 +144,13 @@ async def _load_and_score(engine: Any, cfg: RunConfig, tokenizer: Any, records: 
     from pipeline.producer.episode import load_episode
     from pipeline.producer.evaluate import EpisodeRun, generate_and_score
     from sync.barrier import RequestTracker, SwapBarrier
-    from sync.transfer import FileTransport, swap_with_fallback
+    from sync.routes.base import swap_with_fallback
+    from sync.routes.file import FileRoute
 
     barrier = SwapBarrier(
         engine, RequestTracker(), mode="keep", load_timeout_s=cfg.sync.load_timeout_s
     )
-    report = await swap_with_fallback(barrier, "file", ref, FileTransport(engine))
+    report = await swap_with_fallback(barrier, "file", ref, FileRoute(engine))
     if not report.ok:
         raise RuntimeError(f"loading the checkpoint's weights failed: {report.error}")
     return await generate_and_score(

@@ -16,7 +16,7 @@ Counts kept per producer: ``received`` (groups that arrived) and, derived, ``con
 minus still held), which producers use for admission control.
 
 Weights: every version is written as a snapshot file; producers whose route (picked per producer
-from the GPUs in its Hello, ``sync.transfer.choose_transport``) is ``ipc`` or ``nccl`` also get
+from the GPUs in its Hello, ``sync.routes.base.choose_route``) is ``ipc`` or ``nccl`` also get
 it from a packed GPU copy (``sync.publish.WeightPublisher``): its IPC handle or NCCL link offer
 rides in the Announce, and SyncReady messages drive the NCCL side of each transfer. A sharded
 (ZeRO-3) learner packs into host memory instead, gathering ``sync.bucket_mb`` at a time, and its
@@ -56,7 +56,8 @@ from buffer.schema import RolloutGroup
 from buffer.staleness import oldest_kept
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
-from pipeline.config import RunConfig, completion_max_tokens, curve_keys, to_dict
+from pipeline.config import RunConfig, completion_max_tokens
+from pipeline.keys import curve_keys
 from pipeline.learner.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -67,12 +68,13 @@ from pipeline.learner.checkpoint import (
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
 from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
+from pipeline.options import to_dict
 from pipeline.owner import owned_name
 from pipeline.procs import LOGS_DIR, ConsoleStream
 from pipeline.schedule import is_due, last_version
 from sync.packing import Layout, pack_buckets, plan_layout, plan_layout_of, total_bytes
+from sync.routes.base import RouteChoiceError, choose_route
 from sync.snapshot import SnapshotRef
-from sync.transfer import TransportChoiceError, choose_transport
 from sync.writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ class ProducerInfo:
     stats: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
     carried: dict[str, float] = field(default_factory=dict)  # its earlier processes' counters
     devices: list[str] = field(default_factory=list)  # GPU UUID per vLLM worker ([] = CPU)
-    route: str = "file"  # weight transport for this producer (sync.transfer)
+    route: str = "file"  # weight route for this producer (sync.routes)
 
 
 def snapshot_dir(configured: str, run_dir: Path, run_key: str, need_bytes: int,
@@ -321,8 +323,8 @@ class Learner:
         """This producer's weight transport; an impossible explicit choice is an error in the
         log and the file (placement is only known once the producer has said hello)."""
         try:
-            route = choose_transport(self.cfg.sync.transport, self.learner_gpu, devices)
-        except TransportChoiceError as e:
+            route = choose_route(self.cfg.sync.transport, self.learner_gpu, devices)
+        except RouteChoiceError as e:
             log.error("producer %s: sync.transport: %s; it gets weights from the snapshot file",
                       producer_id, e)
             return "file"

@@ -4,13 +4,14 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
 - ``_admit``: starts a group whenever the admission budget allows (``buffer.staleness.may_admit``:
   in-flight + sent-but-not-yet-consumed groups <= this producer's share of
   (max_staleness + 1 - the engine's lag behind the learner) x batch_groups), so no
-  generation is spent on a group that would be too stale to train. With
-  ``generation.dynamic_sampling`` a scored group whose rewards are all equal is dropped before it
-  is sent (counted; at most a cap per learner step, ``pipeline.producer.sampling``) and its slot
-  goes to a new admission, checked like any other;
+  generation is spent on a group that would be too stale to train. The group itself (generate,
+  score, send or drop) is ``pipeline.producer.group``'s. With ``generation.dynamic_sampling`` a
+  scored group whose rewards are all equal is dropped before it is sent (counted; at most a cap
+  per learner step, ``pipeline.producer.sampling``) and its slot goes to a new admission,
+  checked like any other;
 - ``_listen``: applies announces: new snapshot -> sync barrier -> ack; consumption counts.
   The weights come by the route the learner names for us (file, ipc or nccl; see
-  ``sync.transfer``); a GPU route that fails is followed by a file swap to the same version;
+  ``sync.routes``); a GPU route that fails is followed by a file swap to the same version;
 - ``_heartbeat``: liveness and stats for the learner.
 Producer 0 also evaluates (``eval.every``): on each due version, once loaded and before new
 admissions, it runs the held-out prompts and sends their figures in an EvalResult (never as
@@ -18,8 +19,6 @@ groups: ``pipeline.producer.evaluate``).
 Control messages (Hello, Heartbeat, Ack, SyncReady) go on the control channel and each gets an
 answer (``buffer.protocol``); groups go on the data channel only after the learner has welcomed
 this incarnation, and a learner that no longer knows us (restarted) gets a new Hello.
-Completions stream with RequestOutputKind.DELTA: each delta is tagged with the version the
-engine holds when it arrives (the barrier settles outputs before switching versions).
 """
 
 from __future__ import annotations
@@ -27,17 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
-import math
 import os
 import time
-import uuid
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from buffer.identity import STALE_INCARNATION, UNEXPECTED_PRODUCER, UNKNOWN_PRODUCER
 from buffer.protocol import (
@@ -51,43 +46,27 @@ from buffer.protocol import (
     SyncReady,
     Welcome,
 )
-from buffer.schema import Completion, RolloutGroup
 from buffer.staleness import may_admit, producer_budget, versions_in_flight
 from buffer.transport import ProducerEndpoint
-from pipeline.config import RunConfig, curve_keys
+from pipeline.config import RunConfig
+from pipeline.keys import curve_keys
 from pipeline.procs import ENGINE_SHUTDOWN
 from pipeline.producer.adapters import AdapterSet
-from pipeline.producer.data import PromptRecord, PromptSource, render_prompt
+from pipeline.producer.data import PromptSource, render_prompt
 from pipeline.producer.engine import engine_progress
-from pipeline.producer.episode import (
-    EpisodeResult,
-    FailureLog,
-    episode_limits,
-    load_episode,
-    run_episodes,
-    score_episodes,
-)
-from pipeline.producer.evaluate import (
-    EpisodeRun,
-    eval_records,
-    generate_and_score,
-)
+from pipeline.producer.episode import FailureLog, load_episode
+from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
+from pipeline.producer.group import GroupRollout
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards import RewardSet, rate_limiter
-from pipeline.producer.sampling import DropCap, extra_cap, is_uninformative
+from pipeline.producer.sampling import DropCap, extra_cap
 from pipeline.producer.stats import ProducerStats
 from pipeline.schedule import is_due, last_version
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.lora import adapter_config, adapter_sync_plan
+from sync.routes import make_route, plan_route, route_class
+from sync.routes.base import WeightRoute, swap_with_fallback
 from sync.snapshot import SnapshotRef
-from sync.transfer import (
-    FileTransport,
-    IpcTransport,
-    NcclTransport,
-    nccl_offer,
-    plan_route,
-    swap_with_fallback,
-)
 
 log = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 5.0  # the learner answers control requests at once; longer means it is down
@@ -97,7 +76,7 @@ class LearnerFinished(Exception):
     """The learner announced its end (all steps trained): the producer's run is over."""
 
 
-class Producer:
+class Producer(GroupRollout):
     def __init__(self, cfg: RunConfig, index: int, engine: Any, tokenizer: Any,
                  endpoint: ProducerEndpoint, rewards: RewardSet, prompts: PromptSource,
                  stop_when_learner_done: bool = False):
@@ -118,9 +97,9 @@ class Producer:
                                    load_timeout_s=s.load_timeout_s)
         self.budget = producer_budget(cfg.train.batch_groups, cfg.train.max_staleness,
                                       cfg.num_producers, index)
-        self.transport = file_transport(engine, cfg, self.producer_id)
-        self.ipc = IpcTransport(engine, self.producer_id, self._send_ready, s.nccl_timeout_s)
-        self.nccl = NcclTransport(engine, self._send_ready, s.nccl_timeout_s)
+        # The producer end of each route the learner may name (sync.routes); "file" is read
+        # where the learner wrote it, or streamed to this node first (sync.stream_from).
+        self.routes = weight_routes(engine, cfg, self.producer_id, self._send_ready)
         self.devices: list[str] = []  # GPU UUID per worker, from sync_device_info
         # Adapter-only LoRA sync (sync.lora): versions are LoRARequests, not weight loads.
         self.adapters: AdapterSet | None = None
@@ -151,7 +130,6 @@ class Producer:
         self.sent_log = out_dir / f"{self.incarnation}.jsonl"
         self._budget_changed = asyncio.Event()
         self._synced = asyncio.Event()   # set once we hold the learner's current version
-        self._failed_links: set[bytes] = set()  # NCCL offers we could not join (not retried)
         self._group_tasks: set[asyncio.Task] = set()
         self._engine_lock = asyncio.Lock()  # sleep, wake and swap never interleave
         self._asleep = False
@@ -241,222 +219,6 @@ class Producer:
             self._fatal = task.exception()
             self._budget_changed.set()
 
-    # ------------------------------------------------------------------ one group
-    async def _run_group(self, record: PromptRecord, prompt_ids: list[int]) -> None:
-        g = self.cfg.generation
-        group_id = f"{self.producer_id}-{uuid.uuid4().hex[:12]}"
-        admitted_at = time.time()
-        t0 = time.perf_counter()
-        meta = dict(record.meta, prompt_id=record.prompt_id)
-        episodes = None
-        if self.episode_fn is not None:  # multi-turn: G episodes (pipeline.producer.episode)
-            episodes = await self._run_episodes(group_id, record, prompt_ids, meta)
-            if episodes is None:
-                self._drop(group_id, record.prompt_id, "an episode failed")
-                return
-            completions = [(e.completion, e.text) for e in episodes]
-        else:
-            completions = await asyncio.gather(*(
-                self._generate_one(f"{group_id}-{j}", prompt_ids, self._sampling())
-                for j in range(g.group_size)))
-        gen_s = time.perf_counter() - t0
-        if episodes is not None:
-            scored = await score_episodes(self.rewards, record.prompt, episodes, meta)
-        else:
-            result = await self.rewards.score_group(
-                record.prompt, [c[1] for c in completions], meta,
-                completion_ids=[c[0].token_ids for c in completions])
-            scored = None if result.dropped else (list(result.total), list(result.breakdown))
-        if scored is None:
-            self._drop(group_id, record.prompt_id, "a reward failed")
-            return
-        totals, breakdowns = scored
-        if self._uninformative(totals):
-            self._drop_zero_variance(group_id, record.prompt_id)
-            return
-        comps = []
-        for (comp, _text), total, breakdown in zip(completions, totals, breakdowns, strict=True):
-            comp.reward = float(total)
-            comp.reward_breakdown = {k: float(v) for k, v in breakdown.items()}
-            comps.append(comp)
-        group = RolloutGroup(
-            group_id=group_id, producer_id=self.producer_id, prompt_id=record.prompt_id,
-            prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32), completions=comps,
-            timing={"admitted_at": admitted_at, "generate_s": gen_s,
-                    "reward_s": time.perf_counter() - t0 - gen_s},
-            metadata={"cursor": record.cursor, "producer_index": self.index,
-                      "incarnation": self.incarnation, "seq": self.seq})
-        self.seq += 1
-        self.outbox.add(group)
-        self.stats.retention_overflow = self.outbox.overflow
-        await self.endpoint.send(group)
-        self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
-        self.stats.groups_sent += 1
-        self._counted.set()
-
-    def _drop(self, group_id: str, prompt_id: str, why: str) -> None:
-        """rewards.on_failure=drop: the group is not sent (counted and logged)."""
-        if why == "a reward failed":
-            self.stats.groups_dropped_reward += 1
-        else:
-            self.stats.groups_dropped_episode += 1
-        self._log_sent({"dropped_by_reward": group_id, "prompt_id": prompt_id})
-        log.warning("group for prompt %s dropped: %s (on_failure=drop)", prompt_id, why)
-        self._counted.set()
-
-    def _uninformative(self, rewards: list[float]) -> bool:
-        """generation.dynamic_sampling: whether to drop this scored group as uninformative. Past
-        the step's cap it is sent as it is, with one warning the first time and a count."""
-        g = self.cfg.generation
-        if self.drop_cap is None or not is_uninformative(rewards, g.dynamic_sampling_min_std):
-            return False
-        hits = self.drop_cap.capped_windows
-        if self.drop_cap.drop(self.learner_consumed):
-            return True
-        if self.drop_cap.capped_windows > hits:
-            self.stats.dynamic_sampling_cap_hits += 1
-            log.log(logging.WARNING if hits == 0 else logging.INFO,
-                    "%s: %d uninformative groups dropped in this learner step "
-                    "(generation.dynamic_sampling_max_extra %g x its share of a batch); the "
-                    "step's other groups are sent as they are", self.producer_id,
-                    self.drop_cap.cap, g.dynamic_sampling_max_extra)
-        return False
-
-    def _drop_zero_variance(self, group_id: str, prompt_id: str) -> None:
-        """generation.dynamic_sampling: the group is not sent (counted, and in the sent log for
-        conservation); its admission slot frees as it ends, for a group in its place."""
-        self.stats.groups_dropped_zero_variance += 1
-        self._log_sent({"dropped_zero_variance": group_id, "prompt_id": prompt_id})
-        self._counted.set()
-
-    def _sampling(self, **overrides: Any) -> Any:
-        """The run's SamplingParams (``generation``), with an episode turn's overrides."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        g = self.cfg.generation
-        opts = dict(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
-                    stop=list(g.stop) or None, ignore_eos=g.ignore_eos)
-        opts.update(overrides)
-        return SamplingParams(
-            n=1, logprobs=0,
-            # vLLM detokenizes every token (and every logprob) in Python on the engine's
-            # event loop; one decode per finished completion here costs a fraction of that.
-            # Stop strings need vLLM's incremental text, so they keep it on.
-            detokenize=bool(opts["stop"]),
-            flat_logprobs=True,  # a few flat lists per request, not a dict per token
-            seed=None, output_kind=RequestOutputKind.FINAL_ONLY if self.final
-            else RequestOutputKind.DELTA, **opts)
-
-    async def _run_episodes(self, group_id: str, record: PromptRecord, prompt_ids: list[int],
-                            meta: dict[str, Any]) -> list[EpisodeResult] | None:
-        """The group's G episodes, run concurrently; None when one failed and
-        rewards.on_failure is drop. Each turn is one request through ``_generate_one``: it
-        waits at the barrier's gate, carries its version's cache salt and version tags."""
-        e = self.cfg.episode
-
-        async def generate(rid: str, ids: list[int], overrides: dict[str, Any]
-                           ) -> tuple[Completion, str]:
-            return await self._generate_one(rid, ids, self._sampling(**overrides))
-
-        results = await run_episodes(
-            self.episode_fn, self.cfg.generation.group_size, generate=generate,
-            tokenizer=self.tokenizer, prompt_ids=prompt_ids, limits=episode_limits(e),
-            max_model_len=self.cfg.engine.max_model_len, request_prefix=group_id,
-            version=lambda: self.tracker.version, prompt=record.prompt,
-            prompt_id=record.prompt_id, kwargs={**e.kwargs, **meta})
-        st = self.stats
-        for r in results:
-            st.episodes += 1
-            st.episode_turns += r.turns
-            st.episode_tool_calls += r.tool_calls
-            st.episode_env_tokens += r.env_tokens
-            if r.failure:
-                name = {"tool_timeout": "episode_tool_timeouts", "tool_error":
-                        "episode_tool_errors", "timeout": "episode_timeouts"}.get(
-                            r.failure, "episode_errors")
-                setattr(st, name, getattr(st, name) + 1)
-                log.log(*self.episode_failures.record(record.prompt_id, r.failure, r.detail))
-        if any(r.failure for r in results) and self.cfg.rewards.on_failure == "drop":
-            return None
-        return results
-
-    def _summarise_failures(self) -> None:
-        """One warning line counting the episode failures logged to the file only since the
-        last one (``FailureLog``)."""
-        line = self.episode_failures.summary(max(self._failures_version, 0))
-        if line is not None:
-            log.warning("%s: %s", self.producer_id, line)
-
-    def _log_sent(self, record: dict[str, Any]) -> None:
-        """One line per group handed to the transport: the producer side of the soak's
-        conservation check (groups produced = trained + dropped + held)."""
-        with self.sent_log.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-
-    async def _generate_one(self, rid: str, prompt_ids: list[int], sp: Any
-                            ) -> tuple[Completion, str]:
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        segments: list[tuple[int, int]] = []
-        text: list[str] = []
-        attempt = 0
-        while True:
-            request_id = f"{rid}-a{attempt}"
-            version = await self.tracker.admit(request_id)
-            # The salt keeps prefix-cache hits within one weights version: KV computed by old
-            # weights is never reused for a request admitted after a swap.
-            prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
-            finish = ""
-            self.stats.busy.enter()
-            # Adapter sync: the request keeps its version's adapter to the end, so every token
-            # is that version's (no swap boundary falls inside it).
-            lora = self.adapters.request_for(version) if self.adapters is not None else None
-            try:
-                async for out in self.engine.generate(prompt, sp, request_id,
-                                                      lora_request=lora):
-                    c = out.outputs[0]
-                    new = list(c.token_ids)
-                    v = self.tracker.on_output(request_id, len(new))
-                    if new:
-                        if self.adapters is not None:
-                            segments = [(0, version)]
-                        elif self.final:  # the one output: versions from the swap boundaries
-                            segments = self.tracker.segments(request_id, version, len(new))
-                        elif not segments or segments[-1][1] != v:
-                            segments.append((len(tokens), v))
-                        tokens.extend(new)
-                        logprobs.extend(sampled_logprobs(c.logprobs, new))
-                        text.append(c.text)
-                    if out.finished:
-                        finish = c.finish_reason or ""
-                        # Prefix-cache reuse (an episode's later turns, a group's siblings).
-                        self.stats.prompt_tokens += len(prompt_ids)
-                        self.stats.prompt_tokens_cached += int(
-                            getattr(out, "num_cached_tokens", 0) or 0)
-            finally:
-                self.tracker.finish(request_id)
-                self.stats.busy.exit()
-                if self.adapters is not None:
-                    await self.adapters.release(version)
-            if finish == "abort" and attempt < 100:
-                # Aborted by a swap (abort mode, or not yet started at a drain_prefill swap):
-                # regenerate from scratch under the new weights and their cache salt.
-                tokens, logprobs, segments, text = [], [], [], []
-                attempt += 1
-                self.stats.completions_resubmitted += 1
-                continue
-            break
-        self.stats.tokens += len(tokens)
-        if not segments:
-            segments = [(0, self.tracker.version)]
-        comp = Completion(token_ids=np.asarray(tokens, dtype=np.int32),
-                          logprobs=np.asarray(logprobs, dtype=np.float32),
-                          version_segments=segments, finish_reason=finish)
-        if not sp.detokenize:
-            return comp, self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return comp, "".join(text)
-
     # ------------------------------------------------------------------ control
     async def _listen(self) -> None:
         while True:
@@ -491,8 +253,8 @@ class Producer:
             log.info("%s: learner session %s at version %d", self.producer_id,
                      ann.learner_session, ann.version)
         route = ann.routes.get(self.producer_id, "file")
-        if route == "nccl":
-            await self._ensure_link(ann)
+        if route in self.routes:
+            await self.routes[route].connect(ann.transfer, self.producer_id)
         ref = self._target(ann, route)
         if ref is not None and ref.version != self.tracker.version:
             self._synced.clear()  # generate nothing more on weights the learner has left
@@ -547,7 +309,7 @@ class Producer:
         has no file (``uri`` ""). Else the file. Never an older version than the one we run
         from the same learner: the file of a version we took by GPU arrives later, and the
         file of the one before it meanwhile."""
-        gpu = ann.transfer.get("version") if route in ("ipc", "nccl") else None
+        gpu = ann.transfer.get("version") if route_class(route).gpu_copy else None
         if type(gpu) is int and gpu > ann.version:
             ref = SnapshotRef(gpu, "", "")
         elif ann.snapshot_uri:
@@ -577,7 +339,8 @@ class Producer:
     async def _swap(self, ref: SnapshotRef, route: str, transfer: dict[str, Any]) -> Any:
         """The barrier around the route's load; a failed GPU route falls back to the file.
         None when the version can only come from its file and that is not written yet."""
-        used, why = plan_route(route, transfer, self.producer_id, self.devices, self.nccl.joined)
+        used, why = plan_route(route, transfer, self.producer_id, self.devices,
+                               self.routes["nccl"].joined)
         if used != "file" and transfer.get("version") != ref.version:
             used, why = "file", f"the GPU copy on offer is v{transfer.get('version')}"
         if self.adapters is not None:
@@ -596,29 +359,9 @@ class Producer:
         if why:
             log.warning("%s: v%d by file instead of %s: %s", self.producer_id, ref.version,
                         route, why)
-        if used == "ipc":
-            return await swap_with_fallback(
-                self.barrier, "ipc", ref, self.transport, load=partial(self.ipc.apply, ref.version),
-                prepare=partial(self.ipc.stage, ref, transfer))
-        if used == "nccl":
-            return await swap_with_fallback(
-                self.barrier, "nccl", ref, self.transport,
-                load=partial(self.nccl.receive_and_apply, ref, transfer))
-        return await swap_with_fallback(self.barrier, "file", ref, self.transport)
-
-    async def _ensure_link(self, ann: Announce) -> None:
-        """Join the NCCL link the learner offers us, unless we hold it already."""
-        link = nccl_offer(ann.transfer, self.producer_id)
-        if link is None or link["unique_id"] == self.nccl.joined or \
-                link["unique_id"] in self._failed_links:
-            return
-        try:
-            await asyncio.wait_for(self.nccl.join(link), self.cfg.sync.nccl_timeout_s)
-            log.info("%s: NCCL link epoch %d joined", self.producer_id, link["epoch"])
-        except Exception as e:  # the learner offers a new epoch; meanwhile weights come by file
-            self._failed_links.add(link["unique_id"])
-            log.error("%s: joining NCCL link epoch %d failed: %r", self.producer_id,
-                      link["epoch"], e)
+        load, prepare = self.routes[used].steps(ref, transfer)
+        return await swap_with_fallback(self.barrier, used, ref, self.routes["file"], load=load,
+                                        prepare=prepare)
 
     async def _hello(self) -> None:
         """Introduce this incarnation; returns once the learner has welcomed it (retrying while
@@ -701,8 +444,8 @@ class Producer:
         finally:
             self._summarise_failures()
             self.outbox.close()
-            if hasattr(self.transport, "close"):
-                self.transport.close()
+            for route in self.routes.values():
+                route.close()
             if self.adapters is not None:
                 self.adapters.close()
             for t in list(self._group_tasks):
@@ -712,23 +455,33 @@ class Producer:
                     await self.engine.abort(rid)
 
 
-def file_transport(engine: Any, cfg: RunConfig, producer_id: str) -> FileTransport:
-    """The file route's transport: snapshot files read where the learner wrote them, or, with
-    ``sync.stream_from`` set (a producer on another machine), streamed into a directory of this
-    node first (``sync.stream``)."""
-    if not cfg.sync.stream_from:
-        return FileTransport(engine)
+def weight_routes(engine: Any, cfg: RunConfig, producer_id: str,
+                  send_ready: Callable[[str, int, int], Awaitable[None]]
+                  ) -> dict[str, WeightRoute]:
+    """The producer end of each route the learner may name, by that name. Its ``file`` reads
+    snapshot files where the learner wrote them, or, with ``sync.stream_from`` set (a producer on
+    another machine), is the stream route: each file streamed into a directory of this node
+    first (``sync.routes.stream``)."""
+    s = cfg.sync
+    routes = {"file": make_route("file", engine),
+              "ipc": make_route("ipc", engine, producer_id=producer_id, send_ready=send_ready,
+                                timeout_s=s.nccl_timeout_s),
+              "nccl": make_route("nccl", engine, send_ready=send_ready,
+                                 timeout_s=s.nccl_timeout_s)}
+    if not s.stream_from:
+        return routes
     import tempfile
 
-    from sync.stream import StreamedFileTransport, StreamKeys
+    from sync.stream import StreamKeys
 
     curve = curve_keys(cfg, "producer")
     keys = StreamKeys(curve.server_public, None, curve.client_public, curve.client_secret) \
         if curve is not None else None
     local = Path(tempfile.gettempdir()) / f"pipeline-grpo-stream-{producer_id}-{os.getpid()}"
-    log.info("%s: weights streamed from %s into %s", producer_id, cfg.sync.stream_from, local)
-    return StreamedFileTransport(engine, cfg.sync.stream_from, keys, local,
-                                 timeout_s=cfg.sync.load_timeout_s)
+    log.info("%s: weights streamed from %s into %s", producer_id, s.stream_from, local)
+    routes["file"] = make_route("stream", engine, addr=s.stream_from, keys=keys,
+                                local_dir=local, timeout_s=s.load_timeout_s)
+    return routes
 
 
 async def engine_devices(engine: Any) -> list[str]:
@@ -740,20 +493,6 @@ async def engine_devices(engine: Any) -> list[str]:
         return []
     uuids = [i.get("gpu_uuid", "") for i in infos if isinstance(i, dict)]
     return uuids if uuids and all(uuids) else []
-
-
-def sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
-    """Behaviour logprob of each sampled token from vLLM's per-position logprob dicts."""
-    if lp is None:
-        return [math.nan] * len(token_ids)
-    flat = getattr(lp, "start_indices", None) is not None  # vLLM's FlatLogprobs
-    if flat and len(lp.logprobs) == len(token_ids) and list(lp.token_ids) == list(token_ids):
-        return [float(x) for x in lp.logprobs]  # logprobs=0: one entry, the sampled token
-    out = []
-    for pos, tok in zip(lp, token_ids, strict=False):
-        entry = pos.get(tok) if pos is not None else None
-        out.append(float(entry.logprob) if entry is not None else math.nan)
-    return out
 
 
 async def producer_main(cfg: RunConfig, index: int, model_path: str, start_cursor: int = 0,

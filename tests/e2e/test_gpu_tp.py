@@ -25,7 +25,8 @@ from test_sync_swap import PROBE, EngineLoop, probe
 from bench.sync_bench import model_tensors, perturbed
 from pipeline.learner.trainer import token_logprobs
 from sync.barrier import RequestTracker
-from sync.transfer import NcclTransport, nccl_offer, plan_route
+from sync.routes import plan_route
+from sync.routes.nccl import NcclRoute, nccl_offer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(_gpus() < 3, reason="needs 3 GPUs: a TP=2 engine on GPUs 0-1 "
@@ -83,7 +84,7 @@ def max_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
-async def _link_up(learner: Learner, nccl: NcclTransport, offer: dict) -> None:
+async def _link_up(learner: Learner, nccl: NcclRoute, offer: dict) -> None:
     await nccl.join(offer)
     await asyncio.gather(*learner.tasks)
 
@@ -105,7 +106,7 @@ def test_tp2_engine_takes_each_version_over_nccl_on_both_ranks(eng, weights, pol
         learner.pub.maintain({PID: (True, 1 + len(devices))})
         offer = nccl_offer({"nccl": {PID: learner.pub.links[PID].offer()}}, PID)
         assert offer is not None and offer["world_size"] == 3 and offer["rank_offset"] == 1
-        nccl = NcclTransport(eng.engine, learner.send_ready, timeout_s=60.0)
+        nccl = NcclRoute(eng.engine, learner.send_ready, timeout_s=60.0)
         eng.run(_link_up(learner, nccl, offer), timeout=180)
         assert learner.pub.links[PID].state == "ready" and nccl.joined == offer["unique_id"]
 

@@ -32,15 +32,12 @@ from test_sync_swap import VOCAB, EngineLoop, hf_dir_with, probe
 from bench.sync_bench import generate, model_tensors, perturbed, random_prompt
 from buffer.protocol import SyncReady, decode, encode
 from sync.barrier import RequestTracker, SwapBarrier
+from sync.routes import plan_route
+from sync.routes.base import swap_with_fallback
+from sync.routes.file import FileRoute
+from sync.routes.ipc import IpcRoute
+from sync.routes.nccl import NcclRoute, nccl_offer
 from sync.snapshot import SnapshotRef, write_snapshot
-from sync.transfer import (
-    FileTransport,
-    IpcTransport,
-    NcclTransport,
-    nccl_offer,
-    plan_route,
-    swap_with_fallback,
-)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 PID = "p0"
@@ -107,7 +104,7 @@ class Learner:
 
 
 async def _swap_under_load(e: EngineLoop, route: str, ref: SnapshotRef, transfer: dict,
-                           nccl: NcclTransport | None = None, n: int = 32):
+                           nccl: NcclRoute | None = None, n: int = 32):
     """n requests in flight, then one swap through ``route`` (file fallback as in producer)."""
     tk = e.tracker
     rng = random.Random(ref.version)
@@ -118,9 +115,9 @@ async def _swap_under_load(e: EngineLoop, route: str, ref: SnapshotRef, transfer
         await asyncio.sleep(0.01)
     barrier = SwapBarrier(e.engine, tk, drain_timeout_s=120, pause_timeout_s=120,
                           load_timeout_s=120)
-    file = FileTransport(e.engine)
+    file = FileRoute(e.engine)
     if route == "ipc":
-        ipc = IpcTransport(e.engine, PID)
+        ipc = IpcRoute(e.engine, PID)
         report = await swap_with_fallback(barrier, "ipc", ref, file,
                                           load=partial(ipc.apply, ref.version),
                                           prepare=partial(ipc.stage, ref, transfer))
@@ -164,7 +161,7 @@ def test_nccl_swap_under_load_matches_fresh_engine_and_survives_faults(eng, weig
                                                                       fresh_probe):
     learner = Learner("cuda:1", timeout_s=20.0)
 
-    async def link_up(nccl: NcclTransport) -> dict:
+    async def link_up(nccl: NcclRoute) -> dict:
         learner.pub.maintain({PID: (True, 2)})  # offer a link, as the learner's announce loop
         offer = nccl_offer({"nccl": {PID: learner.pub.links[PID].offer()}}, PID)
         assert offer is not None
@@ -173,7 +170,7 @@ def test_nccl_swap_under_load_matches_fresh_engine_and_survives_faults(eng, weig
         assert learner.pub.links[PID].state == "ready"
         return offer
 
-    nccl = NcclTransport(eng.engine, learner.send_ready, timeout_s=20.0)
+    nccl = NcclRoute(eng.engine, learner.send_ready, timeout_s=20.0)
     eng.run(link_up(nccl), timeout=120)
 
     # 1. Swap to the new weights and back, under load, by effect.

@@ -18,8 +18,8 @@ from test_sync_swap import EngineLoop
 from bench.sync_bench import model_tensors
 from pipeline.producer.engine import engine_progress
 from sync.barrier import RequestTracker, SwapBarrier
+from sync.routes.file import FileRoute
 from sync.snapshot import write_snapshot
-from sync.transfer import FileTransport
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def test_final_mode_swap_tags_tokens_by_effect(tiny_model, tmp_path, mode):
             tasks = [asyncio.create_task(_final(e.engine, tracker, f"r{i}", p, 160))
                      for i, p in enumerate(prompts)]
             await asyncio.sleep(0.5)
-            tr = FileTransport(e.engine)
+            tr = FileRoute(e.engine)
             report = await barrier.swap(1, partial(tr.apply, 1), prepare=partial(tr.stage, ref))
             return await asyncio.gather(*tasks), report
 

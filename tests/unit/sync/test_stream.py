@@ -11,8 +11,9 @@ import pytest
 import torch
 import zmq
 
+from sync.routes.stream import StreamRoute
 from sync.snapshot import SnapshotError, SnapshotRef, read_snapshot, write_snapshot
-from sync.stream import SnapshotServer, StreamedFileTransport, StreamKeys, fetch_snapshot
+from sync.stream import SnapshotServer, StreamKeys, fetch_snapshot
 
 
 def _keys() -> tuple[StreamKeys, StreamKeys]:
@@ -96,7 +97,7 @@ def test_transport_stages_the_local_copy_and_keeps_two(served, tmp_path):
     server, ref, keys, tensors = served
     engine = FakeEngine()
     local = tmp_path / "node2-stream"
-    tr = StreamedFileTransport(engine, server.addr, keys, local, keep=2)
+    tr = StreamRoute(engine, server.addr, keys, local, keep=2)
     src = os.path.dirname(ref.uri)
     refs = [ref] + [write_snapshot(tensors, v, src) for v in (4, 5)]
     for r in refs:

@@ -25,16 +25,11 @@ from sync.publish import (
     permanent_link_error,
     ready_reply,
 )
+from sync.routes import plan_route
+from sync.routes.base import RouteChoiceError, choose_route, swap_with_fallback
+from sync.routes.file import FileRoute
+from sync.routes.nccl import NcclRoute, nccl_offer
 from sync.snapshot import SnapshotRef
-from sync.transfer import (
-    FileTransport,
-    NcclTransport,
-    TransportChoiceError,
-    choose_transport,
-    nccl_offer,
-    plan_route,
-    swap_with_fallback,
-)
 
 A, B, C = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
 
@@ -50,20 +45,20 @@ A, B, C = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
     (A, [A, B], "file"),           # TP workers straddling the learner's GPU
 ])
 def test_auto_transport_per_placement(learner, producer, want):
-    assert choose_transport("auto", learner, producer) == want
+    assert choose_route("auto", learner, producer) == want
 
 
 def test_explicit_transport_that_cannot_work_is_a_clear_error():
-    with pytest.raises(TransportChoiceError, match="needs the learner and the producer on CUDA"):
-        choose_transport("nccl", None, [])
-    with pytest.raises(TransportChoiceError, match="NCCL cannot put two ranks on one GPU"):
-        choose_transport("nccl", A, [A])
-    with pytest.raises(TransportChoiceError, match="use 'nccl'"):
-        choose_transport("ipc", A, [B])
-    with pytest.raises(TransportChoiceError, match="unknown transport"):
-        choose_transport("rdma", A, [B])
-    assert choose_transport("file", A, [A]) == "file"
-    assert choose_transport("nccl", A, [B]) == "nccl" and choose_transport("ipc", A, [A]) == "ipc"
+    with pytest.raises(RouteChoiceError, match="needs the learner and the producer on CUDA"):
+        choose_route("nccl", None, [])
+    with pytest.raises(RouteChoiceError, match="NCCL cannot put two ranks on one GPU"):
+        choose_route("nccl", A, [A])
+    with pytest.raises(RouteChoiceError, match="use 'nccl'"):
+        choose_route("ipc", A, [B])
+    with pytest.raises(RouteChoiceError, match="unknown transport"):
+        choose_route("rdma", A, [B])
+    assert choose_route("file", A, [A]) == "file"
+    assert choose_route("nccl", A, [B]) == "nccl" and choose_route("ipc", A, [A]) == "ipc"
 
 
 # ------------------------------------------------------------------ route planning (producer)
@@ -259,11 +254,11 @@ def _swap_with(engine: MockEngine, route: str, sent: list):
 
     async def main():
         barrier = SwapBarrier(engine, RequestTracker(), settle_s=0.01)
-        nccl = NcclTransport(engine, send_ready, timeout_s=1.0)
+        nccl = NcclRoute(engine, send_ready, timeout_s=1.0)
         nccl.link = _offer()
         ref = SnapshotRef(1, "/snap/policy_v1.safetensors", "blake2b:x")
         transfer = {"layout": [], "nccl": {"p0": _offer()}}
-        rep = await swap_with_fallback(barrier, route, ref, FileTransport(engine),
+        rep = await swap_with_fallback(barrier, route, ref, FileRoute(engine),
                                        load=partial(nccl.receive_and_apply, ref, transfer))
         return rep, barrier, nccl
 

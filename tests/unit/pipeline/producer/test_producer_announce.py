@@ -53,4 +53,4 @@ def test_failed_nccl_join_tells_the_learner_to_drop_the_link_fake_engine(tmp_pat
     asyncio.run(producer._apply_announce(ann))
     ready = [(m.purpose, m.epoch) for m in endpoint.sent if isinstance(m, SyncReady)]
     assert ready == [("link", 5), ("drop", 5)]
-    assert producer.nccl.link is None
+    assert producer.routes["nccl"].link is None

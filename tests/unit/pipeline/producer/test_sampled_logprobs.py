@@ -6,7 +6,7 @@ import math
 
 from vllm.logprobs import FlatLogprobs, Logprob
 
-from pipeline.producer.loop import sampled_logprobs
+from pipeline.producer.group import sampled_logprobs
 
 
 def test_flat_logprobs_with_only_the_sampled_token_are_read_directly():

@@ -1,0 +1,272 @@
+"""The rollout of one group: G completions (or G episodes) generated, scored and sent.
+
+``GroupRollout._run_group`` is what the producer's admission loop (``pipeline.producer.loop``)
+starts for each admitted prompt: it generates the group's completions through the barrier's
+gate (``_generate_one``: each request waits while a swap is under way, carries its version's
+cache salt and tags every delta with the version the engine holds), or with ``episode.fn`` its
+G multi-turn episodes (``pipeline.producer.episode``); scores them (``rewards``); drops a group
+whose reward failed or, under ``generation.dynamic_sampling``, whose rewards are all equal (at
+most a cap per learner step); and hands the rest to the outbox and the data channel, numbered
+(``seq``) for exactly-once delivery. Every group sent or dropped is one line in the sent log
+(the producer side of the soak's conservation check).
+
+A mixin of ``Producer``: it reads the producer's configuration, engine, tracker, rewards,
+adapters, stats, outbox and endpoint, and advances ``seq``; it owns no state of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from buffer.schema import Completion, RolloutGroup
+from pipeline.producer.data import PromptRecord
+from pipeline.producer.episode import (
+    EpisodeResult,
+    episode_limits,
+    run_episodes,
+    score_episodes,
+)
+from pipeline.producer.sampling import is_uninformative
+
+log = logging.getLogger(__name__)
+
+
+class GroupRollout:
+    """The per-group half of ``Producer`` (see the module docstring)."""
+
+    async def _run_group(self, record: PromptRecord, prompt_ids: list[int]) -> None:
+        g = self.cfg.generation
+        group_id = f"{self.producer_id}-{uuid.uuid4().hex[:12]}"
+        admitted_at = time.time()
+        t0 = time.perf_counter()
+        meta = dict(record.meta, prompt_id=record.prompt_id)
+        episodes = None
+        if self.episode_fn is not None:  # multi-turn: G episodes (pipeline.producer.episode)
+            episodes = await self._run_episodes(group_id, record, prompt_ids, meta)
+            if episodes is None:
+                self._drop(group_id, record.prompt_id, "an episode failed")
+                return
+            completions = [(e.completion, e.text) for e in episodes]
+        else:
+            completions = await asyncio.gather(*(
+                self._generate_one(f"{group_id}-{j}", prompt_ids, self._sampling())
+                for j in range(g.group_size)))
+        gen_s = time.perf_counter() - t0
+        if episodes is not None:
+            scored = await score_episodes(self.rewards, record.prompt, episodes, meta)
+        else:
+            result = await self.rewards.score_group(
+                record.prompt, [c[1] for c in completions], meta,
+                completion_ids=[c[0].token_ids for c in completions])
+            scored = None if result.dropped else (list(result.total), list(result.breakdown))
+        if scored is None:
+            self._drop(group_id, record.prompt_id, "a reward failed")
+            return
+        totals, breakdowns = scored
+        if self._uninformative(totals):
+            self._drop_zero_variance(group_id, record.prompt_id)
+            return
+        comps = []
+        for (comp, _text), total, breakdown in zip(completions, totals, breakdowns, strict=True):
+            comp.reward = float(total)
+            comp.reward_breakdown = {k: float(v) for k, v in breakdown.items()}
+            comps.append(comp)
+        group = RolloutGroup(
+            group_id=group_id, producer_id=self.producer_id, prompt_id=record.prompt_id,
+            prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32), completions=comps,
+            timing={"admitted_at": admitted_at, "generate_s": gen_s,
+                    "reward_s": time.perf_counter() - t0 - gen_s},
+            metadata={"cursor": record.cursor, "producer_index": self.index,
+                      "incarnation": self.incarnation, "seq": self.seq})
+        self.seq += 1
+        self.outbox.add(group)
+        self.stats.retention_overflow = self.outbox.overflow
+        await self.endpoint.send(group)
+        self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
+        self.stats.groups_sent += 1
+        self._counted.set()
+
+    def _drop(self, group_id: str, prompt_id: str, why: str) -> None:
+        """rewards.on_failure=drop: the group is not sent (counted and logged)."""
+        if why == "a reward failed":
+            self.stats.groups_dropped_reward += 1
+        else:
+            self.stats.groups_dropped_episode += 1
+        self._log_sent({"dropped_by_reward": group_id, "prompt_id": prompt_id})
+        log.warning("group for prompt %s dropped: %s (on_failure=drop)", prompt_id, why)
+        self._counted.set()
+
+    def _uninformative(self, rewards: list[float]) -> bool:
+        """generation.dynamic_sampling: whether to drop this scored group as uninformative. Past
+        the step's cap it is sent as it is, with one warning the first time and a count."""
+        g = self.cfg.generation
+        if self.drop_cap is None or not is_uninformative(rewards, g.dynamic_sampling_min_std):
+            return False
+        hits = self.drop_cap.capped_windows
+        if self.drop_cap.drop(self.learner_consumed):
+            return True
+        if self.drop_cap.capped_windows > hits:
+            self.stats.dynamic_sampling_cap_hits += 1
+            log.log(logging.WARNING if hits == 0 else logging.INFO,
+                    "%s: %d uninformative groups dropped in this learner step "
+                    "(generation.dynamic_sampling_max_extra %g x its share of a batch); the "
+                    "step's other groups are sent as they are", self.producer_id,
+                    self.drop_cap.cap, g.dynamic_sampling_max_extra)
+        return False
+
+    def _drop_zero_variance(self, group_id: str, prompt_id: str) -> None:
+        """generation.dynamic_sampling: the group is not sent (counted, and in the sent log for
+        conservation); its admission slot frees as it ends, for a group in its place."""
+        self.stats.groups_dropped_zero_variance += 1
+        self._log_sent({"dropped_zero_variance": group_id, "prompt_id": prompt_id})
+        self._counted.set()
+
+    def _sampling(self, **overrides: Any) -> Any:
+        """The run's SamplingParams (``generation``), with an episode turn's overrides."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        g = self.cfg.generation
+        opts = dict(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
+                    stop=list(g.stop) or None, ignore_eos=g.ignore_eos)
+        opts.update(overrides)
+        return SamplingParams(
+            n=1, logprobs=0,
+            # vLLM detokenizes every token (and every logprob) in Python on the engine's
+            # event loop; one decode per finished completion here costs a fraction of that.
+            # Stop strings need vLLM's incremental text, so they keep it on.
+            detokenize=bool(opts["stop"]),
+            flat_logprobs=True,  # a few flat lists per request, not a dict per token
+            seed=None, output_kind=RequestOutputKind.FINAL_ONLY if self.final
+            else RequestOutputKind.DELTA, **opts)
+
+    async def _run_episodes(self, group_id: str, record: PromptRecord, prompt_ids: list[int],
+                            meta: dict[str, Any]) -> list[EpisodeResult] | None:
+        """The group's G episodes, run concurrently; None when one failed and
+        rewards.on_failure is drop. Each turn is one request through ``_generate_one``: it
+        waits at the barrier's gate, carries its version's cache salt and version tags."""
+        e = self.cfg.episode
+
+        async def generate(rid: str, ids: list[int], overrides: dict[str, Any]
+                           ) -> tuple[Completion, str]:
+            return await self._generate_one(rid, ids, self._sampling(**overrides))
+
+        results = await run_episodes(
+            self.episode_fn, self.cfg.generation.group_size, generate=generate,
+            tokenizer=self.tokenizer, prompt_ids=prompt_ids, limits=episode_limits(e),
+            max_model_len=self.cfg.engine.max_model_len, request_prefix=group_id,
+            version=lambda: self.tracker.version, prompt=record.prompt,
+            prompt_id=record.prompt_id, kwargs={**e.kwargs, **meta})
+        st = self.stats
+        for r in results:
+            st.episodes += 1
+            st.episode_turns += r.turns
+            st.episode_tool_calls += r.tool_calls
+            st.episode_env_tokens += r.env_tokens
+            if r.failure:
+                name = {"tool_timeout": "episode_tool_timeouts", "tool_error":
+                        "episode_tool_errors", "timeout": "episode_timeouts"}.get(
+                            r.failure, "episode_errors")
+                setattr(st, name, getattr(st, name) + 1)
+                log.log(*self.episode_failures.record(record.prompt_id, r.failure, r.detail))
+        if any(r.failure for r in results) and self.cfg.rewards.on_failure == "drop":
+            return None
+        return results
+
+    def _summarise_failures(self) -> None:
+        """One warning line counting the episode failures logged to the file only since the
+        last one (``FailureLog``)."""
+        line = self.episode_failures.summary(max(self._failures_version, 0))
+        if line is not None:
+            log.warning("%s: %s", self.producer_id, line)
+
+    def _log_sent(self, record: dict[str, Any]) -> None:
+        """One line per group handed to the transport: the producer side of the soak's
+        conservation check (groups produced = trained + dropped + held)."""
+        with self.sent_log.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    async def _generate_one(self, rid: str, prompt_ids: list[int], sp: Any
+                            ) -> tuple[Completion, str]:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        segments: list[tuple[int, int]] = []
+        text: list[str] = []
+        attempt = 0
+        while True:
+            request_id = f"{rid}-a{attempt}"
+            version = await self.tracker.admit(request_id)
+            # The salt keeps prefix-cache hits within one weights version: KV computed by old
+            # weights is never reused for a request admitted after a swap.
+            prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
+            finish = ""
+            self.stats.busy.enter()
+            # Adapter sync: the request keeps its version's adapter to the end, so every token
+            # is that version's (no swap boundary falls inside it).
+            lora = self.adapters.request_for(version) if self.adapters is not None else None
+            try:
+                async for out in self.engine.generate(prompt, sp, request_id,
+                                                      lora_request=lora):
+                    c = out.outputs[0]
+                    new = list(c.token_ids)
+                    v = self.tracker.on_output(request_id, len(new))
+                    if new:
+                        if self.adapters is not None:
+                            segments = [(0, version)]
+                        elif self.final:  # the one output: versions from the swap boundaries
+                            segments = self.tracker.segments(request_id, version, len(new))
+                        elif not segments or segments[-1][1] != v:
+                            segments.append((len(tokens), v))
+                        tokens.extend(new)
+                        logprobs.extend(sampled_logprobs(c.logprobs, new))
+                        text.append(c.text)
+                    if out.finished:
+                        finish = c.finish_reason or ""
+                        # Prefix-cache reuse (an episode's later turns, a group's siblings).
+                        self.stats.prompt_tokens += len(prompt_ids)
+                        self.stats.prompt_tokens_cached += int(
+                            getattr(out, "num_cached_tokens", 0) or 0)
+            finally:
+                self.tracker.finish(request_id)
+                self.stats.busy.exit()
+                if self.adapters is not None:
+                    await self.adapters.release(version)
+            if finish == "abort" and attempt < 100:
+                # Aborted by a swap (abort mode, or not yet started at a drain_prefill swap):
+                # regenerate from scratch under the new weights and their cache salt.
+                tokens, logprobs, segments, text = [], [], [], []
+                attempt += 1
+                self.stats.completions_resubmitted += 1
+                continue
+            break
+        self.stats.tokens += len(tokens)
+        if not segments:
+            segments = [(0, self.tracker.version)]
+        comp = Completion(token_ids=np.asarray(tokens, dtype=np.int32),
+                          logprobs=np.asarray(logprobs, dtype=np.float32),
+                          version_segments=segments, finish_reason=finish)
+        if not sp.detokenize:
+            return comp, self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return comp, "".join(text)
+
+
+def sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:
+    """Behaviour logprob of each sampled token from vLLM's per-position logprob dicts."""
+    if lp is None:
+        return [math.nan] * len(token_ids)
+    flat = getattr(lp, "start_indices", None) is not None  # vLLM's FlatLogprobs
+    if flat and len(lp.logprobs) == len(token_ids) and list(lp.token_ids) == list(token_ids):
+        return [float(x) for x in lp.logprobs]  # logprobs=0: one entry, the sampled token
+    out = []
+    for pos, tok in zip(lp, token_ids, strict=False):
+        entry = pos.get(tok) if pos is not None else None
+        out.append(float(entry.logprob) if entry is not None else math.nan)
+    return out
