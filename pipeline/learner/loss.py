@@ -93,6 +93,89 @@ def _check_shape(name: str, t: torch.Tensor | None, shape: torch.Size) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
+def _check_inputs(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                  advantages: torch.Tensor, mask: torch.Tensor, cfg: LossConfig,
+                  proximal_logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
+                  normalizer: float | None) -> None:
+    """ValueError unless every input has the shape of ``logprobs`` (advantages: one per row) and
+    the reference and normaliser are there and valid when needed."""
+    shape = logprobs.shape
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be (B, T), got shape {tuple(shape)}")
+    _check_shape("behaviour_logprobs", behaviour_logprobs, shape)
+    _check_shape("mask", mask, shape)
+    _check_shape("proximal_logprobs", proximal_logprobs, shape)
+    _check_shape("ref_logprobs", ref_logprobs, shape)
+    if advantages.shape != shape[:1]:
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},)")
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+
+
+def _importance(lp: torch.Tensor, beh: torch.Tensor, prox: torch.Tensor, cfg: LossConfig
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ratio, raw importance weight, capped importance weight) per token. ``ppo``: the ratio
+    to the behaviour policy, no separate weight; decoupled: the ratio to the proximal policy,
+    weighted by proximal / behaviour truncated at ``cfg.is_cap``."""
+    if cfg.off_policy == "ppo":
+        ratio = torch.exp(lp - beh)
+        is_raw = torch.ones_like(beh)
+        return ratio, is_raw, is_raw
+    ratio = torch.exp(lp - prox)
+    is_raw = torch.exp(prox - beh)
+    return ratio, is_raw, is_raw.clamp(max=cfg.is_cap)
+
+
+def _k3_kl(ref: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref): exp(ref - lp) - (ref - lp) - 1 (>= 0)."""
+    log_ref_ratio = ref - lp
+    return torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
+
+
+def _aggregate(per_token: torch.Tensor, m: torch.Tensor, agg: str,
+               normalizer: float | None) -> torch.Tensor:
+    """The scalar loss from masked per-token losses: ``token_mean`` (sum over the tokens /
+    ``normalizer`` or the mask's tokens) or ``seq_mean`` (each row's mean, summed /
+    ``normalizer`` or the row count)."""
+    if agg == "token_mean":
+        denom = float(normalizer) if normalizer is not None else m.sum().clamp(min=1)
+        return per_token.sum() / denom
+    seq_means = per_token.sum(dim=1) / m.sum(dim=1).clamp(min=1)
+    denom = float(normalizer) if normalizer is not None else per_token.shape[0]
+    return seq_means.sum() / denom
+
+
+@torch.no_grad()
+def _diagnostics(m: torch.Tensor, ratio: torch.Tensor, adv: torch.Tensor, is_raw: torch.Tensor,
+                 is_weight: torch.Tensor, beh: torch.Tensor, prox: torch.Tensor,
+                 kl: torch.Tensor | None, cfg: LossConfig) -> dict[str, torch.Tensor]:
+    """Per-step metrics over the mask's tokens: clipping, ratios, importance weights, the
+    behaviour/proximal mismatch and (with a reference) the KL."""
+    zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    count = m.sum().clamp(min=1).to(ratio.dtype)
+
+    def masked_mean(t: torch.Tensor) -> torch.Tensor:
+        return torch.where(m, t, zero).sum() / count
+
+    lo, hi = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
+    clip_active = ((ratio > hi) & (adv > 0)) | ((ratio < lo) & (adv < 0))
+    diff = beh - prox
+    metrics = {
+        "clip_frac": masked_mean(clip_active.to(ratio.dtype)),
+        "ratio_mean": masked_mean(ratio),
+        "is_weight_mean": masked_mean(is_weight),
+        "is_weight_max": torch.where(m, is_weight, zero).max() if m.numel() else zero,
+        "is_truncated_frac": masked_mean((is_raw > cfg.is_cap).to(ratio.dtype)),
+        "mismatch_kl": masked_mean(diff),
+        "mismatch_abs": masked_mean(diff.abs()),
+    }
+    if kl is not None:
+        metrics["kl"] = masked_mean(kl)
+    return metrics
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -124,20 +207,8 @@ def grpo_loss(
     Returns:
         LossOutput with the scalar loss and metrics computed over this call's mask tokens.
     """
-    shape = logprobs.shape
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be (B, T), got shape {tuple(shape)}")
-    _check_shape("behaviour_logprobs", behaviour_logprobs, shape)
-    _check_shape("mask", mask, shape)
-    _check_shape("proximal_logprobs", proximal_logprobs, shape)
-    _check_shape("ref_logprobs", ref_logprobs, shape)
-    if advantages.shape != shape[:1]:
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected ({shape[0]},)")
-    if cfg.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs")
-    if normalizer is not None and not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer}")
-
+    _check_inputs(logprobs, behaviour_logprobs, advantages, mask, cfg, proximal_logprobs,
+                  ref_logprobs, normalizer)
     m = mask.bool()
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
 
@@ -150,59 +221,19 @@ def grpo_loss(
     beh = clean(behaviour_logprobs).detach()
     prox = lp.detach() if proximal_logprobs is None else clean(proximal_logprobs).detach()
     adv = advantages.to(logprobs.dtype).detach().unsqueeze(1)
-
-    if cfg.off_policy == "ppo":
-        ratio = torch.exp(lp - beh)
-        is_raw = torch.ones_like(beh)
-        is_weight = is_raw
-    else:
-        ratio = torch.exp(lp - prox)
-        is_raw = torch.exp(prox - beh)
-        is_weight = is_raw.clamp(max=cfg.is_cap)
+    ratio, is_raw, is_weight = _importance(lp, beh, prox, cfg)
 
     lo, hi = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
-    unclipped = ratio * adv
-    clipped = ratio.clamp(lo, hi) * adv
-    per_token = -is_weight * torch.minimum(unclipped, clipped)
-
+    per_token = -is_weight * torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
     kl = None
     if ref_logprobs is not None:
-        ref = clean(ref_logprobs).detach()
-        log_ref_ratio = ref - lp
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
+        kl = _k3_kl(clean(ref_logprobs).detach(), lp)
         if cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl
+    loss = _aggregate(torch.where(m, per_token, zero), m, cfg.agg, normalizer)
 
-    per_token = torch.where(m, per_token, zero)
-    n_tokens = m.sum()
-    if cfg.agg == "token_mean":
-        denom = float(normalizer) if normalizer is not None else n_tokens.clamp(min=1)
-        loss = per_token.sum() / denom
-    else:
-        seq_means = per_token.sum(dim=1) / m.sum(dim=1).clamp(min=1)
-        denom = float(normalizer) if normalizer is not None else shape[0]
-        loss = seq_means.sum() / denom
-
-    with torch.no_grad():
-        count = n_tokens.clamp(min=1).to(logprobs.dtype)
-
-        def masked_mean(t: torch.Tensor) -> torch.Tensor:
-            return torch.where(m, t, zero).sum() / count
-
-        clip_active = ((ratio > hi) & (adv > 0)) | ((ratio < lo) & (adv < 0))
-        diff = beh - prox
-        metrics = {
-            "loss": loss.detach(),
-            "clip_frac": masked_mean(clip_active.to(logprobs.dtype)),
-            "ratio_mean": masked_mean(ratio),
-            "is_weight_mean": masked_mean(is_weight),
-            "is_weight_max": torch.where(m, is_weight, zero).max() if m.numel() else zero,
-            "is_truncated_frac": masked_mean((is_raw > cfg.is_cap).to(logprobs.dtype)),
-            "mismatch_kl": masked_mean(diff),
-            "mismatch_abs": masked_mean(diff.abs()),
-        }
-        if kl is not None:
-            metrics["kl"] = masked_mean(kl)
-        if not tensor_metrics:
-            metrics = {k: float(v) for k, v in metrics.items()}
+    metrics = {"loss": loss.detach(),
+               **_diagnostics(m, ratio, adv, is_raw, is_weight, beh, prox, kl, cfg)}
+    if not tensor_metrics:
+        metrics = {k: float(v) for k, v in metrics.items()}
     return LossOutput(loss=loss, metrics=metrics)
