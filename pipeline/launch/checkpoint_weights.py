@@ -26,9 +26,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.learner.checkpoint import CheckpointError, load_checkpoint
+from pipeline.learner.checkpoint import (
+    DEEPSPEED_DIR,
+    DEEPSPEED_TAG,
+    CheckpointError,
+    load_checkpoint,
+)
 from pipeline.learner.lora import hf_name, merge_lora
-from pipeline.learner.trainer import DEEPSPEED_DIR, DEEPSPEED_TAG
 
 PEFT_PREFIX = "base_model.model."
 _LORA = re.compile(r"^(?P<prefix>.+)\.lora_(?P<part>[AB])\.default\.weight$")
@@ -51,8 +55,8 @@ def checkpoint_kind(tensors: dict[str, Any], ckpt: Path) -> str:
 
 def consolidate_deepspeed(ckpt: Path) -> dict[str, Any]:
     """The full fp32 state dict of a ZeRO-2/3 checkpoint, gathered on the CPU from every rank's
-    partitions, under the learner module's names (the ``_Policy`` wrapper's ``model.`` prefix
-    removed)."""
+    partitions, under the learner module's names (the ``logprobs.Policy`` wrapper's ``model.``
+    prefix removed)."""
     try:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as e:

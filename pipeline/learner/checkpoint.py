@@ -39,6 +39,8 @@ import torch
 
 log = logging.getLogger(__name__)
 _HOST = socket.gethostname().replace("/", "-")  # temp dirs name their writer: host and pid
+DEEPSPEED_DIR = "deepspeed"  # inside a checkpoint dir: DeepSpeed's files, every rank's partitions
+DEEPSPEED_TAG = "zero"  # DeepSpeed's tag (its subdirectory) of those files
 
 
 class CheckpointError(RuntimeError):

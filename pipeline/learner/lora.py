@@ -1,17 +1,31 @@
-"""The learner's LoRA weights as full weights: which modules of a peft model carry LoRA, peft's
-state-dict names as the base model's, and W + scale * B @ A merged under those names.
+"""The learner's LoRA: the peft adapter put on the model (``train.lora_*``), which modules carry
+it, peft's state-dict names as the base model's, and W + scale * B @ A merged under those names.
 
-Pure tensor maths on a state dict (peft is imported only to find the LoRA layers), so the same
-merge serves a live trainer's snapshot and a saved checkpoint's weights
-(``pipeline.launch.checkpoint_weights``). Adapter-only versions (the LoRA tensors alone) are
-``sync.lora``.
+The merge is pure tensor maths on a state dict (peft is imported only to wrap the model and find
+the LoRA layers), so the same merge serves a live trainer's snapshot and a saved checkpoint's
+weights (``pipeline.launch.checkpoint_weights``). Adapter-only versions (the LoRA tensors alone)
+are ``sync.lora``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from pipeline.config import TrainConfig
+
+
+def apply_lora(model: Any, t: TrainConfig) -> tuple[Any, dict[str, float]]:
+    """``model`` wrapped by peft with the default LoRA adapter of ``t`` (rank, alpha, dropout,
+    target modules; no bias), and its ``lora_modules``."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(
+        r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout,
+        target_modules=list(t.lora_target_modules), bias="none"))
+    return model, lora_modules(model)
 
 
 def lora_modules(model: Any) -> dict[str, float]:

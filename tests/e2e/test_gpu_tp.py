@@ -23,7 +23,7 @@ from test_gpu_transports import PID, Learner, _gpus, _publish, _swap_under_load
 from test_sync_swap import PROBE, EngineLoop, probe
 
 from bench.sync_bench import model_tensors, perturbed
-from pipeline.learner.trainer import token_logprobs
+from pipeline.learner.logprobs import token_logprobs
 from sync.barrier import RequestTracker
 from sync.routes import plan_route
 from sync.routes.nccl import NcclRoute, nccl_offer

@@ -127,7 +127,8 @@ def test_adapter_versions_change_engine_logprobs(tiny_model, tmp_path):
     from vllm import SamplingParams
 
     from pipeline.config import EngineConfig, ModelConfig, load_config
-    from pipeline.learner.trainer import PolicyTrainer, token_logprobs
+    from pipeline.learner.logprobs import token_logprobs
+    from pipeline.learner.trainer import PolicyTrainer
     from pipeline.producer.adapters import AdapterSet
     from pipeline.producer.engine import build_engine
     from sync.lora import adapter_config

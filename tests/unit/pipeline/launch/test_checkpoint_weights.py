@@ -136,7 +136,7 @@ def _ds_checkpoint(run_dir: Path, stage: int = 3) -> Path:
 def test_deepspeed_lora_checkpoint_is_consolidated_then_merged(tiny, tmp_path, capsys,
                                                                fake_zero_to_fp32):
     model = _lora_model(tiny)
-    # The learner's DeepSpeed engine wraps the model (pipeline.learner.trainer._Policy).
+    # The learner's DeepSpeed engine wraps the model (pipeline.learner.logprobs.Policy).
     fake_zero_to_fp32["sd"] = {f"model.{k}": v.detach().clone()
                                for k, v in model.state_dict().items()}
     ckpt = _ds_checkpoint(tmp_path / "run")

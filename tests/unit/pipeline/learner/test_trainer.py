@@ -13,7 +13,8 @@ import torch
 from buffer.schema import Completion, RolloutGroup
 from pipeline.config import load_config
 from pipeline.learner.batching import collate, collate_packed, pack_groups, plan_micro_batches
-from pipeline.learner.trainer import PolicyTrainer, token_logprobs
+from pipeline.learner.logprobs import token_logprobs
+from pipeline.learner.trainer import PolicyTrainer
 
 
 def _cfg(tiny_model, tmp_path, **over):

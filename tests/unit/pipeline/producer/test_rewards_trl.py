@@ -268,7 +268,7 @@ def test_trainer_reward_means_skip_unscored():
     """The learner's per-reward mean is over the completions each reward scored."""
     np = pytest.importorskip("numpy")
     from buffer.schema import Completion, RolloutGroup
-    from pipeline.learner.trainer import reward_means
+    from pipeline.learner.step_metrics import reward_means
 
     def comp(breakdown):
         return Completion(
