@@ -11,7 +11,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "reward":
-        from pipeline.producer.rewards import reward
+        from pipeline.producer.rewards.loading import reward
 
         return reward
     raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

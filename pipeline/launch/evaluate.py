@@ -119,7 +119,7 @@ async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, floa
 
     from pipeline.producer.engine import build_engine
     from pipeline.producer.evaluate import eval_records
-    from pipeline.producer.rewards import RewardSet
+    from pipeline.producer.rewards.runner import RewardSet
 
     records = eval_records(cfg.data, cfg.eval)
     tokenizer = AutoTokenizer.from_pretrained(model_path)

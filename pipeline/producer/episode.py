@@ -235,7 +235,7 @@ def load_episode(path: str) -> Callable[..., Awaitable[Any]]:
     """The episode coroutine function ``path`` names (``episode.fn``), or one that drives the
     environment class it names (:func:`environment_episode`); ValueError with one line when it
     cannot be imported or is neither."""
-    from pipeline.producer.reward_calls import load_callable
+    from pipeline.producer.rewards.loading import load_callable
 
     try:
         fn = load_callable(path)

@@ -58,7 +58,8 @@ from pipeline.producer.episode import FailureLog, load_episode
 from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
 from pipeline.producer.group import GroupRollout
 from pipeline.producer.outbox import Outbox
-from pipeline.producer.rewards import RewardSet, rate_limiter
+from pipeline.producer.rewards.call import rate_limiter
+from pipeline.producer.rewards.runner import RewardSet
 from pipeline.producer.sampling import DropCap, extra_cap
 from pipeline.producer.stats import ProducerStats
 from pipeline.schedule import is_due, last_version

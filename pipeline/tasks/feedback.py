@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.tasks.rewards import _stated_answer
+from pipeline.tasks.rewards import stated_answer
 
 
 def feedback(guess: int | None, answer: int) -> str:
@@ -37,7 +37,7 @@ async def episode(ctx: Any, prompt: Any, answer: str | None = None, **meta: Any)
             reply = await ctx.generate(say)
         except ctx.EpisodeOver:  # the token budget ran out
             return 0.0
-        guess = _stated_answer(reply.text)
+        guess = stated_answer(reply.text)
         if guess == target:
             return 1.0 / turn
         say = "\n" + feedback(guess, target)
@@ -60,7 +60,7 @@ class GuessEnv:
         self.turn += 1
         if self.target is None:
             return None, 0.0, True
-        guess = _stated_answer(reply)
+        guess = stated_answer(reply)
         if guess == self.target:
             return None, 1.0 / self.turn, True
         return "\n" + feedback(guess, self.target), 0.0, False

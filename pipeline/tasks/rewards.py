@@ -2,7 +2,8 @@
 
 Each takes ``(prompt, completion, **meta)`` and returns a float; ``meta`` carries the dataset
 record's extra fields (``answer``) plus ``prompt_id`` and ``completion_index``. Use them from a
-config as ``pipeline.tasks.rewards:exact_match`` etc.
+config as ``pipeline.tasks.rewards:exact_match`` etc. ``stated_answer``, the one number a reply
+is graded on, is shared with the multi-turn game in ``pipeline.tasks.feedback``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import re
 
 _INT = re.compile(r"-?\d+")
 _JUST_A_NUMBER = re.compile(r"-?\d+\.?")
-
-
 _AFTER_EQUALS = re.compile(r"=\s*(-?\d+)")
 
 
@@ -21,8 +20,10 @@ def _first_int(text: str) -> int | None:
     return int(m.group()) if m else None
 
 
-def _stated_answer(text: str) -> int | None:
-    """The integer right after the first '=' ("12 + 7 = 19"), else the first integer."""
+def stated_answer(text: str) -> int | None:
+    """The integer right after the first '=' ("12 + 7 = 19"), else the first integer; None when
+    the text has no integer. One number only, so a reply listing candidates is not graded on
+    the best of them."""
     text = text.replace(",", "")
     m = _AFTER_EQUALS.search(text)
     return int(m.group(1)) if m else _first_int(text)
@@ -42,7 +43,7 @@ def exact_match(prompt: str, completion: str, answer: str | None = None, **meta)
         expected = int(str(answer).strip())
     except ValueError:
         return 0.0
-    return 1.0 if _stated_answer(completion) == expected else 0.0
+    return 1.0 if stated_answer(completion) == expected else 0.0
 
 
 def format_reward(prompt: str, completion: str, **meta) -> float:

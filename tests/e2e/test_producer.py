@@ -24,7 +24,7 @@ from buffer.transport import LearnerEndpoint, ProducerEndpoint
 from pipeline.config import RunConfig, load_config
 from pipeline.producer.data import PromptSource, render_prompt
 from pipeline.producer.loop import Producer
-from pipeline.producer.rewards import RewardSet
+from pipeline.producer.rewards.runner import RewardSet
 
 pytestmark = pytest.mark.slow
 

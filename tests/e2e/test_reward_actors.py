@@ -210,7 +210,7 @@ def test_replicas_that_cannot_be_placed_are_named_within_30s(cluster, tiny_model
 SCORE_IN_CHILD = """
 import asyncio, json, sys
 from pipeline.config import RewardSpec
-from pipeline.producer.rewards import RewardSet
+from pipeline.producer.rewards.runner import RewardSet
 rs = RewardSet([RewardSpec(**json.loads(sys.argv[1]))])
 res = asyncio.run(rs.score_group("q", ["12 ab", "99", ""], {"prompt_id": "p"}))
 rs.close()

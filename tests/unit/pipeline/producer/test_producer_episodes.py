@@ -16,7 +16,7 @@ from buffer.schema import Completion, RolloutGroup
 from pipeline.config import load_config
 from pipeline.producer.data import PromptRecord
 from pipeline.producer.loop import Producer
-from pipeline.producer.rewards import RewardSet
+from pipeline.producer.rewards.runner import RewardSet
 
 
 class CharTokenizerFake:

@@ -1,7 +1,7 @@
 """``executor: ray`` without a cluster: the spec's Ray options (validation, defaults, errors
 naming the option), the batching of calls, the replica class as plain Python, and ``RewardSet``'s
 failure handling around the client. The replicas' actor handles are replaced by
-``FakeActorHandle`` (in-process stand-ins; the real cluster is tests/e2e/test_ray_rewards.py)."""
+``FakeActorHandle`` (in-process stand-ins; the real cluster is tests/e2e/test_reward_actors.py)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.config import ConfigError, RewardSpec, load_config
-from pipeline.producer import ray_rewards
-from pipeline.producer.ray_rewards import (
+from pipeline.config import RewardSpec, load_config
+from pipeline.options import ConfigError
+from pipeline.producer.rewards.ray_replicas import (
     HANDLE_ENV,
     RewardReplica,
     RoundRobin,
     batch_items,
+    loopback_host,
     replica_names,
     replica_options,
     split_results,
 )
-from pipeline.producer.rewards import RewardSet
+from pipeline.producer.rewards.runner import RewardSet
 
 ray = pytest.importorskip("ray")
 
@@ -198,12 +199,12 @@ def _ray_set(monkeypatch, cls: str, deaths=(0, 0), on_failure="zero", **spec_kw)
     )
     spec = RewardSpec(fn=f"{HERE}:{cls}", executor="ray", name=name, num_replicas=2, **spec_kw)
     rs = RewardSet([spec], on_failure=on_failure)
-    mode = rs.actors[0].mode
+    mode = rs.rewards[0].mode
     handles = [
         FakeActorHandle(RewardReplica(name, k, spec.fn, {}, mode), deaths=d)
         for k, d in enumerate(deaths)
     ]
-    client = rs.actors[0].remote
+    client = rs.rewards[0].remote
     client._actors, client._ray = handles, ray
     return rs, handles
 
@@ -269,8 +270,8 @@ def test_no_handle_is_a_clear_error(monkeypatch):
 
 
 def test_loopback_node_ip():
-    assert ray_rewards._loopback_host("127.0.0.2:6379") == "127.0.0.2"
-    assert ray_rewards._loopback_host("10.0.0.5:6379") == ""
+    assert loopback_host("127.0.0.2:6379") == "127.0.0.2"
+    assert loopback_host("10.0.0.5:6379") == ""
 
 
 def test_eval_needs_a_cluster_for_ray_rewards():

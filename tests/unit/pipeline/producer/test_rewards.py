@@ -14,14 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.producer.rewards import (
-    RewardResult,
-    RewardSet,
-    RewardSpec,
-    load_callable,
-    reward,
-    validate_specs,
-)
+from pipeline.config import RewardSpec
+from pipeline.producer.rewards.loading import load_callable, reward, validate_specs
+from pipeline.producer.rewards.runner import RewardResult, RewardSet
 
 HERE = __file__
 
@@ -213,7 +208,7 @@ def test_class_is_instantiated_once_with_kwargs_and_keeps_state():
     second = score(rs, ["ok ok"])  # a second asyncio.run: the set is reusable across loops
     assert first.total == [1.25, 0.25]
     assert second.total == [1.25]
-    assert rs.actors[0].scorer.calls == 3
+    assert rs.rewards[0].scorer.fn.calls == 3
     assert Verifier.instances == before + 1
     rs.close()
 
@@ -371,7 +366,7 @@ def test_process_hang_times_out_and_close_terminates_worker():
     res = score(rs, ["a"])
     assert time.monotonic() - t0 < 30  # includes the spawn start of the worker
     assert res.failed and rs.stats["reward/hangs_in_process/timeouts"] == 1
-    procs = list(rs._pool._processes.values())
+    procs = list(rs.pool.processes())
     assert procs and all(p.is_alive() for p in procs)
     rs.close()
     assert not any(p.is_alive() for p in procs)
@@ -388,7 +383,7 @@ def test_close_escalates_to_sigkill_and_returns_only_when_workers_are_gone(tmp_p
     )
     res = score(rs, ["a", "b"], marker_dir=str(tmp_path))
     assert res.failed and rs.stats["reward/hangs_ignoring_sigterm/timeouts"] == 2
-    procs = list(rs._pool._processes.values())
+    procs = list(rs.pool.processes())
     deadline = time.monotonic() + 60  # the timeout may fire before the spawned workers start
     while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -495,7 +490,7 @@ def test_rate_limiter_spaces_entries():
     """The admission/reward throttle (asyncio-throttle) really limits the rate."""
     import time
 
-    from pipeline.producer.rewards import rate_limiter
+    from pipeline.producer.rewards.call import rate_limiter
 
     async def go() -> float:
         limiter = rate_limiter(20.0)

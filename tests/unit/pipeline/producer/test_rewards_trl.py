@@ -12,7 +12,9 @@ import re
 import pytest
 
 from pipeline.config import RewardSpec
-from pipeline.producer.rewards import RewardSet, call_mode, trl_kwargs
+from pipeline.producer.rewards.call import trl_kwargs
+from pipeline.producer.rewards.loading import call_mode
+from pipeline.producer.rewards.runner import RewardSet
 
 HERE = __file__
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.producer.rewards import RewardSet, RewardSpec
+from pipeline.config import RewardSpec
+from pipeline.producer.rewards.runner import RewardSet
 from pipeline.tasks.arithmetic import make_arithmetic_prompts, write_jsonl
 from pipeline.tasks.rewards import exact_match, format_reward, length_reward
 

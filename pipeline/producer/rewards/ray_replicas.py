@@ -9,16 +9,19 @@ Who does what:
   them, so they die with the run; ``stop_replicas`` kills them at the end. Where to find them
   reaches the producers in the environment variable ``PIPELINE_RAY_REWARDS`` (JSON: cluster
   address, namespace, replica names per reward);
-- each producer's ``RewardSet`` holds one ``RayRewardClient`` per ray reward. It connects to the
-  cluster on first use (after the engine is built: vLLM picks Ray as its executor for tensor
-  parallelism when Ray is already initialised), looks the replicas up by name and sends each
-  call to the next replica in turn. A call is a batch: a group's G completions go in one remote
-  call whatever the reward's calling convention (``batch_items`` / ``split_results``);
-- timeouts, ``max_concurrency``, ``rate_per_s`` and ``rewards.on_failure`` apply per remote call
-  exactly as for the other executors (``RewardSet``). A replica that dies mid-call (kill -9, OOM)
-  is restarted by Ray; the call is retried once on the next replica (counted in
-  ``reward/<name>/retries``); a second failure counts as a failure like any other, and the
-  call's timeout bounds the whole attempt, so nothing waits forever.
+- each producer's ``RewardSet`` (``pipeline.producer.rewards.runner``) holds one
+  ``RayRewardClient`` per ray reward. It connects to the cluster on first use (after the engine
+  is built: vLLM picks Ray as its executor for tensor parallelism when Ray is already
+  initialised), looks the replicas up by name and sends each call to the next replica in turn.
+  A call is a batch: a group's G completions go in one remote call whatever the reward's calling
+  convention (``batch_items`` / ``split_results``);
+- a replica calls the reward with ``call_blocking`` (``pipeline.producer.rewards.call``), as a
+  thread or a process worker does; timeouts, ``max_concurrency``, ``rate_per_s`` and
+  ``rewards.on_failure`` apply per remote call exactly as for the other executors
+  (``call_reward``). A replica that dies mid-call (kill -9, OOM) is restarted by Ray; the call
+  is retried once on the next replica (counted in ``reward/<name>/retries``); a second failure
+  counts as a failure like any other, and the call's timeout bounds the whole attempt, so
+  nothing waits forever.
 
 ``ray`` is imported only here and only when a spec uses ``executor: ray``.
 """
@@ -34,10 +37,13 @@ import threading
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline.config import ConfigError, RewardSpec
+from pipeline.config import RewardSpec
+from pipeline.options import ConfigError
+from pipeline.producer.rewards.call import call_blocking
+from pipeline.producer.rewards.loading import CallMode, Scorer, build_scorer, describe
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +137,12 @@ class RewardReplica:
     that cannot be placed is told apart from a slow model load; a replica that Ray restarts
     builds its reward in ``__init__``, before it takes calls."""
 
-    def __init__(self, name: str, index: int, fn: Any, kwargs: dict[str, Any], mode: str) -> None:
+    def __init__(
+        self, name: str, index: int, fn: Any, kwargs: dict[str, Any], mode: CallMode
+    ) -> None:
         self.name, self.index, self.mode = name, index, mode
         self.fn, self.kwargs = fn, dict(kwargs)
-        self.scorer: Any = None
-        self.accepts: frozenset[str] | None = None
+        self.scorer: Scorer | None = None
         self.restarted = False
         with contextlib.suppress(Exception):
             import ray
@@ -150,35 +157,29 @@ class RewardReplica:
 
     def load(self) -> dict[str, Any]:
         """Build the reward (once); this replica's pid."""
-        if self.scorer is None:
-            from pipeline.producer.reward_calls import _instantiate, _meta_filter, load_callable
-
-            obj = load_callable(self.fn) if isinstance(self.fn, str) else self.fn
-            self.scorer = _instantiate(obj, self.kwargs)
-            self.accepts = _meta_filter(self.scorer)
+        self._built()
         return self.info()
+
+    def _built(self) -> Scorer:
+        if self.scorer is None:
+            self.scorer = build_scorer(self.fn, self.kwargs, self.mode)
+        return self.scorer
 
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "restarted": self.restarted, "loaded": self.scorer is not None}
 
     def score(self, args: tuple[Any, ...]) -> Any:
         """A batched or TRL-style reward: one call for the group, its raw result."""
-        from pipeline.producer.reward_calls import _run_blocking
-
-        self.load()
-        return _to_plain(_run_blocking(self.scorer, self.accepts, self.mode, tuple(args)))
+        return _to_plain(call_blocking(self._built(), tuple(args)))
 
     def score_each(self, items: list[tuple[Any, str, dict[str, Any]]]) -> list[tuple[Any, Any]]:
         """A per-completion reward over a batch: (value, None) or (None, error) per item, so
         one completion's exception does not fail its siblings."""
-        from pipeline.producer.reward_calls import _run_blocking
-
-        self.load()
+        single = replace(self._built(), mode="single")
         out: list[tuple[Any, Any]] = []
         for item in items:
             try:
-                value = _run_blocking(self.scorer, self.accepts, "single", tuple(item))
-                out.append((_to_plain(value), None))
+                out.append((_to_plain(call_blocking(single, tuple(item))), None))
             except Exception as e:
                 out.append((None, repr(e)))
         return out
@@ -197,6 +198,7 @@ def _to_plain(value: Any) -> Any:
 
 
 def ray_specs(specs: list[RewardSpec]) -> list[tuple[int, RewardSpec]]:
+    """The ``executor: ray`` specs with their index in ``rewards.specs``."""
     return [(i, s) for i, s in enumerate(specs) if s.executor == "ray"]
 
 
@@ -213,8 +215,6 @@ def start_replicas(
     ``load_timeout_s``). Returns the handle for the producers (also exported in ``HANDLE_ENV``)
     and the actors (for ``stop_replicas``). A replica that cannot be placed or built is a
     ConfigError naming the spec."""
-    from pipeline.producer.reward_calls import _defaults, _resolve_obj, call_mode
-
     namespace = f"pipeline-{uuid.uuid4().hex[:12]}"
     handle: dict[str, Any] = {
         "address": ray.get_runtime_context().gcs_address,
@@ -226,12 +226,10 @@ def start_replicas(
     cls = ray.remote(RewardReplica)
     try:
         for i, spec in ray_specs(specs):
-            obj = _resolve_obj(spec)
-            d = _defaults(spec, obj)
-            mode = call_mode(spec, obj, d["batched"])
+            info = describe(spec)
             o = replica_options(spec)
-            names = replica_names(d["name"], o.num_replicas)
-            handle["rewards"][d["name"]] = names
+            names = replica_names(info.name, o.num_replicas)
+            handle["rewards"][info.name] = names
             for k, actor_name in enumerate(names):
                 actor = cls.options(
                     name=actor_name,
@@ -241,9 +239,9 @@ def start_replicas(
                     max_restarts=o.max_restarts,
                     max_task_retries=0,  # a call on a dead replica is retried by the caller
                     runtime_env=runtime_env or {},
-                ).remote(d["name"], k, spec.fn, dict(spec.kwargs), mode)
+                ).remote(info.name, k, spec.fn, dict(spec.kwargs), info.mode)
                 actors.append(actor)
-                pending.append((i, d["name"], actor))
+                pending.append((i, info.name, actor))
         for i, name, actor in pending:
             _wait_ready(ray, i, name, specs[i], actor, timeout_s, load_timeout_s)
     except BaseException:
@@ -291,6 +289,7 @@ def _wait_ready(
 
 
 def stop_replicas(ray: Any, actors: list[Any]) -> None:
+    """Kill the replicas for good (no restart) and forget where they were."""
     os.environ.pop(HANDLE_ENV, None)
     for actor in actors:
         with contextlib.suppress(Exception):
@@ -345,14 +344,16 @@ def _ensure_connected(handle: dict[str, Any]) -> Any:
                 "log_to_driver": False,  # the driver already prints the replicas' output
                 "configure_logging": False,
             }
-            ip = os.environ.get(NODE_IP_ENV) or _loopback_host(handle["address"])
+            ip = os.environ.get(NODE_IP_ENV) or loopback_host(handle["address"])
             if ip:
                 kw["_node_ip_address"] = ip
             ray.init(**kw)
     return ray
 
 
-def _loopback_host(address: str) -> str:
+def loopback_host(address: str) -> str:
+    """The host of a cluster address on loopback (``127.x``), where this process must join as
+    that node; "" for any other address (Ray finds this node's address itself)."""
     host = address.rsplit(":", 1)[0]
     return host if host.startswith("127.") else ""
 
