@@ -19,7 +19,7 @@ import itertools
 import math
 import numbers
 import operator
-import textwrap
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -347,21 +347,31 @@ def iter_options(cls: type, prefix: str = ""):
 
 
 @functools.cache
+def _module_field_docs(module: str) -> dict[str, dict[str, str]]:
+    """{class name: {field: docstring}} for every class of ``module``, read from its source in
+    one parse (``inspect.getsource`` of each class would parse the module once per class);
+    {} when the source is not available."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[module]))
+    except (OSError, TypeError, SyntaxError, KeyError):
+        return {}
+    out: dict[str, dict[str, str]] = {}
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        docs = out.setdefault(cls.name, {})
+        for node, nxt in itertools.pairwise(cls.body):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split()).replace("``", "")
+    return out
+
+
 def _field_docs(cls: type) -> dict[str, str]:
     """The docstrings written under a dataclass's fields (one per field: each option's help
-    text), read from the source once; {} when the source is not available."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs = {}
-    for node, nxt in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split()).replace("``", "")
-    return docs
+    text)."""
+    return _module_field_docs(cls.__module__).get(cls.__qualname__, {})
 
 
 def iter_help(cls: type, prefix: str = ""):
