@@ -45,8 +45,8 @@ def varlen_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
             "max_length_k": longest}
 
 
-def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-                  scale: float | None) -> torch.Tensor:
+def per_sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                           scale: float | None) -> torch.Tensor:
     """(tokens, heads, dim) in, the same out: causal SDPA over each sequence alone."""
     rep = q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
@@ -60,8 +60,11 @@ def _per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     return out
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
-           scale: float | None) -> torch.Tensor:
+def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                           longest: int, scale: float | None) -> torch.Tensor:
+    """(tokens, heads, dim) in, the same out: torch's varlen flash attention over the sequences
+    that ``cu`` bounds (``longest``: the longest), causal, adapted to the op's signature (GQA,
+    causal window, scale) of the installed torch."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
@@ -103,9 +106,10 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         low = torch.get_autocast_dtype("cuda")
         q, k, v = q.to(low), k.to(low), v.to(low)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = _flash(q, k, v, cu.to(q.device, torch.int32), int(kwargs["max_length_q"]), scaling)
+        out = flash_varlen_attention(q, k, v, cu.to(q.device, torch.int32),
+                                     int(kwargs["max_length_q"]), scaling)
     else:  # the flash kernels have no fp32: each sequence through SDPA
-        out = _per_sequence(q, k, v, cu, scaling)
+        out = per_sequence_attention(q, k, v, cu, scaling)
     return out[None], None
 
 
