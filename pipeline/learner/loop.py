@@ -15,12 +15,10 @@ counted as ``rejected/<reason>``; only producers heard from lately count as aliv
 Counts kept per producer: ``received`` (groups that arrived) and, derived, ``consumed`` (received
 minus still held), which producers use for admission control.
 
-Weights: every version is written as a snapshot file; producers whose route (picked per producer
-from the GPUs in its Hello, ``sync.routes.base.choose_route``) is ``ipc`` or ``nccl`` also get
-it from a packed GPU copy (``sync.publish.WeightPublisher``): its IPC handle or NCCL link offer
-rides in the Announce, and SyncReady messages drive the NCCL side of each transfer. A sharded
-(ZeRO-3) learner packs into host memory instead, gathering ``sync.bucket_mb`` at a time, and its
-GPU-route producers take each version bucket by bucket (``capture_device``).
+Weights: every version is packed once and written as a snapshot file; producers whose route
+(picked per producer from the GPUs in its Hello) has a GPU copy also get it from the packed
+buffer. What is published on each route is ``pipeline.learner.routes``'s; this loop says when
+(after each step that publishes) and collects the acks.
 """
 
 from __future__ import annotations
@@ -34,9 +32,7 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from buffer.checks import RunLimits, check_group
 from buffer.identity import ProducerRegistry
@@ -66,77 +62,19 @@ from pipeline.learner.checkpoint import (
     load_checkpoint,
 )
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
+from pipeline.learner.producers import ProducerInfo
+from pipeline.learner.routes import LearnerRoutes, serve_stream, snapshot_dir
 from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
 from pipeline.options import to_dict
-from pipeline.owner import owned_name
 from pipeline.procs import LOGS_DIR, ConsoleStream
 from pipeline.schedule import is_due, last_version
-from sync.packing import Layout, pack_buckets, plan_layout, plan_layout_of, total_bytes
-from sync.routes.base import RouteChoiceError, choose_route
 from sync.snapshot import SnapshotRef
 from sync.writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
-ALIVE_S = 10.0  # a producer silent for longer is reported as not alive
 REJECT_LOG_LIMIT = 20  # warning lines per (producer, reason); later ones only count (DEBUG)
 MAX_FAILED_STEPS = 10  # training steps raising in a row: the trainer is broken, not the data
-
-
-@dataclass
-class ProducerInfo:
-    pid: int = 0
-    version: int = 0
-    last_seen: float = -ALIVE_S  # not alive until heard from after its Hello
-    stats: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
-    carried: dict[str, float] = field(default_factory=dict)  # its earlier processes' counters
-    devices: list[str] = field(default_factory=list)  # GPU UUID per vLLM worker ([] = CPU)
-    route: str = "file"  # weight route for this producer (sync.routes)
-
-
-def snapshot_dir(configured: str, run_dir: Path, run_key: str, need_bytes: int,
-                 shm: Path = Path("/dev/shm")) -> Path:
-    """Where snapshots go: the configured dir, else shared memory (no disk I/O) when it has
-    room for ``need_bytes`` (the kept snapshots and the one being written), else run_dir.
-    Docker's default /dev/shm is 64 MB: the first snapshot write would fail there."""
-    if configured:
-        return Path(configured)
-    if shm.is_dir():
-        # Named with the launcher's owner tag: a learner it restarts reuses (and prunes) it,
-        # and a later run reclaims it should that launcher be killed (pipeline.launch.shm).
-        mine = shm / owned_name(run_key)
-        free = shutil.disk_usage(shm).free + sum(
-            f.stat().st_size for f in mine.rglob("*") if f.is_file())
-        if free >= need_bytes:
-            return mine
-        log.warning("%s has %.1f GB free, snapshots need %.1f GB: writing them under %s "
-                    "(set sync.snapshot_dir to choose)", shm, free / 1e9, need_bytes / 1e9,
-                    run_dir / "snapshots")
-    return run_dir / "snapshots"
-
-
-def capture_device(model_device: Any, publisher_device: Any, gpu_routes: bool,
-                   sharded: bool) -> Any:
-    """Where a version's packed buffer goes (a ``torch.device``).
-
-    - A sharded learner (ZeRO-3): host memory, whatever the routes, so no GPU ever holds a
-      second whole model beside the shards and the engine; ipc and nccl producers then get
-      the version bucket by bucket through one bucket of GPU memory (``sync.publish``).
-    - Live ipc/nccl producers of an unsharded learner: the publisher's GPU, whatever the
-      model's state is on. Packing "next to the tensors" put a ZeRO-3 learner's buffer on the
-      CPU (its state dict is gathered there): every IPC export then failed ("ipc_export needs
-      a contiguous CUDA buffer at storage offset 0") and each version fell back to the file.
-    - An unsharded model on a GPU: that GPU (a device-local copy, milliseconds; the writer
-      copies it to the host on a side stream while training goes on).
-    - Otherwise (CPU): host memory."""
-    import torch
-
-    if sharded:
-        return torch.device("cpu")
-    if gpu_routes and publisher_device is not None:
-        return torch.device(publisher_device)
-    model_device = torch.device(model_device)
-    return model_device if model_device.type == "cuda" else torch.device("cpu")
 
 
 class Learner:
@@ -188,9 +126,9 @@ class Learner:
         self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
         self.checkpoints = CheckpointWriter(self.run_dir)
         self._write_s_reported = 0  # background checkpoint writes whose time a row has shown
-        self.learner_gpu: str | None = None  # set in run() when the trainer is on CUDA
-        self.publisher = None  # sync.publish.WeightPublisher, for ipc/nccl routes
-        self._transfer_tasks: set[asyncio.Task] = set()
+        # The learner's end of the weight routes: route per producer, GPU copies, captures.
+        self.routes = LearnerRoutes(cfg, self.trainer, self.producers, self.counters)
+        self._ack_tasks: set[asyncio.Task] = set()
         self._rejects_logged: dict[tuple[str, str], int] = {}
         self._vocab_size = self.trainer.vocab_size
         self._failed_steps = 0  # consecutive training steps that raised
@@ -238,12 +176,12 @@ class Learner:
         info = self.producers.setdefault(msg.producer_id, ProducerInfo())
         if new:  # a new process: its counters start at 0, its predecessor's carry over
             info.carried, info.stats = carry_counters(info.carried, info.stats), {}
-        if new and info.pid and self.publisher is not None:
-            self.publisher.forget(msg.producer_id)  # its link died with the old process
+        if new and info.pid:
+            self.routes.forget(msg.producer_id)  # its link died with the old process
         info.pid = msg.pid
         info.version = msg.policy_version
         info.devices = list(msg.devices)
-        info.route = self._route(msg.producer_id, info.devices)
+        info.route = self.routes.choose(msg.producer_id, info.devices)
         if new:  # a repeated Hello (the producer retried, or heard of a restart) says nothing
             log.info("producer %s (pid %d) connected at version %d; weights by %s "
                      "(incarnation %s)", msg.producer_id, msg.pid, msg.policy_version,
@@ -257,7 +195,7 @@ class Learner:
             info.version = msg.policy_version
             info.stats = msg.stats
         elif isinstance(msg, SyncReady):
-            self._on_sync_ready(msg)
+            self.routes.on_sync_ready(msg)
         elif isinstance(msg, EvalResult):
             self._on_eval(msg)
         elif isinstance(msg, Ack):
@@ -319,41 +257,6 @@ class Learner:
         self.registry.reject(reason, msg.producer_id, type(msg).__name__)
         return Reply(ok=False, reason=reason)
 
-    def _route(self, producer_id: str, devices: list[str]) -> str:
-        """This producer's weight transport; an impossible explicit choice is an error in the
-        log and the file (placement is only known once the producer has said hello)."""
-        try:
-            route = choose_route(self.cfg.sync.transport, self.learner_gpu, devices)
-        except RouteChoiceError as e:
-            log.error("producer %s: sync.transport: %s; it gets weights from the snapshot file",
-                      producer_id, e)
-            return "file"
-        if route != "file" and self.publisher is None:
-            return "file"
-        return route
-
-    def _on_sync_ready(self, msg: SyncReady) -> None:
-        pub = self.publisher
-        if pub is None:
-            log.warning("SyncReady from %s but no GPU transport here; ignored", msg.producer_id)
-            return
-        if msg.purpose == "drop":
-            pub.drop(msg.producer_id, msg.epoch)
-            return
-        coro = pub.join(msg.producer_id, msg.epoch) if msg.purpose == "link" else \
-            pub.send(msg.producer_id, msg.epoch, msg.version)
-        task = asyncio.get_running_loop().create_task(coro)
-        self._transfer_tasks.add(task)
-        task.add_done_callback(self._transfer_tasks.discard)
-
-    def _gpu_routes(self) -> dict[str, str]:
-        """GPU routes of the producers alive now. A dead one gets no IPC export: torch keeps
-        an exported buffer until its user releases it, so one never opened would leak."""
-        now = time.monotonic()
-        # list(): also called from the snapshot thread while the loop may add producers.
-        return {p: i.route for p, i in list(self.producers.items())
-                if i.route in ("ipc", "nccl") and now - i.last_seen <= ALIVE_S}
-
     async def _receive(self) -> None:
         """Data socket -> buffer. It stops reading while the buffer is full (back-pressure up to
         the producers' send); control messages have their own socket and loop."""
@@ -401,79 +304,24 @@ class Learner:
         # rolling back take it); ``transfer`` offers the newest GPU copy, which may be one
         # ahead while its file is still being written (its "version" key says which).
         version = ref.version if ref else 0
-        routes = self._gpu_routes()
-        gpu_version = self.publisher.newest(self.state.version) \
-            if self.publisher is not None and routes else None
-        transfer = self.publisher.payload(gpu_version, routes) \
-            if self.publisher is not None and gpu_version is not None else {}
+        routes, transfer = self.routes.offer(self.state.version)
         return Announce(version=version, snapshot_uri=ref.uri if ref else "",
                         snapshot_checksum=ref.checksum if ref else "",
                         learner_session=self.session, received=received, consumed=consumed,
                         cursors=dict(self.state.cursors), durable=dict(self.durable),
                         accepted={k: st.accepted for k, st in self.ledger.streams.items()},
-                        routes=routes if transfer else {}, transfer=transfer,
+                        routes=routes, transfer=transfer,
                         heading_to=max(self._heading_to, self.state.version),
                         finished=finished)
 
     async def _announce(self) -> None:
         assert self.endpoint is not None
         while True:
-            if self.publisher is not None:
-                now = time.monotonic()
-                self.publisher.maintain({p: (now - i.last_seen < ALIVE_S, 1 + len(i.devices))
-                                         for p, i in self.producers.items()
-                                         if i.route == "nccl"})
+            self.routes.maintain()
             await self.endpoint.publish(self.announcement())
             await asyncio.sleep(1.0)
 
     # ------------------------------------------------------------------ snapshots
-    def _capture(self, version: int) -> tuple[Any, Layout]:
-        """Pack the weights into one buffer (blocking: run in a thread), bucket by bucket.
-
-        The only weight copy on the training path: the next step may change the parameters at
-        once. The layout is planned before anything is copied (``trainer.snapshot_plan``), and
-        the weights arrive ``sync.bucket_mb`` at a time (``trainer.snapshot_buckets``: under
-        ZeRO-3 one all-gather per bucket, so the whole model is never gathered anywhere but in
-        this buffer). Where the buffer lives: ``capture_device``. Producers on a GPU route are
-        offered it right away (``sync.publish``); the snapshot file is written from it by
-        ``self.writer``, in the background."""
-        import torch
-
-        tr = self.trainer
-        routes = self._gpu_routes()
-        gpu_routes = self.publisher is not None and bool(routes)
-        plan = tr.snapshot_plan()
-        # LoRA versions are computed from the whole state (merged, or the adapter alone).
-        tensors = tr.snapshot_tensors() if plan is None else None
-        layout = plan_layout(tensors) if tensors is not None else plan_layout_of(plan)
-        device = capture_device(tr.device, getattr(self.publisher, "device", None),
-                                gpu_routes, tr.zero_stage == 3)
-        try:
-            flat = torch.empty(total_bytes(layout), dtype=torch.uint8, device=device,
-                               pin_memory=device.type == "cpu" and torch.cuda.is_available())
-        except torch.OutOfMemoryError as e:  # no room for a GPU copy: the file still works
-            self._count_gpu_failure(version, e)
-            gpu_routes, device = False, torch.device("cpu")
-            flat = torch.empty(total_bytes(layout), dtype=torch.uint8,
-                               pin_memory=torch.cuda.is_available())
-        buckets = [tensors] if tensors is not None else \
-            tr.snapshot_buckets(int(self.cfg.sync.bucket_mb * 2**20))
-        self.capture_buckets = pack_buckets(buckets, layout, flat)
-        if gpu_routes:
-            try:
-                self.publisher.publish_packed(version, flat, layout,
-                                              ipc=[p for p, r in routes.items() if r == "ipc"])
-            except Exception as e:  # e.g. an IPC export failed: the file still works
-                self._count_gpu_failure(version, e)
-        elif flat.is_cuda:
-            torch.cuda.current_stream(flat.device).synchronize()  # the writer's stream reads it
-        return flat, layout
-
-    def _count_gpu_failure(self, version: int, e: BaseException) -> None:
-        self.counters["gpu_publish_failures"] = self.counters.get("gpu_publish_failures", 0) + 1
-        log.error("v%d: GPU copy for ipc/nccl producers failed (%r); they load it from the "
-                  "snapshot file", version, e)
-
     async def _on_written(self, ref: SnapshotRef, seconds: float) -> None:
         """A snapshot file is on disk: announce it (producers on the file route take it now)."""
         self.snapshot = ref
@@ -488,8 +336,8 @@ class Learner:
             self._acks_tracked = version
             task = asyncio.get_running_loop().create_task(
                 self._collect_acks(version, time.monotonic()))
-            self._transfer_tasks.add(task)
-            task.add_done_callback(self._transfer_tasks.discard)
+            self._ack_tasks.add(task)
+            task.add_done_callback(self._ack_tasks.discard)
 
     async def _collect_acks(self, version: int, published_at: float) -> None:
         """Wait until every live producer runs ``version`` or newer (a producer may skip a
@@ -497,14 +345,14 @@ class Learner:
         deadline = published_at + self.cfg.sync.ack_timeout_s
         while time.monotonic() < deadline:
             now = time.monotonic()
-            alive = [i for i in self.producers.values() if now - i.last_seen < ALIVE_S]
+            alive = [i for i in self.producers.values() if i.alive(now)]
             if all(i.version >= version for i in alive):  # none alive: nobody to wait for
                 break
             await asyncio.sleep(0.02)
         got = self.acks.pop(version, {})
         now = time.monotonic()
         behind = sorted(p for p, i in self.producers.items()
-                        if i.version < version and now - i.last_seen < ALIVE_S)
+                        if i.version < version and i.alive(now))
         if behind:
             log.warning("version %d: no ack from %s within %.0fs; training goes on without "
                         "them", version, behind, self.cfg.sync.ack_timeout_s)
@@ -532,7 +380,7 @@ class Learner:
                                                     timeout=t.batch_timeout_s)
             except TimeoutError as e:
                 alive = [p for p, i in self.producers.items()
-                         if time.monotonic() - i.last_seen < ALIVE_S]
+                         if i.alive(time.monotonic())]
                 raise TimeoutError(f"no batch of {t.batch_groups} groups within "
                                    f"{t.batch_timeout_s:.0f}s (producers alive: {alive or 'none'}"
                                    f"): {e}") from None
@@ -554,13 +402,13 @@ class Learner:
                           st.step)
             elif st.step % self.cfg.sync.sync_every == 0 and st.step < t.steps:
                 t1 = time.monotonic()
-                flat, layout = await asyncio.to_thread(self._capture, st.version + 1)
+                flat, layout = await asyncio.to_thread(self.routes.capture, st.version + 1)
                 m["snapshot_copy_s"] = time.monotonic() - t1
-                m["snapshot_buckets"] = float(self.capture_buckets)
+                m["snapshot_buckets"] = float(self.routes.capture_buckets)
                 st.version += 1
                 self.writer.submit(st.version, flat, layout)
                 del flat
-                if self.publisher is not None and self.publisher.newest(st.version) == st.version:
+                if self.routes.on_gpu(st.version):
                     # GPU-route producers take it now, before (and whatever) the file.
                     await self.endpoint.publish(self.announcement())
                     self._track_acks(st.version)
@@ -576,7 +424,7 @@ class Learner:
                 "rejected_groups": float(sum(bs.rejected_groups.values())),
                 **{f"rejected_groups/{k}": float(v) for k, v in bs.rejected_groups.items()},
                 "producers_alive": float(sum(1 for i in self.producers.values()
-                                             if now - i.last_seen < ALIVE_S)),
+                                             if i.alive(now))),
                 **self._producer_metrics(),
                 **{k: float(v) for k, v in self.counters.items()},
                 "snapshot_files_skipped": float(self.writer.skipped),
@@ -690,23 +538,14 @@ class Learner:
     async def run(self) -> None:
         log.info("learner pid %d, session %s, step %d, version %d", os.getpid(), self.session,
                  self.state.step, self.state.version)
-        dev = self.trainer.device
-        if dev.type == "cuda":
-            import torch
-
-            from sync.publish import WeightPublisher
-
-            self.learner_gpu = str(torch.cuda.get_device_properties(dev).uuid)
-            if self.cfg.sync.transport != "file":
-                self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s,
-                                                 bucket_bytes=int(self.cfg.sync.bucket_mb * 2**20))
+        self.routes.start()
         if self.state.version > 0:  # resumed: producers must load this version first
-            flat, layout = await asyncio.to_thread(self._capture, self.state.version)
+            flat, layout = await asyncio.to_thread(self.routes.capture, self.state.version)
             self.snapshot = await self.writer.write_now(self.state.version, flat, layout)
             del flat
         self.endpoint = LearnerEndpoint(self.cfg.bind_addr, insecure=self.cfg.insecure,
                                         curve=curve_keys(self.cfg, "learner"))
-        server = self._serve_stream()
+        server = serve_stream(self.cfg, self.snapshot_dir)
         finished = False
         try:
             async with asyncio.TaskGroup() as tg:
@@ -726,26 +565,11 @@ class Learner:
             if server is not None:
                 server.close()
             self.metrics.close()
-            if self.publisher is not None:
-                self.publisher.close()
+            self.routes.close()
             if not self.cfg.sync.snapshot_dir:
                 shutil.rmtree(self.snapshot_dir, ignore_errors=True)
             if finished:
                 self.summary()
-
-    def _serve_stream(self) -> Any:
-        """With ``sync.serve_stream``: a ``sync.stream.SnapshotServer`` on it serving this run's
-        snapshot files, for producers on machines that do not share this one's filesystem."""
-        if not self.cfg.sync.serve_stream:
-            return None
-        from sync.stream import SnapshotServer, StreamKeys
-
-        curve = curve_keys(self.cfg, "learner")
-        keys = StreamKeys(curve.server_public, curve.server_secret, curve.client_public) \
-            if curve is not None else None
-        server = SnapshotServer(self.cfg.sync.serve_stream, [self.snapshot_dir], keys)
-        log.info("serving snapshot files at %s", server.addr)
-        return server
 
     def summary(self) -> None:
         from pipeline.learner.metrics import read_metrics

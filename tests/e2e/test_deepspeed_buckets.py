@@ -1,7 +1,7 @@
 """Weights out of a ZeRO-3 learner bucket by bucket (2 CPU ranks, DS_ACCELERATOR=cpu, gloo):
 ``snapshot_buckets`` (one GatheredParameters all-gather per bucket, the other rank in step
 through the "buckets" command) packs exactly the weights the whole-model gather gives, before
-and after an optimiser step, with buckets far smaller than the model; ``Learner._capture`` does
+and after an optimiser step, with buckets far smaller than the model; ``LearnerRoutes.capture`` does
 so into host memory, and the snapshot file written from it reads back as those weights.
 
 This file is also the per-rank script: ``accelerate launch ... THIS_FILE OUT_DIR MODEL``.
@@ -34,7 +34,7 @@ def _compare(tr, out: Path, tag: str) -> dict:
 
     import torch
 
-    from pipeline.learner.loop import Learner
+    from pipeline.learner.routes import LearnerRoutes
     from sync.packing import (
         pack_buckets,
         plan_buckets,
@@ -51,9 +51,9 @@ def _compare(tr, out: Path, tag: str) -> dict:
     flat = torch.empty(total_bytes(layout), dtype=torch.uint8)
     n = pack_buckets(tr.snapshot_buckets(bucket_bytes), layout, flat)
     views = unpack(flat, layout)
-    me = SimpleNamespace(trainer=tr, publisher=None, _gpu_routes=lambda: {}, counters={},
+    me = SimpleNamespace(trainer=tr, publisher=None, live_gpu_routes=lambda: {}, counters={},
                          cfg=SimpleNamespace(sync=SimpleNamespace(bucket_mb=1)))
-    cflat, clayout = Learner._capture(me, 1)
+    cflat, clayout = LearnerRoutes.capture(me, 1)
     ref = write_packed(cflat, clayout, 1, out / f"snap_{tag}")
     from_file = read_snapshot(ref)
     return {"whole": whole, "bucketed": {k: v.clone() for k, v in views.items()},

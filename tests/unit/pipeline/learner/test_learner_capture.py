@@ -1,4 +1,4 @@
-"""Learner._capture packs the weights once, bucket by bucket, and offers that buffer to the GPU
+"""LearnerRoutes.capture packs the weights once, bucket by bucket, and offers that buffer to the GPU
 publisher for the live ipc/nccl producers (trainer, publisher and routes are fakes: the GPU path
 needs GPUs); ``capture_device`` says where that buffer lives."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.learner.loop import Learner, capture_device
+from pipeline.learner.routes import LearnerRoutes, capture_device
 from sync.packing import PackingError, ipc_export, plan_buckets, plan_layout, unpack
 
 
@@ -27,10 +27,10 @@ def _fake(routes, publisher, lora=False, bucket_mb=1):
         snapshot_plan=lambda: None if lora else {k: (v.dtype, tuple(v.shape))
                                                  for k, v in tensors.items()},
         device=torch.device("cpu"), zero_stage=0, tensors=tensors, asked=asked)
-    me = SimpleNamespace(trainer=trainer, publisher=publisher, _gpu_routes=lambda: routes,
+    me = SimpleNamespace(trainer=trainer, publisher=publisher, live_gpu_routes=lambda: routes,
                          counters={}, cfg=SimpleNamespace(sync=SimpleNamespace(
                              bucket_mb=bucket_mb)))
-    me._count_gpu_failure = lambda v, e: Learner._count_gpu_failure(me, v, e)
+    me.count_failure = lambda v, e: LearnerRoutes.count_failure(me, v, e)
     return me
 
 
@@ -44,7 +44,7 @@ def _publisher(calls):
 def test_capture_packs_a_copy_and_offers_it_to_the_ipc_producers_fake_publisher(lora):
     calls = []
     me = _fake({"p0": "ipc", "p1": "nccl", "p2": "ipc"}, _publisher(calls), lora=lora)
-    flat, layout = Learner._capture(me, 7)
+    flat, layout = LearnerRoutes.capture(me, 7)
     assert [(v, ipc) for v, _f, ipc in calls] == [(7, ["p0", "p2"])]
     assert calls[0][1] is flat  # the same buffer: one copy serves the GPU routes and the file
     views = unpack(flat, layout)
@@ -58,7 +58,7 @@ def test_capture_packs_a_copy_and_offers_it_to_the_ipc_producers_fake_publisher(
 def test_capture_without_gpu_routes_offers_nothing_fake_publisher():
     calls = []
     me = _fake({}, _publisher(calls))
-    _flat, layout = Learner._capture(me, 1)
+    _flat, layout = LearnerRoutes.capture(me, 1)
     assert calls == [] and [e.name for e in layout] == ["w", "b"]
 
 
@@ -68,7 +68,7 @@ def test_a_failed_gpu_offer_leaves_the_file_route_fake_publisher():
 
     me = _fake({"p0": "ipc"}, SimpleNamespace(device=torch.device("cpu"),
                                               publish_packed=broken))
-    flat, _layout = Learner._capture(me, 3)
+    flat, _layout = LearnerRoutes.capture(me, 3)
     assert me.counters["gpu_publish_failures"] == 1 and flat.numel() > 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from pipeline.learner.loop import snapshot_dir
+from pipeline.learner.routes import snapshot_dir
 from pipeline.owner import OWNER_ENV, owner_tag
 
 
