@@ -301,7 +301,17 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path:
     fig = Figure(figsize=(11, 4), layout="constrained")
     FigureCanvasAgg(fig)
     ax_r, ax_s = fig.subplots(1, 2)
+    _plot_rewards(ax_r, records)
+    _plot_staleness(ax_s, records)
 
+    fig.suptitle(f"{run_name} ({len(records)} steps)")
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return out_png
+
+
+def _plot_rewards(ax_r: Any, records: list[dict]) -> None:
+    """``reward_mean`` per step against wall-clock minutes, with its rolling mean."""
     rewarded = [
         r
         for r in records
@@ -330,6 +340,9 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path:
     ax_r.set_title("reward")
     ax_r.grid(alpha=0.3)
 
+
+def _staleness_counts(records: list[dict]) -> dict[int, float]:
+    """Groups per staleness, summed over the run's ``staleness_hist/<k>`` counts."""
     hist: dict[int, float] = {}
     for r in records:
         for key, value in r.items():
@@ -339,6 +352,12 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path:
                 except ValueError:
                     continue
                 hist[k] = hist.get(k, 0.0) + float(value)
+    return hist
+
+
+def _plot_staleness(ax_s: Any, records: list[dict]) -> None:
+    """The staleness histogram: groups per staleness, else the per-step means."""
+    hist = _staleness_counts(records)
     means = [
         float(r["staleness_mean"])
         for r in records
@@ -360,11 +379,6 @@ def plot_run(metrics_path: Path, out_png: Path) -> Path:
         )
     ax_s.set_title("staleness")
     ax_s.grid(alpha=0.3)
-
-    fig.suptitle(f"{run_name} ({len(records)} steps)")
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    return out_png
 
 
 def main(argv: Sequence[str] | None = None) -> int:
