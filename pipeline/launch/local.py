@@ -338,18 +338,67 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     Each process writes its output to ``run_dir/logs/<process>.log``; the console shows the
     progress lines, the summary, warnings and errors (``verbose``: every line of every process).
     """
+    # 1. Everything that can fail is checked before any process starts.
     model_path = prepare(cfg, role)
+    ray_rewards = _check_ray_rewards(cfg, role)
+    # 2. Children inherit this launcher's owner tag: what they leave in /dev/shm names it, so a
+    #    later run reclaims it should this launcher be killed (pipeline.launch.shm).
+    os.environ[OWNER_ENV] = owner_tag()
+    reclaim_dead_owners()
+    shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
+    # 3. The run's directory: an earlier run set aside, the launcher's log, the config.
+    run_dir = Path(cfg.run_dir)
+    file_log, follower = _set_up_run_dir(cfg, role, resume, verbose)
+    # 4. The children, started after the signal handlers and the reward replicas.
+    sup = _Supervisor(cfg, role, model_path, resume, producer_index, shm_before, follower,
+                      max_producer_restarts, max_learner_restarts)
+    # SIGTERM (e.g. from `timeout` or a job scheduler) stops the run like Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Also SIGINT: a launcher started in the background (`cmd &`) inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    reward_cluster = None
+    if ray_rewards and role == "all":  # before any child: they inherit where the replicas are
+        from pipeline.launch.ray_cluster import RewardCluster
+
+        reward_cluster = RewardCluster(cfg)
+    sup.start()
+    # 5. Supervise until the run is over, restarting children within their limits.
+    code = 0
+    try:
+        while (done := sup.poll()) is None:
+            time.sleep(0.5)
+        code = done
+    except (KeyboardInterrupt, SystemExit):
+        code = sup.code or 130
+        log.warning("stopping: learner saves a checkpoint, producers shut down")
+        sup.interrupt()
+    finally:
+        # 6. Every child stopped, shared memory reclaimed, the replicas stopped, the last lines.
+        sup.reap()
+        if reward_cluster is not None:
+            reward_cluster.stop()
+        follower.pump(final=True)
+        if role == "all":  # every producer is gone: their outboxes are final
+            _report_waiting_groups(run_dir, cfg.train.max_staleness)
+        logging.getLogger().removeHandler(file_log)
+        file_log.close()
+    return code
+
+
+def _check_ray_rewards(cfg: RunConfig, role: str) -> bool:
+    """Whether the run has ``executor: ray`` rewards, which only a whole run can start."""
     ray_rewards = [i for i, s in enumerate(cfg.rewards.specs) if s.executor == "ray"]
     if ray_rewards and role == "producer":
         raise ConfigError(f"rewards.specs[{ray_rewards[0]}].executor: ray rewards run on replicas "
                           "that the whole run's launcher starts; --role producer cannot use them")
-    # Children inherit this launcher's owner tag: what they leave in /dev/shm names it, so a
-    # later run reclaims it should this launcher be killed (pipeline.launch.shm).
-    os.environ[OWNER_ENV] = owner_tag()
-    reclaim_dead_owners()
-    shm_before = list_segments()  # what a dead engine leaves behind is reclaimed against this
-    recorded: set[str] | None = None
-    next_record = 0.0
+    return bool(ray_rewards)
+
+
+def _set_up_run_dir(cfg: RunConfig, role: str, resume: bool, verbose: bool
+                    ) -> tuple[logging.Handler, LogFollower]:
+    """run_dir ready for the children: a fresh run sets an earlier one aside and drops its
+    outboxes; the launcher's own log and the follower of the children's logs start before any
+    child writes; the config is written. Returns the launcher's log handler and the follower."""
     run_dir = Path(cfg.run_dir)
     if not resume and role in ("all", "learner"):
         set_aside_previous_run(run_dir)
@@ -362,114 +411,136 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
         for stale in (run_dir / "producers").glob("*.wal"):
             stale.unlink()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    ctx = mp.get_context("spawn")
-    cfg_dict = to_dict(cfg)
-    learner = None
-    if role in ("all", "learner"):
-        learner = _make_learner(ctx, cfg, cfg_dict, model_path, resume)
-    indices = range(cfg.num_producers) if role == "all" else (
-        [producer_index] if role == "producer" else [])
-    # --role producer: its producer exits when the learner announces its last step.
-    producers = {i: ctx.Process(target=producer_entry, name=f"producer{i}",
-                                args=(cfg_dict, model_path, i, role == "producer", True))
-                 for i in indices}
-    procs = ([learner] if learner else []) + list(producers.values())
-    # SIGTERM (e.g. from `timeout` or a job scheduler) stops the run like Ctrl-C does.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    # Also SIGINT: a launcher started in the background (`cmd &`) inherits SIGINT ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    reward_cluster = None
-    if ray_rewards and role == "all":  # before any child: they inherit where the replicas are
-        from pipeline.launch.ray_cluster import RewardCluster
+    return file_log, follower
 
-        reward_cluster = RewardCluster(cfg)
-    for p in procs:
-        p.start()
-    names = (["learner"] if learner else []) + [f"producer-{i}" for i in producers]
-    print(f"pipeline-train: started {', '.join(names)}; their logs: {run_dir / LOGS_DIR}/"
-          f" (--verbose shows them here)", flush=True)
-    restarts = 0
-    learner_restarts = 0
-    code = 0
+
+def _report_waiting_groups(run_dir: Path, max_staleness: int) -> None:
+    """The end-of-run line about groups left in the producers' outboxes, if any."""
     try:
-        while True:
-            if learner is not None and not learner.is_alive():
-                code = learner.exitcode or 0
-                if code and learner_restarts < max_learner_restarts:
-                    # Producers keep running: they hold every group the learner's last
-                    # checkpoint lacks and resend it to the restored learner.
-                    learner_restarts += 1
-                    from pipeline.learner.checkpoint import latest_checkpoint
+        line = waiting_groups_line(run_dir, max_staleness)
+    except Exception as e:  # a report, never a reason to fail the run's end
+        log.warning("could not count the groups left in the producers' outboxes: %r", e)
+        line = None
+    if line is not None:
+        log.info("%s", line)
+        print(line, flush=True)
 
-                    has_ckpt = latest_checkpoint(run_dir) is not None
-                    log.warning("learner died (exit %s); restarting it %s(%d/%d)", code,
-                                "from its last checkpoint " if has_ckpt else "",
-                                learner_restarts, max_learner_restarts)
-                    _stop(learner, signal.SIGKILL)
-                    learner = _make_learner(ctx, cfg, cfg_dict, model_path, has_ckpt)
-                    learner.start()
-                    procs.append(learner)
-                    code = 0
-                    continue
-                if code:
-                    log.error("learner exited with code %d; stopping producers", code)
-                break
-            for i, p in list(producers.items()):
-                if p.is_alive():
-                    continue
-                if learner is None:  # producer-only role: its exit is the end
-                    return p.exitcode or 0
-                if restarts < max_producer_restarts:
-                    restarts += 1
-                    log.warning("producer %d died (exit %s); restarting (%d/%d)", i, p.exitcode,
-                                restarts, max_producer_restarts)
-                    _stop(p, signal.SIGKILL)
-                    p.join(5)
-                    wait_group_gone(p.pid)  # its engine core may still hold the segments
-                    forget_tracked(reclaim_orphans(shm_before))
-                    new = ctx.Process(target=producer_entry,
-                                      args=(cfg_dict, model_path, i, False, True),
-                                      name=f"producer{i}")
-                    new.start()
-                    producers[i] = new
-                    procs.append(new)
-                else:
-                    log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
-                    code = 1
-                    raise SystemExit(code)
-            if time.monotonic() >= next_record:
-                recorded = record_segments(shm_before, known=recorded)
-                next_record = time.monotonic() + 5.0
-            follower.pump()
-            time.sleep(0.5)
-    except (KeyboardInterrupt, SystemExit):
-        code = code or 130
-        log.warning("stopping: learner saves a checkpoint, producers shut down")
-        if learner is not None and learner.is_alive():
-            _stop(learner, signal.SIGINT)
-            learner.join(120)
-    finally:
-        # Each producer alone: it aborts its requests and shuts its engine down in order (the
-        # engine core stops its workers). A signal to its group would also reach vLLM's workers,
-        # which then die under a live engine core ("Worker proc VllmWorker-0 died unexpectedly",
-        # a fatal-error dump on the console). _reap kills the group of what is left.
-        for p in producers.values():
+
+class _Supervisor:
+    """The run's children on this machine: started together, watched every half second (a dead
+    learner or producer restarted within its limit, else the run ends), and stopped in order
+    (learner first, with its final checkpoint; then each producer alone; then whatever is left,
+    group and all)."""
+
+    def __init__(self, cfg: RunConfig, role: str, model_path: str, resume: bool,
+                 producer_index: int, shm_before: set[str], follower: LogFollower,
+                 max_producer_restarts: int, max_learner_restarts: int):
+        self.cfg, self.model_path, self.shm_before = cfg, model_path, shm_before
+        self.follower = follower
+        self.max_producer_restarts = max_producer_restarts
+        self.max_learner_restarts = max_learner_restarts
+        self.run_dir = Path(cfg.run_dir)
+        self.ctx = mp.get_context("spawn")
+        self.cfg_dict = to_dict(cfg)
+        self.learner: Any = None
+        if role in ("all", "learner"):
+            self.learner = _make_learner(self.ctx, cfg, self.cfg_dict, model_path, resume)
+        indices = range(cfg.num_producers) if role == "all" else (
+            [producer_index] if role == "producer" else [])
+        # --role producer: its producer exits when the learner announces its last step.
+        self.producers = {i: self.ctx.Process(target=producer_entry, name=f"producer{i}",
+                                              args=(self.cfg_dict, model_path, i,
+                                                    role == "producer", True))
+                          for i in indices}
+        self.procs = ([self.learner] if self.learner else []) + list(self.producers.values())
+        self.code = 0  # the exit code decided while supervising
+        self.restarts = 0
+        self.learner_restarts = 0
+        self.recorded: set[str] | None = None
+        self.next_record = 0.0
+
+    def start(self) -> None:
+        for p in self.procs:
+            p.start()
+        names = (["learner"] if self.learner else []) + [f"producer-{i}" for i in self.producers]
+        print(f"pipeline-train: started {', '.join(names)}; their logs: "
+              f"{self.run_dir / LOGS_DIR}/ (--verbose shows them here)", flush=True)
+
+    def poll(self) -> int | None:
+        """One look at the children: the run's exit code once it is over, else None. A
+        producer that died beyond its restarts ends the run with SystemExit (code 1)."""
+        learner = self.learner
+        if learner is not None and not learner.is_alive():
+            self.code = learner.exitcode or 0
+            if self.code and self.learner_restarts < self.max_learner_restarts:
+                self._restart_learner()
+                return self.poll()
+            if self.code:
+                log.error("learner exited with code %d; stopping producers", self.code)
+            return self.code
+        for i, p in list(self.producers.items()):
+            if p.is_alive():
+                continue
+            if learner is None:  # producer-only role: its exit is the end
+                return p.exitcode or 0
+            if self.restarts < self.max_producer_restarts:
+                self._restart_producer(i, p)
+            else:
+                log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
+                self.code = 1
+                raise SystemExit(self.code)
+        if time.monotonic() >= self.next_record:
+            self.recorded = record_segments(self.shm_before, known=self.recorded)
+            self.next_record = time.monotonic() + 5.0
+        self.follower.pump()
+        return None
+
+    def _restart_learner(self) -> None:
+        """Producers keep running: they hold every group the learner's last checkpoint lacks
+        and resend it to the restored learner."""
+        from pipeline.learner.checkpoint import latest_checkpoint
+
+        self.learner_restarts += 1
+        has_ckpt = latest_checkpoint(self.run_dir) is not None
+        log.warning("learner died (exit %s); restarting it %s(%d/%d)", self.code,
+                    "from its last checkpoint " if has_ckpt else "",
+                    self.learner_restarts, self.max_learner_restarts)
+        _stop(self.learner, signal.SIGKILL)
+        self.learner = _make_learner(self.ctx, self.cfg, self.cfg_dict, self.model_path,
+                                     has_ckpt)
+        self.learner.start()
+        self.procs.append(self.learner)
+        self.code = 0
+
+    def _restart_producer(self, i: int, p: Any) -> None:
+        self.restarts += 1
+        log.warning("producer %d died (exit %s); restarting (%d/%d)", i, p.exitcode,
+                    self.restarts, self.max_producer_restarts)
+        _stop(p, signal.SIGKILL)
+        p.join(5)
+        wait_group_gone(p.pid)  # its engine core may still hold the segments
+        forget_tracked(reclaim_orphans(self.shm_before))
+        new = self.ctx.Process(target=producer_entry,
+                               args=(self.cfg_dict, self.model_path, i, False, True),
+                               name=f"producer{i}")
+        new.start()
+        self.producers[i] = new
+        self.procs.append(new)
+
+    def interrupt(self) -> None:
+        """Ctrl-C / SIGTERM / a fatal death: the learner gets SIGINT and time for its final
+        checkpoint."""
+        if self.learner is not None and self.learner.is_alive():
+            _stop(self.learner, signal.SIGINT)
+            self.learner.join(120)
+
+    def reap(self) -> None:
+        """Each producer alone: it aborts its requests and shuts its engine down in order (the
+        engine core stops its workers). A signal to its group would also reach vLLM's workers,
+        which then die under a live engine core ("Worker proc VllmWorker-0 died unexpectedly",
+        a fatal-error dump on the console). _reap kills the group of what is left."""
+        for p in self.producers.values():
             _stop(p, signal.SIGTERM, group=False)
-        _reap(procs, grace_s=20.0)
-        forget_tracked(reclaim_orphans(shm_before))
+        _reap(self.procs, grace_s=20.0)
+        forget_tracked(reclaim_orphans(self.shm_before))
         forget_record()
-        if reward_cluster is not None:
-            reward_cluster.stop()
-        follower.pump(final=True)
-        if role == "all":  # every producer is gone: their outboxes are final
-            try:
-                line = waiting_groups_line(run_dir, cfg.train.max_staleness)
-            except Exception as e:  # a report, never a reason to fail the run's end
-                log.warning("could not count the groups left in the producers' outboxes: %r", e)
-                line = None
-            if line is not None:
-                log.info("%s", line)
-                print(line, flush=True)
-        logging.getLogger().removeHandler(file_log)
-        file_log.close()
-    return code
