@@ -8,9 +8,9 @@ import json
 import zlib
 
 import pytest
-from train_run import pipeline_train, tiny_args
 
 from bench.soak import tally
+from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ def test_zero_variance_groups_are_dropped_counted_and_conserved(tiny_model, tmp_
     run_dir = tmp_path / "dynamic"
     steps = 4
     pipeline_train(*tiny_args(tiny_model, run_dir), "--reward",
-                   "tests.e2e.sampling_rewards:half_constant", "--mode", "async",
+                   "tests.e2e.support.sampling_rewards:half_constant", "--mode", "async",
                    "--max-staleness", "1", "--steps", str(steps), "--tensorboard", "false",
                    "--generation.dynamic_sampling", "true", tag=run_dir.name)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]

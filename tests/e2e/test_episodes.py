@@ -13,14 +13,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_faults import ENGINE_START_S, Launcher, _assert_gone, _metrics
-from train_run import pipeline_train, tiny_args
 
 from bench.soak import tally
+from tests.e2e.support.launcher import ENGINE_START_S, Launcher, assert_gone, read_metrics
+from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 
-EPISODES = Path(__file__).resolve().parent / "episodes.py"
+EPISODES = Path(__file__).resolve().parent / "support" / "episodes.py"
 
 
 def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, tmp_path):
@@ -126,7 +126,7 @@ def test_learner_killed_mid_episode_restarts_from_its_checkpoint_nothing_half_co
     assert flying > 0
     assert "restarting it from its last checkpoint (1/1)" in la.tail(400)
 
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert {r["step"] for r in rows} == set(range(1, steps + 1))
     assert rows[-1]["producer/episodes"] >= 2 * 4 * steps / 2
     # Every group the producer sent (each one whole episodes) was trained, dropped as too
@@ -140,4 +140,4 @@ def test_learner_killed_mid_episode_restarts_from_its_checkpoint_nothing_half_co
             (json.loads(x) for x in log.read_text().splitlines() if x.strip())}
     begun = [json.loads(x) for x in started.read_text().splitlines() if x.strip()]
     assert len(done) >= len(begun) - 4, (len(done), len(begun))  # the last group may be cut
-    _assert_gone(la.descendants)
+    assert_gone(la.descendants)

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from train_run import pipeline_train, tiny_args
+
+from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from train_run import REPO, pipeline_train, tiny_args
+
+from tests.e2e.support.train_run import REPO, pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,7 @@ def _train_and_eval(tiny_model: Path, tmp_path: Path, tag: str, *extra: str,
     run_dir = tmp_path / "run"
     pipeline_train(
         *tiny_args(tiny_model, run_dir, data="arithmetic:64", group_size=2),
-        "--reward", "tests.e2e.text_rewards:fingerprint", "--mode", "sync", "--steps", "3",
+        "--reward", "tests.e2e.support.text_rewards:fingerprint", "--mode", "sync", "--steps", "3",
         "--train.lr", "0.01", "--train.checkpoint_every", "2", "--tensorboard", "false",
         "--eval.data", str(_heldout(tmp_path)), "--eval.every", "2",
         "--eval.temperature", "0", "--eval.samples_per_prompt", "1", "--eval.max_prompts", "4",

@@ -5,135 +5,24 @@ groups that are wrong for the run (every one rejected and counted, conservation 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
-import time
-from pathlib import Path
 
 import psutil
 import pytest
-from rogue import FORGERIES  # tests/e2e/rogue.py, the process the fuzz test runs
 
 from bench.soak import tally
 from buffer.checks import REASONS
 from buffer.store import RolloutBuffer
 from pipeline.launch.shm import list_segments, segments_in_use
 from pipeline.learner.checkpoint import latest_checkpoint, load_checkpoint
+from tests.e2e.support.launcher import ENGINE_START_S, REPO, Launcher, assert_gone, read_metrics
+from tests.e2e.support.rogue import FORGERIES  # the process the fuzz test runs
 
-# Generous waits: on a machine whose two cores other jobs keep busy (another suite beside this
-# one), a vLLM CPU engine has taken over three minutes to start. The waits bound hangs; the
-# assertions after them are what the tests check.
-ENGINE_START_S = 600
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-
-REPO = Path(__file__).resolve().parents[2]
-CONNECTED = re.compile(r"producer (p\d+) \(pid (\d+)[^)]*\) connected at version (\d+)")
-
-
-class Launcher:
-    """`python -m pipeline.launch.cli ...` under Popen; stderr is collected line by line."""
-
-    def __init__(self, tiny_model: Path, run_dir: Path, *extra: str):
-        cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
-               "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
-               "--num-producers", "2", "--batch-groups", "2", "--group-size", "4",
-               "--max-tokens", "8", "--run-dir", str(run_dir),
-               "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
-               "--tensorboard", "false", "--progress", "false",
-               "--verbose", *extra]  # the tests follow the processes' INFO lines
-        self.run_dir = run_dir
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
-        self._out: list[str] = []
-        self.descendants: set[int] = set()  # every process the launcher started, polled
-        threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=self._watch, daemon=True).start()
-        threading.Thread(target=lambda: self._out.extend(self.proc.stdout), daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-
-    def _watch(self) -> None:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            me = psutil.Process(self.proc.pid)
-            while self.proc.poll() is None:
-                with contextlib.suppress(psutil.Error):
-                    self.descendants.update(c.pid for c in me.children(recursive=True))
-                time.sleep(0.5)
-
-    def connects(self) -> list[tuple[str, int, int]]:
-        with self._cond:
-            return [(m[1], int(m[2]), int(m[3])) for ln in self.lines
-                    if (m := CONNECTED.search(ln))]
-
-    def wait_for(self, pred, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = pred()
-            if got:
-                return got
-            if self.proc.poll() is not None:
-                break
-            with self._cond:
-                self._cond.wait(0.5)
-        got = pred()
-        assert got, f"timed out waiting for {what}; stderr tail:\n" + self.tail()
-        return got
-
-    def steps_done(self) -> int:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return 0
-        rows = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        return len(rows)
-
-    def tail(self, n: int = 60) -> str:
-        with self._cond:
-            return "\n".join(self.lines[-n:])
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise AssertionError("launcher did not finish; stderr tail:\n" + self.tail()
-                                 ) from None
-
-    def stop(self) -> None:
-        """Only on failure: Ctrl-C the launcher (it stops its children), then kill it."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-
-
-def _assert_gone(pids, what: str = "processes", timeout: float = 15.0) -> None:
-    procs = []
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            procs.append(psutil.Process(pid))
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
-    assert not alive, f"{what} left behind: {[p.pid for p in alive]}"
 
 
 def test_producer_killed_is_restarted_and_run_completes(tiny_model, tmp_path):
@@ -168,7 +57,7 @@ def test_producer_killed_is_restarted_and_run_completes(tiny_model, tmp_path):
     assert "producer 1 died" in log and "restarting (1/1)" in log
     p1 = [c for c in la.connects() if c[0] == "p1"]
     assert len(p1) == 2 and p1[1][1] != victim
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["skipped_nonfinite"] == 0 for r in rows)
     assert all(r["staleness_max"] == 0 for r in rows)  # sync mode stays on-policy
@@ -180,8 +69,8 @@ def test_producer_killed_is_restarted_and_run_completes(tiny_model, tmp_path):
     assert state["step"] == steps
     assert sum(state["received"].values()) >= served
     assert state["received"].get("p1", 0) >= 1
-    _assert_gone(victim_group)  # the killed producer's engine core was reaped too
-    _assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
+    assert_gone(victim_group)  # the killed producer's engine core was reaped too
+    assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
     assert (list_segments() - shm_before) - segments_in_use() == set()
 
 
@@ -214,14 +103,14 @@ def test_learner_killed_stops_everything_then_resume_continues(tiny_model, tmp_p
     assert code != 0
     assert "learner exited with code -9" in la.tail(200)
     assert any("VLLM" in n for n in names), names  # the engines were running
-    _assert_gone(every)
-    _assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
+    assert_gone(every)
+    assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
 
     ckpt = run_dir / "checkpoints" / latest.read_text().strip()
     state = json.loads((ckpt / "state.json").read_text())
     k, v = state["step"], state["version"]
     assert 1 <= k < steps
-    n_before = len(_metrics(run_dir))
+    n_before = len(read_metrics(run_dir))
     assert n_before >= k
 
     la = Launcher(tiny_model, run_dir, *args, "--resume")
@@ -231,7 +120,7 @@ def test_learner_killed_stops_everything_then_resume_continues(tiny_model, tmp_p
         la.stop()
     assert code == 0, la.tail()
     assert f"step {k}, version {v}" in "\n".join(la.lines)
-    resumed = _metrics(run_dir)[n_before:]
+    resumed = read_metrics(run_dir)[n_before:]
     assert [r["step"] for r in resumed] == list(range(k + 1, steps + 1))
     versions = [r["version"] for r in resumed]
     assert versions[0] >= v and versions == sorted(versions)
@@ -243,7 +132,7 @@ def test_learner_killed_stops_everything_then_resume_continues(tiny_model, tmp_p
     final = json.loads((run_dir / "checkpoints" / f"step_{steps}" / "state.json").read_text())
     assert final["step"] == steps and final["version"] >= v
     assert sum(final["received"].values()) >= sum(state["received"].values())
-    _assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
+    assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
 
 
 def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tiny_model,
@@ -265,7 +154,7 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
                   "--generation.admit_rate_per_s", "0.5")
     out = tmp_path / "rogue.json"
     rogue = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "e2e" / "rogue.py"),
+        [sys.executable, str(REPO / "tests" / "e2e" / "support" / "rogue.py"),
          "--addr", f"ipc://{run_dir.resolve()}/learner.sock", "--count", str(count),
          "--out", str(out), "--group-size", "4", "--vocab", str(vocab), "--max-tokens", "8",
          "--max-model-len", "256", "--window", "2", "--min-version", "3",
@@ -276,7 +165,7 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
         la.wait_for(lambda: out.exists() or rogue.poll() is not None, 400, "the rogue's flood")
         # The rogue stays connected until the learner has counted its groups (libzmq drops
         # what a disconnected sender left in the receive queue), long before the last step.
-        la.wait_for(lambda: _metrics(run_dir)[-1].get("rejected_groups", 0) >= count, 400,
+        la.wait_for(lambda: read_metrics(run_dir)[-1].get("rejected_groups", 0) >= count, 400,
                     "every rogue group to be counted")
         _, err = rogue.communicate(timeout=60)  # closes its stdin: it disconnects and exits
         assert rogue.returncode == 0, err
@@ -292,7 +181,7 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
     assert sum(forged.values()) == forge and set(forged) == set(FORGERIES), forged
     assert result["refused"] == forged  # each forgery answered with a refusal naming why
 
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["dropped_batches"] == 0 and r["skipped_nonfinite"] == 0 for r in rows)
     # The final checkpoint is written after the last frame was read: exact counts per reason.
@@ -314,4 +203,4 @@ def test_rogue_groups_are_all_rejected_and_counted_and_conservation_is_exact(tin
     # A flood is counted, not logged line by line: at most a few lines per reason.
     logged = [ln for ln in la.lines if "rejected group rogue-" in ln]
     assert len(logged) <= 20 * len(REASONS)
-    _assert_gone(la.descendants)
+    assert_gone(la.descendants)

@@ -19,7 +19,8 @@ import pytest
 import torch
 import yaml
 from safetensors import safe_open
-from train_run import pipeline_train, tiny_args
+
+from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from train_run import pipeline_train, tiny_args
+
+from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def vllm_lines(text: str) -> list[str]:
 
 def _train(tiny_model: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess:
     return pipeline_train(*tiny_args(tiny_model, run_dir),
-                          "--reward", "tests.e2e.flaky_rewards:flaky", "--mode", "async",
+                          "--reward", "tests.e2e.support.flaky_rewards:flaky", "--mode", "async",
                           "--max-staleness", "1", "--tensorboard", "true", *extra,
                           tag=run_dir.name)
 

@@ -30,28 +30,26 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import assert_no_process_left
-from ray_nodes import loopback_cluster
-from test_faults import CONNECTED, REPO, Launcher, _assert_gone, _metrics
 
 from bench.soak import tally
 from pipeline.launch.ray_node import RayNode
-from pipeline.launch.shm import list_segments, segments_in_use
+from pipeline.launch.shm import list_segments
+from tests.e2e.support.launcher import CONNECTED, REPO, Launcher, assert_gone, read_metrics
+from tests.e2e.support.ray_nodes import loopback_cluster
+from tests.e2e.support.ray_runs import (
+    HEALTH_CHECK,
+    LEARNER,
+    NO_MEMORY_MONITOR,
+    PLACED,
+    assert_run_clean,
+    ray_args,
+    stop_and_keep_log,
+)
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 NODES = {"127.0.0.2": "producer_node", "127.0.0.3": "learner_node", "127.0.0.4": "producer_node"}
-# The head's GCS health-checks every raylet each second and gives up after 3 failures.
-HEALTH_CHECK = {
-    "RAY_health_check_initial_delay_ms": "1000",
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
-    "RAY_health_check_failure_threshold": "3",
-}
-# Ray's memory monitor kills workers when the whole machine (shared with other jobs) is nearly
-# full; the kernel's OOM killer still applies.
-NO_MEMORY_MONITOR = {"RAY_memory_monitor_refresh_ms": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -60,22 +58,6 @@ def cluster():
     with loopback_cluster("pgt", nodes, num_cpus=2, env=NO_MEMORY_MONITOR,
                           head_env=HEALTH_CHECK) as started:
         yield started
-
-
-def _ray_args(cluster, *extra: str) -> tuple[str, ...]:
-    return (
-        "--launcher",
-        "ray",
-        "--ray-address",
-        cluster["127.0.0.2"].address,
-        "--set",
-        "launch.learner_resources={learner_node: 1}",
-        "--set",
-        "launch.producer_resources={producer_node: 1}",
-        "--set",
-        "launch.producer_strategy=STRICT_SPREAD",
-        *extra,
-    )
 
 
 def test_three_nodes_placement_streamed_weights_and_producer_kill(
@@ -91,7 +73,7 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(
     la = Launcher(
         tiny_model,
         run_dir,
-        *_ray_args(
+        *ray_args(
             cluster,
             "--mode",
             "sync",
@@ -101,7 +83,7 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(
             "1",
         ),
     )
-    placed = r"ray: producer (\d) on node \w+ \(([\d.]+)\), actor pid (\d+), producer pid (\d+)"
+    placed = PLACED
     try:
         la.wait_for(
             lambda: len([ln for ln in la.lines if re.search(placed, ln)]) == 2,
@@ -123,12 +105,10 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(
             300,
             "Ray to restart producer 1",
         )
-        _assert_gone(victims, "the killed actor's producer and engine")
+        assert_gone(victims, "the killed actor's producer and engine")
         code = la.wait(600)
     finally:
-        la.stop()
-    log = "\n".join(la.lines)
-    (run_dir / "driver.log").write_text(log)  # for a failure's post-mortem
+        log = stop_and_keep_log(la, run_dir / "driver.log")
     assert code == 0, la.tail(80)
 
     # Placement, from node ids: the learner on .3, one producer on each other node.
@@ -142,7 +122,7 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(
     assert {actors[0][0], actors[1][0]} == {"127.0.0.2", "127.0.0.4"}
 
     # Every step trained, reward logged; metrics came back from the learner's node.
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all("reward_mean" in r for r in rows)
     assert rows[-1]["version"] == steps - 1 and all(r["staleness_max"] == 0 for r in rows)
@@ -167,10 +147,7 @@ def test_three_nodes_placement_streamed_weights_and_producer_kill(
 
     # Teardown: no process of the run, no shared-memory segment left.
     # (A killed actor's multiprocessing resource tracker prints its own KeyError tracebacks.)
-    assert f'File "{REPO}/' not in log, log[-3000:]
-    _assert_gone(la.descendants, "driver children")
-    assert_no_process_left(tag)
-    assert (list_segments() - shm_before) - segments_in_use() == set()
+    assert_run_clean(la, tag, shm_before, log)
     key = hashlib.sha1(str(learner_dir.resolve()).encode()).hexdigest()[:12]
     assert not list(Path("/dev/shm").glob(f"pipeline-grpo-{key}*"))  # the learner's snapshots
     for node in cluster.values():
@@ -208,7 +185,7 @@ def test_unreachable_address_is_one_line(tiny_model, tmp_path):
 
 def test_missing_resource_is_named_within_30s(cluster, tiny_model, tmp_path):
     code, err, took = _bad(
-        *_ray_args(
+        *ray_args(
             cluster,
             "--set",
             "launch.learner_resources={gpu_node: 1}",
@@ -226,12 +203,9 @@ def test_missing_resource_is_named_within_30s(cluster, tiny_model, tmp_path):
     assert "Traceback" not in err
 
 
-PLACED = r"ray: producer (\d) on node \w+ \(([\d.]+)\), actor pid (\d+), producer pid (\d+)"
-LEARNER = r"ray: learner on node \w+ \([\d.]+\), actor pid (\d+), learner pid (\d+)"
-
-
 def _node_dir(node: RayNode, run_dir: Path) -> Path:
-    """The run's directory on a node that is not the driver's (pipeline.launch.ray._workdir)."""
+    """The run's directory on a node that is not the driver's
+    (pipeline.launch.ray_actors.role_workdir)."""
     key = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:12]
     return node.temp_dir / "tmp" / "pipeline-grpo-ray" / f"{run_dir.name}-{key}"
 
@@ -242,13 +216,6 @@ def _conservation(run_dir: Path, steps: int) -> dict:
     assert t["incarnations"] >= 2, t  # both producers sent groups
     assert t["steps"] == steps and t["trained"] >= 2 * steps, t
     return t
-
-
-def _clean(la: Launcher, tag: str, shm_before: set[str], log: str) -> None:
-    assert f'File "{REPO}/' not in log, log[-3000:]
-    _assert_gone(la.descendants, "driver children")
-    assert_no_process_left(tag)
-    assert (list_segments() - shm_before) - segments_in_use() == set()
 
 
 def test_learner_killed_is_restarted_from_its_checkpoint(
@@ -266,7 +233,7 @@ def test_learner_killed_is_restarted_from_its_checkpoint(
     la = Launcher(
         tiny_model,
         run_dir,
-        *_ray_args(
+        *ray_args(
             cluster,
             "--mode",  # sync: every step needs both producers, so both rejoin the new learner
             "sync",
@@ -296,16 +263,13 @@ def test_learner_killed_is_restarted_from_its_checkpoint(
             120,
             "Ray to restart the learner",
         )
-        _assert_gone(victims, "the killed actor's learner")
+        assert_gone(victims, "the killed actor's learner")
         code = la.wait(600)
     finally:
-        la.stop()
-        log = "\n".join(la.lines)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "driver.log").write_text(log)  # for a failure's post-mortem
+        log = stop_and_keep_log(la, run_dir / "driver.log")
     assert code == 0, la.tail(80)
     assert "learner actor restarted by Ray from its last checkpoint" in log, log[-3000:]
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     # Steps after the resumed checkpoint are trained again: each step is there, in order per
     # lineage, and the last row is the last step.
     assert {r["step"] for r in rows} == set(range(1, steps + 1)), [r["step"] for r in rows]
@@ -316,7 +280,7 @@ def test_learner_killed_is_restarted_from_its_checkpoint(
     assert rejoined == {"p0", "p1"}, la.connects()
     assert not re.search(r"producer \d restarted by Ray", log)
     _conservation(run_dir, steps)
-    _clean(la, tag, shm_before, log)
+    assert_run_clean(la, tag, shm_before, log)
 
 
 def test_worker_node_lost_run_goes_on(cluster, tiny_model, tmp_path, monkeypatch):
@@ -333,7 +297,7 @@ def test_worker_node_lost_run_goes_on(cluster, tiny_model, tmp_path, monkeypatch
     la = Launcher(
         tiny_model,
         run_dir,
-        *_ray_args(
+        *ray_args(
             cluster, "--mode", "async", "--max-staleness", "1", "--steps", "100000",
             "--max-producer-restarts", "1",
             # While one engine takes minutes to start, the tiny model trains hundreds of versions
@@ -354,7 +318,7 @@ def test_worker_node_lost_run_goes_on(cluster, tiny_model, tmp_path, monkeypatch
         la.wait_for(lambda: {c[0] for c in la.connects()} == {"p0", "p1"}, 500, "both producers")
         sent = f"by_producer/p{lost}/groups_sent"
         la.wait_for(
-            lambda: la.steps_done() >= 2 and _metrics(run_dir)[-1].get(sent, 0) >= 2,
+            lambda: la.steps_done() >= 2 and read_metrics(run_dir)[-1].get(sent, 0) >= 2,
             300,
             f"two trained steps and groups from p{lost}",
         )
@@ -370,7 +334,7 @@ def test_worker_node_lost_run_goes_on(cluster, tiny_model, tmp_path, monkeypatch
         )
         seen_s = time.monotonic() - killed
         reported = la.steps_done()
-        _assert_gone([p.pid for p in procs], "the lost node's processes")
+        assert_gone([p.pid for p in procs], "the lost node's processes")
         la.wait_for(lambda: la.steps_done() >= reported + 10, 300, "ten steps after the loss")
         la.proc.send_signal(signal.SIGINT)  # Ctrl-C: final checkpoint, producers stop
         code = la.wait(300)
@@ -381,7 +345,7 @@ def test_worker_node_lost_run_goes_on(cluster, tiny_model, tmp_path, monkeypatch
         (run_dir / "driver.log").write_text(log)  # for a failure's post-mortem
     assert code == 130, la.tail(80)
     assert seen_s < 12, f"node loss seen after {seen_s:.1f}s"
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     assert len(rows) >= reported + 10
     # Conservation on the learner's node (its final checkpoint) with every producer's records:
@@ -395,4 +359,4 @@ def test_worker_node_lost_run_goes_on(cluster, tiny_model, tmp_path, monkeypatch
     t = tally(learner_dir)
     assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
     assert t["incarnations"] == 2 and t["steps"] == len(rows), t
-    _clean(la, tag, shm_before, log)
+    assert_run_clean(la, tag, shm_before, log)

@@ -18,10 +18,11 @@ import time
 import psutil
 import pytest
 from conftest import assert_no_process_left
-from test_faults import Launcher, _assert_gone, _metrics
 
 from bench.soak import tally
 from pipeline.launch.shm import list_segments, segments_in_use
+from tests.e2e.support.launcher import Launcher, assert_gone, read_metrics
+from tests.e2e.support.ray_runs import ray_args, stop_and_keep_log
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -48,8 +49,8 @@ def test_driver_killed_leaves_nothing_running_and_resume_finishes_the_run(
     shm_before = list_segments()
     run_dir = tmp_path / "run"
     steps = 40  # a tiny-model step takes ~0.25 s: enough left to kill mid-run
-    args = ("--launcher", "ray", "--mode", "async", "--steps", str(steps),
-            "--train.checkpoint_every", "1")
+    args = ray_args(None, "--mode", "async", "--steps", str(steps),
+                    "--train.checkpoint_every", "1")
     first = Launcher(tiny_model, run_dir, *args)
     try:
         first.wait_for(lambda: first.steps_done() >= 2, 400, "two trained steps")
@@ -59,22 +60,20 @@ def test_driver_killed_leaves_nothing_running_and_resume_finishes_the_run(
         assert first.steps_done() < steps, "run finished before the kill"
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait()
-        _assert_gone(victims, "left behind by the killed driver", timeout=60)
+        assert_gone(victims, "left behind by the killed driver", timeout=60)
         assert_no_process_left(tag)
         assert not any(os.path.exists(d) for d in temp_dirs), temp_dirs
     finally:
-        first.stop()
-        (tmp_path / "first.log").write_text("\n".join(first.lines))
-    killed_at = len(_metrics(run_dir))
+        stop_and_keep_log(first, tmp_path / "first.log")
+    killed_at = len(read_metrics(run_dir))
 
     second = Launcher(tiny_model, run_dir, *args, "--resume")
     try:
         code = second.wait(600)
     finally:
-        second.stop()
-        (tmp_path / "second.log").write_text("\n".join(second.lines))
+        stop_and_keep_log(second, tmp_path / "second.log")
     assert code == 0, second.tail(60)
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert len(rows) > killed_at
     assert {r["step"] for r in rows} == set(range(1, steps + 1)), [r["step"] for r in rows]
     t = tally(run_dir)

@@ -19,12 +19,19 @@ import time
 
 import psutil
 import pytest
-from ray_nodes import loopback_cluster
-from test_faults import Launcher, _metrics
-from test_ray import HEALTH_CHECK, NO_MEMORY_MONITOR, PLACED, _clean
 
 from bench.soak import tally
 from pipeline.launch.shm import list_segments
+from tests.e2e.support.launcher import Launcher, read_metrics
+from tests.e2e.support.ray_nodes import loopback_cluster
+from tests.e2e.support.ray_runs import (
+    HEALTH_CHECK,
+    NO_MEMORY_MONITOR,
+    PLACED,
+    assert_run_clean,
+    ray_args,
+    stop_and_keep_log,
+)
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -44,17 +51,14 @@ def test_lost_producer_moves_to_the_spare_node_and_resends_its_outbox(
     with loopback_cluster("pgs", NODES, num_cpus=2, env=NO_MEMORY_MONITOR,
                           head_env=HEALTH_CHECK) as cluster:
         la = Launcher(
-            tiny_model, run_dir, "--launcher", "ray", "--ray-address",
-            cluster["127.0.0.2"].address,
-            "--set", "launch.learner_resources={learner_node: 1}",
-            "--set", "launch.producer_resources={producer_node: 1}",
-            "--set", "launch.producer_strategy=STRICT_SPREAD",
-            "--set", "launch.shared_run_dir=true",
-            # sync: the surviving engine idles while the learner trains, so on this 2-core
-            # machine (vLLM's CPU backend binds every engine's worker to core 0) the moved
-            # producer's new engine gets CPU to start
-            "--mode", "sync", "--steps", "100000",
-            "--max-producer-restarts", "1", "--sync.keep_snapshots", "64",
+            tiny_model, run_dir, *ray_args(
+                cluster, "--set", "launch.shared_run_dir=true",
+                # sync: the surviving engine idles while the learner trains, so on this 2-core
+                # machine (vLLM's CPU backend binds every engine's worker to core 0) the moved
+                # producer's new engine gets CPU to start
+                "--mode", "sync", "--steps", "100000",
+                "--max-producer-restarts", "1", "--sync.keep_snapshots", "64",
+            ),
         )  # fmt: skip
         try:
             la.wait_for(
@@ -71,7 +75,7 @@ def test_lost_producer_moves_to_the_spare_node_and_resends_its_outbox(
                         "both producers")
             sent = f"by_producer/p{lost}/groups_sent"
             la.wait_for(
-                lambda: la.steps_done() >= 2 and _metrics(run_dir)[-1].get(sent, 0) >= 2,
+                lambda: la.steps_done() >= 2 and read_metrics(run_dir)[-1].get(sent, 0) >= 2,
                 300,
                 f"two trained steps and groups from p{lost}",
             )
@@ -89,21 +93,18 @@ def test_lost_producer_moves_to_the_spare_node_and_resends_its_outbox(
             # The successor said Hello to the learner and its groups are trained.
             la.wait_for(lambda: sum(1 for c in la.connects() if c[0] == f"p{lost}") >= 2, 500,
                         "the moved producer to rejoin")
-            before = _metrics(run_dir)[-1].get(sent, 0)
-            la.wait_for(lambda: _metrics(run_dir)[-1].get(sent, 0) >= before + 2, 300,
+            before = read_metrics(run_dir)[-1].get(sent, 0)
+            la.wait_for(lambda: read_metrics(run_dir)[-1].get(sent, 0) >= before + 2, 300,
                         "groups from the moved producer")
             la.proc.send_signal(signal.SIGINT)  # Ctrl-C: final checkpoint, producers stop
             code = la.wait(300)
         finally:
-            la.stop()
-            log = "\n".join(la.lines)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "driver.log").write_text(log)  # for a failure's post-mortem
+            log = stop_and_keep_log(la, run_dir / "driver.log")
     assert code == 130, la.tail(80)
     assert f"producer {lost} lost: its node" in log, log[-3000:]
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     t = tally(run_dir)
     assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
     assert t["incarnations"] == 3 and t["steps"] == len(rows), t
-    _clean(la, tag, shm_before, log)
+    assert_run_clean(la, tag, shm_before, log)

@@ -1,5 +1,5 @@
 """``executor: ray`` on a real two-node Ray cluster on loopback: a small CPU reward model
-(tests/e2e/reward_model.py) served by two replicas that both producers of a real
+(tests/e2e/support/reward_model.py) served by two replicas that both producers of a real
 ``pipeline-train --launcher ray`` run share. Mid-run one replica is killed with SIGKILL while it
 scores: Ray restarts it, the call it held is retried on the other replica (counted), every step
 trains, the reward is logged and conservation is exact; at the end no replica is left.
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_no_process_left
-from ray_nodes import loopback_cluster
-from test_faults import REPO, Launcher, _assert_gone, _metrics
 
 from bench.soak import tally
+from tests.e2e.support.launcher import REPO, Launcher, assert_gone, read_metrics
+from tests.e2e.support.ray_nodes import loopback_cluster
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -80,7 +80,7 @@ def test_reward_replicas_shared_and_one_killed_mid_call(cluster, tiny_model, tmp
     weights.write_text(json.dumps({"digit": 1.0, "space": 0.25, "other": 0.0}))
     config = tmp_path / "rewards.yaml"
     spec = {
-        "fn": f"{REPO}/tests/e2e/reward_model.py:TinyRewardModel",
+        "fn": f"{REPO}/tests/e2e/support/reward_model.py:TinyRewardModel",
         "name": "rm",
         "executor": "ray",
         "num_replicas": 2,
@@ -137,7 +137,7 @@ def test_reward_replicas_shared_and_one_killed_mid_call(cluster, tiny_model, tmp
     assert code == 0, la.tail(80)
 
     # Every step trained with the model's reward; both producers called the shared replicas.
-    rows = _metrics(run_dir)
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all("reward/rm" in r and 0.0 <= r["reward/rm"] <= 1.0 for r in rows), rows[-1]
     last = rows[-1]
@@ -156,8 +156,8 @@ def test_reward_replicas_shared_and_one_killed_mid_call(cluster, tiny_model, tmp
     # The replicas (the restarted one too) die with the run; nothing of the run is left.
     every = {int(p.stem) for p in markers.glob("*.pid")}
     assert len(every) == 3, every  # two replicas and the successor of the killed one
-    _assert_gone(every, "reward replicas")
-    _assert_gone(la.descendants, "driver children")
+    assert_gone(every, "reward replicas")
+    assert_gone(la.descendants, "driver children")
     assert_no_process_left(tag)
     assert f'File "{REPO}/' not in log, log[-3000:]
     assert "SIGTERM received" not in log and "SIGTERM handler is not set" not in log
@@ -166,7 +166,7 @@ def test_reward_replicas_shared_and_one_killed_mid_call(cluster, tiny_model, tmp
 def test_replicas_that_cannot_be_placed_are_named_within_30s(cluster, tiny_model, tmp_path):
     config = tmp_path / "rewards.yaml"
     spec = {
-        "fn": f"{REPO}/tests/e2e/reward_model.py:TinyRewardModel",
+        "fn": f"{REPO}/tests/e2e/support/reward_model.py:TinyRewardModel",
         "executor": "ray",
         "num_gpus": 1,  # the loopback cluster has none
         "kwargs": {"weights_path": "x", "marker_dir": "y"},
@@ -231,7 +231,7 @@ def test_local_launcher_starts_replicas_for_its_processes(cluster, tmp_path):
     weights = tmp_path / "weights.json"
     weights.write_text(json.dumps({"digit": 1.0, "space": 0.25, "other": 0.0}))
     spec = {
-        "fn": f"{REPO}/tests/e2e/reward_model.py:TinyRewardModel",
+        "fn": f"{REPO}/tests/e2e/support/reward_model.py:TinyRewardModel",
         "name": "rm",
         "executor": "ray",
         "num_replicas": 2,
@@ -262,4 +262,4 @@ def test_local_launcher_starts_replicas_for_its_processes(cluster, tmp_path):
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["total"] == [pytest.approx(2.25 / 5), 1.0, 0.0], out
     assert out["stats"]["reward/rm/calls"] == 3 and out["stats"]["reward/rm/failures"] == 0
-    _assert_gone(replicas, "reward replicas after stop()")
+    assert_gone(replicas, "reward replicas after stop()")

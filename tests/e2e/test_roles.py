@@ -18,11 +18,11 @@ import time
 
 import pytest
 from conftest import assert_no_process_left
-from test_faults import Launcher, _assert_gone, _metrics
 
 from buffer.store import RolloutBuffer
 from buffer.transport import free_tcp_port_pair, generate_curve_keys
 from pipeline.launch.ray_node import free_port
+from tests.e2e.support.launcher import Launcher, assert_gone, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
             la.stop()
     print(f"producers exited {exit_s:.1f}s after the learner")
 
-    rows = _metrics(learner_dir)
+    rows = read_metrics(learner_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["staleness_max"] == 0 for r in rows)  # sync mode stays on-policy
     assert rows[-1]["dropped_stale"] == 0
@@ -108,5 +108,5 @@ def test_learner_and_two_producer_launchers_over_tcp(tiny_model, tmp_path, monke
     for la in everyone:
         log = "\n".join(la.lines)
         assert "Traceback" not in log, log[-3000:]
-        _assert_gone(la.descendants, "launcher children")
+        assert_gone(la.descendants, "launcher children")
     assert_no_process_left(tag)

@@ -16,7 +16,7 @@ import pytest
 
 from pipeline.launch.shm import SHM_DIR, list_segments
 from pipeline.owner import owner_tag
-from tests.e2e.test_faults import Launcher
+from tests.e2e.support.launcher import Launcher
 
 pytestmark = pytest.mark.slow
 

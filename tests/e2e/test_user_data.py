@@ -8,7 +8,8 @@ import json
 
 import pytest
 import yaml
-from train_run import SMALL_ENGINE, pipeline_train
+
+from tests.e2e.support.train_run import SMALL_ENGINE, pipeline_train
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ each. Writes ``{"sent": {reason: n}, "forged": {reason: n}, "refused": {reason: 
 "incarnation": inc}`` to ``--out`` once all are sent and answered, then stays connected until its
 stdin is closed.
 
-    python tests/e2e/rogue.py --addr ipc://RUN/learner.sock --count 3000 --out sent.json \
+    python tests/e2e/support/rogue.py --addr ipc://RUN/learner.sock --count 3000 --out sent.json \
         --group-size 4 --vocab 262 --max-tokens 8 --max-model-len 256 --window 2
 """
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from conftest import assert_no_process_left
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # A vLLM CPU engine for the tiny test model: short context, 1 GiB of KV cache.
 SMALL_ENGINE = ("--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1")
 

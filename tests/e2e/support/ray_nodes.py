@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pipeline.launch.ray_node import RayNode
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HEAD = "127.0.0.2"
 
 
