@@ -183,11 +183,11 @@ class Announce(_Message, tag="announce"):
     """Per producer incarnation: groups the learner has accepted so far (the producer's
     in-transit count is what it sent minus this)."""
     routes: Annotated[dict[Name, Literal["ipc", "nccl"]], Meta(max_length=65536)] = {}
-    """Per producer id: the weight transport to load ``version`` with; absent means the
+    """Per producer id: the weight route to load ``version`` with; absent means the
     snapshot file (always written, also the fallback)."""
     transfer: dict[Name, Any] = {}
-    """Transport payload as plain msgpack data (layout, IPC handle fields, NCCL link offers);
-    only its types are checked here, ``sync.transfer`` validates the meaning."""
+    """The GPU routes' payload as plain msgpack data (layout, IPC handle fields, NCCL link
+    offers); only its types are checked here, ``sync.routes`` validates the meaning."""
     heading_to: Count = 0
     """The version the learner's training is heading to: ``version`` of its newest weights, plus
     one while it trains on a batch it has taken (a group started now is trained at this version

@@ -131,6 +131,35 @@ class _Allow:
         return self.key is None or key == self.key
 
 
+def _client_socket(ctx: zmq.asyncio.Context, addr: str, keys: StreamKeys | None) -> Any:
+    """A DEALER connected to the server at ``addr`` (CurveZMQ with ``keys``)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.curve_serverkey = keys.server_public
+        sock.curve_publickey = keys.client_public
+        sock.curve_secretkey = keys.client_secret
+    sock.connect(addr)
+    return sock
+
+
+def _check_copy(ref: SnapshotRef, addr: str, tmp: Path, received: int, total: int | None,
+                hashed: str | None) -> None:
+    """Refuse a streamed copy that is short or whose checksum differs from the announce's
+    (``hashed``: the checksum computed while it arrived, if its algorithm allows)."""
+    if total is None or received != total:
+        raise SnapshotError(
+            f"snapshot v{ref.version}: stream from {addr} ended at {received} of {total} bytes"
+        )
+    algo = ref.checksum.partition(":")[0]
+    got = hashed if hashed is not None else checksum_bytes(tmp.read_bytes(), algo)
+    if got != ref.checksum:
+        raise SnapshotError(
+            f"snapshot v{ref.version}: streamed copy has checksum {got}, "
+            f"the announce says {ref.checksum}; refusing to load"
+        )
+
+
 async def fetch_snapshot(
     addr: str,
     ref: SnapshotRef,
@@ -145,14 +174,7 @@ async def fetch_snapshot(
     """Copy ``ref``'s file from the server at ``addr`` to ``dest`` (atomic rename) and check it
     against ``ref.checksum``; returns the local ref and the byte count. ``timeout_s`` bounds the
     wait for each reply."""
-    ctx = ctx or zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if keys is not None:
-        sock.curve_serverkey = keys.server_public
-        sock.curve_publickey = keys.client_public
-        sock.curve_secretkey = keys.client_secret
-    sock.connect(addr)
+    sock = _client_socket(ctx or zmq.asyncio.Context.instance(), addr, keys)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.part")
     algo = ref.checksum.partition(":")[0]
@@ -204,18 +226,8 @@ async def fetch_snapshot(
                 received += len(data)
                 while pending < window and next_off < total:
                     await ask()
-        if total is None or received != total:
-            raise SnapshotError(
-                f"snapshot v{ref.version}: stream from {addr} ended at {received} of {total} bytes"
-            )
-        got = (
-            "blake3:" + h.hexdigest(16) if h is not None else checksum_bytes(tmp.read_bytes(), algo)
-        )
-        if got != ref.checksum:
-            raise SnapshotError(
-                f"snapshot v{ref.version}: streamed copy has checksum {got}, "
-                f"the announce says {ref.checksum}; refusing to load"
-            )
+        _check_copy(ref, addr, tmp, received, total,
+                    "blake3:" + h.hexdigest(16) if h is not None else None)
         tmp.replace(dest)
     finally:
         sock.close(0)
