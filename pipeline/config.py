@@ -560,25 +560,25 @@ class RunConfig:
     tensorboard: bool = True
     """false takes tensorboard out of report_to"""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """model"""
+    """the policy model: weights, dtype, where test models are built"""
     engine: EngineConfig = field(default_factory=EngineConfig)
-    """engine"""
+    """each producer's vLLM engine"""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    """generation"""
+    """sampling of each prompt's group of completions"""
     data: DataConfig = field(default_factory=DataConfig)
-    """data"""
+    """the training prompts"""
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
-    """rewards"""
+    """how completions are scored"""
     episode: EpisodeConfig = field(default_factory=EpisodeConfig)
     """multi-turn episodes with tools"""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """evaluation on held-out prompts"""
     sync: SyncConfig = field(default_factory=SyncConfig)
-    """sync"""
+    """weight sync: snapshots, transports, the swap barrier"""
     train: TrainConfig = field(default_factory=TrainConfig)
-    """train"""
+    """the learner: optimiser, batches, LoRA, checkpoints"""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    """launch"""
+    """where the processes run (this machine or a Ray cluster)"""
 
     def __post_init__(self) -> None:
         enforce(self)

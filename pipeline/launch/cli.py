@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     rev = {v: k for k, v in ALIASES.items()}
     groups: dict[str, argparse._ArgumentGroup] = {}
     # Help texts and defaults come from the config dataclasses, nested sections included
-    # (--train.loss.clip_eps_low ...): the field's opt(help=...) or the docstring under it.
+    # (--train.loss.clip_eps_low ...): each field's docstring is its help text.
     for name, tp, default, text in iter_help(RunConfig):
         section = name.rsplit(".", 1)[0] if "." in name else "top-level"
         g = groups.setdefault(section, p.add_argument_group(f"{section} options"))
