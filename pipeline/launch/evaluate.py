@@ -21,8 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError, RunConfig, flatten, iter_options, load_config, parse_value
+from pipeline.config import RunConfig, flatten, load_config
 from pipeline.launch.args import OneLineParser
+from pipeline.options import ConfigError, iter_options, parse_value
 
 
 def build_parser() -> argparse.ArgumentParser:
