@@ -1,6 +1,6 @@
-"""The machinery behind the config dataclasses: typed fields with help and bounds, checking a
-value against its annotation, building sections from YAML mappings and dotted overrides, and
-walking the declarations for ``--help``.
+"""The machinery behind the config dataclasses: fields with numeric bounds, checking a value
+against its annotation, building sections from YAML mappings and dotted overrides, and walking
+the declarations (each field's docstring is its help text) for ``--help``.
 
 It knows nothing of any particular option: ``pipeline.config`` declares them and passes its
 root class where a walk needs one. Invariants: every value a config holds has been checked
