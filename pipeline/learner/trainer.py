@@ -63,6 +63,10 @@ log = logging.getLogger(__name__)
 
 
 class PolicyTrainer:
+    """One learner rank's policy, optimiser and reference: ``step`` trains on a batch of
+    groups, ``snapshot_*`` give the weights a version carries, ``state``/``load_state``/
+    ``save_shards`` its checkpoint; rank 0 calls them, the other ranks ``follow()``."""
+
     def __init__(self, cfg: RunConfig, model_path: str, device: str | None = None):
         from transformers import AutoTokenizer
 
