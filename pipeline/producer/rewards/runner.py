@@ -87,7 +87,6 @@ class _Loaded:
     name: str
     weight: float
     mode: CallMode
-    timeout_s: float
     limits: CallLimits
     run: Run
     """One call on its executor; for a per-completion ray reward the group's batch."""
@@ -150,9 +149,7 @@ class RewardSet:
             else:
                 run = partial(call_inline, scorer)
         limits = CallLimits(spec.timeout_s, spec.max_concurrency, spec.rate_per_s)
-        return _Loaded(
-            info.name, info.weight, info.mode, spec.timeout_s, limits, run, scorer, remote
-        )
+        return _Loaded(info.name, info.weight, info.mode, limits, run, scorer, remote)
 
     @property
     def names(self) -> list[str]:
@@ -274,7 +271,7 @@ class RewardSet:
         except asyncio.CancelledError:
             raise
         except RewardTimeout:
-            self._fail(r, meta, "timeout", f"timed out after {r.timeout_s} s")
+            self._fail(r, meta, "timeout", f"timed out after {r.limits.timeout_s} s")
             return None
         except NonFinite as e:
             self._fail(r, meta, "nan", str(e))
@@ -297,7 +294,7 @@ class RewardSet:
             raise
         except Exception as e:
             kind = "timeout" if isinstance(e, RewardTimeout) else None
-            why = f"timed out after {r.timeout_s} s" if kind else f"raised {e!r}"
+            why = f"timed out after {r.limits.timeout_s} s" if kind else f"raised {e!r}"
             for m in metas:
                 self._fail(r, m, kind, why)
             return [0.0] * n, [False] * n

@@ -263,7 +263,7 @@ def test_empty_group():
 def test_exception_zero_policy_counts_and_logs_prompt_id(caplog):
     with (
         RewardSet([spec(raises), spec(length_score)], on_failure="zero") as rs,
-        caplog.at_level(logging.WARNING, logger="pipeline.producer.rewards"),
+        caplog.at_level(logging.WARNING, logger="pipeline.producer.rewards.runner"),
     ):
         res = score(rs, ["good", "bad"], prompt_id="q-42")
     assert res.total == [5.0, 3.0]  # the failed reward counts 0, the other still counts
