@@ -20,13 +20,13 @@ import pytest
 import torch
 from conftest import assert_no_children
 from test_gpu_transports import PID, Learner, _gpus, _publish, _swap_under_load
-from test_sync_swap import PROBE, EngineLoop, probe
 
 from bench.sync_bench import model_tensors, perturbed
 from pipeline.learner.logprobs import token_logprobs
 from sync.barrier import RequestTracker
 from sync.routes import plan_route
 from sync.routes.nccl import NcclRoute, nccl_offer
+from tests.e2e.support.engine_loop import PROBE, EngineLoop, probe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(_gpus() < 3, reason="needs 3 GPUs: a TP=2 engine on GPUs 0-1 "

@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_no_children, assert_no_process_left
-from test_sync_swap import VOCAB, EngineLoop, hf_dir_with, probe
 
 from bench.sync_bench import generate, model_tensors, perturbed, random_prompt
 from buffer.protocol import SyncReady, decode, encode
@@ -38,6 +37,7 @@ from sync.routes.file import FileRoute
 from sync.routes.ipc import IpcRoute
 from sync.routes.nccl import NcclRoute, nccl_offer
 from sync.snapshot import SnapshotRef, write_snapshot
+from tests.e2e.support.engine_loop import VOCAB, EngineLoop, hf_dir_with, probe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 PID = "p0"

@@ -25,7 +25,6 @@ import time
 
 import pytest
 from conftest import assert_no_children
-from test_sync_swap import VOCAB, EngineLoop
 
 from bench.sync_bench import (
     Generation,
@@ -37,6 +36,7 @@ from bench.sync_bench import (
 )
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.snapshot import write_snapshot
+from tests.e2e.support.engine_loop import VOCAB, EngineLoop
 
 pytestmark = pytest.mark.slow
 

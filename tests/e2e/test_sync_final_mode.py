@@ -13,13 +13,13 @@ from functools import partial
 
 import pytest
 from conftest import assert_no_children
-from test_sync_swap import EngineLoop
 
 from bench.sync_bench import model_tensors
 from pipeline.producer.engine import engine_progress
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.routes.file import FileRoute
 from sync.snapshot import write_snapshot
+from tests.e2e.support.engine_loop import EngineLoop
 
 pytestmark = pytest.mark.slow
 
