@@ -52,8 +52,9 @@ _LEVEL = "(DEBUG|INFO|WARN|WARNING|ERROR|CRITICAL|FATAL)"
 # Our records: "12:00:00 producer0 pipeline.producer.loop WARNING ..." (pipeline.procs.LOG_FORMAT).
 _OUR_RECORD = re.compile(r"^\d\d:\d\d:\d\d \S+ (\S+) " + _LEVEL + r" (.*)$")
 # Any other record: its level among the first five words, as vLLM's
-# "(EngineCore pid=7) WARNING 11-25 12:00:00 [file.py:12] ..." or "INFO 11-25 ...".
-_RECORD = re.compile(r"^(?:\S+\s+){0,4}?" + _LEVEL + r"\b")
+# "(EngineCore pid=7) WARNING 11-25 12:00:00 [file.py:12] ..." or "INFO 11-25 ...", or in
+# brackets, as DeepSpeed's "[2026-11-25 12:00:00,000] [WARNING] [file.py:12:fn] ...".
+_RECORD = re.compile(r"^(?:\S+\s+){0,4}?\[?" + _LEVEL + r"\b")
 _PY_WARNING = re.compile(r"^\S+:\d+: \w*Warning: ")  # warnings.warn printed without logging
 _ERROR_START = re.compile(r"^(Traceback \(most recent call last\):|Fatal Python error)")
 _OWN_LOGGERS = frozenset({"pipeline", "buffer", "sync", "bench", "examples", "__main__"})

@@ -51,6 +51,15 @@ def test_library_warnings_stay_in_the_file_and_are_counted():
     assert f.hidden_warnings == 4
 
 
+def test_a_bracketed_library_warning_after_a_console_line_is_not_its_continuation():
+    f = LineFilter()
+    ds = ("[2026-11-26 14:11:23,787] [WARNING] [real_accelerator.py:213:get_accelerator] "
+          "Setting accelerator to CPU.")
+    step = "09:01:02 learner pipeline.console INFO step 40/40 | reward 1.00"
+    assert [f.feed(x) for x in (step, ds)] == [("out", "step 40/40 | reward 1.00"), None]
+    assert f.hidden_warnings == 1
+
+
 def test_verbose_shows_every_line():
     lines = [OURS.format(level="INFO", msg="a"), VLLM.format(level="INFO", msg="b"), "raw"]
     assert feed(lines, verbose=True) == [("err", x) for x in lines]
