@@ -30,7 +30,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BATCH, GROUP = 4, 4
 
 
 def heldout(path: Path, n: int = 16) -> Path:
@@ -39,26 +38,25 @@ def heldout(path: Path, n: int = 16) -> Path:
     return path
 
 
-def command(mode: str, steps: int, model: str, run_dir: Path, data: Path,
-            extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", model,
-           "--data", "arithmetic:2000", "--num-producers", "1",
-           "--batch-groups", str(BATCH), "--group-size", str(GROUP), "--max-tokens", "16",
-           "--mode", "async", "--max-staleness", "1", "--steps", str(steps),
-           "--run-dir", str(run_dir), "--engine.max_model_len", "256",
-           "--engine.cpu_kvcache_space_gib", "1", "--tensorboard", "false",
-           "--progress", "false"]
+def command(mode: str, args: argparse.Namespace, run_dir: Path, data: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", args.model,
+           "--data", "arithmetic:5000", "--num-producers", "1",
+           "--batch-groups", str(args.batch_groups), "--group-size", str(args.group_size),
+           "--max-tokens", str(args.max_tokens), "--mode", "async", "--max-staleness", "1",
+           "--steps", str(args.steps), "--run-dir", str(run_dir),
+           "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
+           "--tensorboard", "false", "--progress", "false"]
     if mode != "off":
         cmd += ["--eval.data", str(data), "--eval.every", "1", "--eval.samples_per_prompt", "4",
-                "--eval.max_prompts", "8", "--eval.producer", mode]
-    return cmd + extra
+                "--eval.max_prompts", str(args.eval_prompts), "--eval.producer", mode]
+    return cmd + args.extra
 
 
-def one_run(mode: str, steps: int, model: str, run_dir: Path, data: Path,
-            extra: list[str]) -> dict:
+def one_run(mode: str, args: argparse.Namespace, run_dir: Path, data: Path) -> dict:
     t0 = time.time()
-    proc = subprocess.run(command(mode, steps, model, run_dir, data, extra), cwd=REPO,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(command(mode, args, run_dir, data), cwd=REPO,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=args.run_timeout)
     total = time.time() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -73,7 +71,8 @@ def one_run(mode: str, steps: int, model: str, run_dir: Path, data: Path,
         "mode": mode,
         "steps": len(train),
         "steps_per_s": round(later / max(last - first, 1e-9), 3),
-        "samples_per_s": round(later * BATCH * GROUP / max(last - first, 1e-9), 1),
+        "samples_per_s": round(later * args.batch_groups * args.group_size
+                               / max(last - first, 1e-9), 1),
         "evaluations": len(evals),
         "eval_s": round(sum(r.get("eval/seconds", 0.0) for r in evals), 1),
         "skipped": int(train[-1].get("evaluator/versions_skipped", 0)),
@@ -88,16 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--model", default="tiny")
     p.add_argument("--modes", default="off,shared,dedicated")
+    p.add_argument("--batch-groups", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts (x4 samples)")
+    p.add_argument("--run-timeout", type=float, default=1800)
+    p.add_argument("--runs-dir", default="", help="keep each run's directory here")
     p.add_argument("--out", default="eval_bench.json")
     p.add_argument("extra", nargs="*", help="more pipeline-train flags for every run")
     args = p.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="eval-bench-") as tmp:
-        data = heldout(Path(tmp) / "heldout.jsonl")
+        root = Path(args.runs_dir or tmp)
+        data = heldout(Path(tmp) / "heldout.jsonl", max(16, args.eval_prompts))
         for r in range(args.repeat):
             for mode in args.modes.split(","):
-                row = one_run(mode, args.steps, args.model, Path(tmp) / f"{mode}-{r}", data,
-                              args.extra)
+                row = one_run(mode, args, root / f"{mode}-{r}", data)
                 results.append(row)
                 print(json.dumps(row), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
