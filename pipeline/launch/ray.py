@@ -271,11 +271,12 @@ class _Driver:
         (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
         for i, info in zip(producers, infos, strict=True):
             log.info(
-                "ray: %s on node %s (%s), actor pid %d, its pid %d",
+                "ray: %s on node %s (%s), actor pid %d, %s pid %d",
                 self._name(i),
                 info["node_id"][:12],
                 info["ip"],
                 info["actor_pid"],
+                self._name(i).split()[0],
                 info["pid"],
             )
         self.mirror = None if ep["same_dir"] else _Mirror(ray, self.learner, self.run_dir)

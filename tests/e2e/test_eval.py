@@ -157,3 +157,28 @@ def test_a_dead_evaluator_is_reported_and_training_goes_on(tiny_model, tmp_path)
     train = [r for r in _rows(run_dir / "metrics.jsonl") if "reward_mean" in r]
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert_gone(la.descendants, "the run's processes")
+
+
+def test_a_dedicated_evaluator_under_the_ray_launcher(tiny_model, tmp_path):
+    """--launcher ray (a private node): the evaluator is one more producer actor, placed and
+    reported; it evaluates the last version and the run ends clean."""
+    pytest.importorskip("ray")
+    from tests.e2e.support.launcher import ENGINE_START_S, Launcher
+    from tests.e2e.support.ray_runs import ray_args, stop_and_keep_log
+
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    run_dir = tmp_path / "run"
+    la = Launcher(tiny_model, run_dir, *ray_args(
+        None, "--num-producers", "1", "--mode", "async", "--steps", "3",
+        "--eval.data", str(heldout), "--eval.every", "2", "--eval.max_prompts", "1",
+        "--eval.producer", "dedicated"))
+    try:
+        assert la.wait(ENGINE_START_S) == 0, la.tail()
+    finally:
+        log = stop_and_keep_log(la, tmp_path / "console.log")
+    assert "ray: evaluator on node" in log and "evaluator pid" in log, log[-3000:]
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]
+    assert 2 in [int(r["eval/version"]) for r in rows if "eval/version" in r]  # the last
+    assert "eval v2" in (run_dir / "logs" / "evaluator.log").read_text()
