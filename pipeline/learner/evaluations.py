@@ -76,9 +76,15 @@ class Evaluations:
             out.update({f"evaluator/{k}": float(v) for k, v in info.stats.items()})
         return out
 
+    def evaluator_gone(self) -> bool:
+        """Whether the dedicated evaluator said Hello but has not been heard from since
+        (``pipeline.learner.producers.ALIVE_S``): then no evaluation will come."""
+        now = time.monotonic()
+        return bool(self.evaluators) and not any(i.alive(now) for i in self.evaluators.values())
+
     async def await_last(self, version: int) -> None:
         """Training is over at ``version``: wait (``eval.timeout_s``) for its evaluation, which
-        producer 0 or the evaluator may still be running."""
+        producer 0 or the evaluator may still be running; not for an evaluator gone silent."""
         ev, v = self.cfg.eval, version
         if not ev.every or v in self.evaluated:
             return
@@ -89,6 +95,10 @@ class Evaluations:
             return
         deadline = time.monotonic() + ev.timeout_s
         while v not in self.evaluated and time.monotonic() < deadline:
+            if self.evaluator_gone():
+                log.warning("no evaluation of the last version %d: the evaluator is silent "
+                            "(dead?)", v)
+                return
             await asyncio.sleep(0.1)
         if v not in self.evaluated:
             log.warning("no evaluation of the last version %d within eval.timeout_s (%.0f s)",

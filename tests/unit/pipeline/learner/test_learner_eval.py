@@ -135,3 +135,25 @@ def test_a_shared_run_refuses_an_evaluator_and_logs_no_evaluator_keys(tiny_model
     hello = Hello(producer_id="eval", incarnation="eval-1", policy_version=0, pid=7)
     assert learner._answer(hello) == Reply(ok=False, reason="unexpected_producer")
     assert learner.evals.step_metrics() == {}
+
+
+def test_the_final_wait_ends_when_the_evaluator_is_gone(tmp_path):
+    """A dedicated evaluator heard from once, then silent past ALIVE_S (dead beyond its
+    restarts): the learner's final wait stops at once instead of waiting eval.timeout_s."""
+    import time
+
+    from pipeline.learner.evaluations import Evaluations
+    from pipeline.learner.producers import ALIVE_S
+    from pipeline.schedule import EVALUATOR_ID
+
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
+                                 "eval.data": "arithmetic:8", "eval.every": 1,
+                                 "eval.producer": "dedicated", "eval.timeout_s": 60})
+    evals = Evaluations(cfg, metrics=None)
+    evals.hello(Hello(producer_id=EVALUATOR_ID, incarnation="e-1", policy_version=0, pid=7),
+                new=True)
+    evals.evaluators[EVALUATOR_ID].last_seen = time.monotonic() - ALIVE_S - 1
+    assert evals.evaluator_gone()
+    t0 = time.monotonic()
+    asyncio.run(evals.await_last(2))
+    assert time.monotonic() - t0 < 5
