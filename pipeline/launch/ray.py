@@ -391,7 +391,7 @@ class _Producers:
                         i,
                         self.node[i][:12],
                         self.ip[i],
-                        len(self.actors) - len(self.lost) - len(self.dead),
+                        len(set(self.actors) - self.lost - self.dead - {self.evaluator}),
                     )
         for i, actor in self.actors.items():
             if i in self.dead:
@@ -413,7 +413,7 @@ class _Producers:
                     log.error("the evaluator died and Ray will not restart it; training goes on "
                               "without evaluation: %s", str(e).splitlines()[0])
                     continue
-                left = len(self.actors) - len(self.dead)
+                left = len(set(self.actors) - self.dead - {self.evaluator})  # producers
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
                 if (i in self.lost or self.node[i] not in alive) and left:
                     log.error("producer %d is gone for good with its node; %d left", i, left)
