@@ -2,13 +2,14 @@
 
 A producer says Hello on the control channel before anything else; the registry records its
 incarnation (one producer process) and the dead incarnations whose unconfirmed groups it resends.
-Only the run's producer ids may say Hello. Every later message is checked against that record:
+Only the run's producer ids (and its evaluators', which run held-out prompts and never send
+groups) may say Hello. Every later message is checked against that record:
 
 - a control message (Heartbeat, Ack, SyncReady) must come from a known producer id and carry
   its current incarnation;
 - a rollout group must carry ``metadata["incarnation"]`` (str) and ``metadata["seq"]`` (int
   >= 0), from a known producer, with an incarnation recorded for it (so the exactly-once ledger
-  can place every group it accepts).
+  can place every group it accepts), and never from an evaluator.
 
 Anything else is refused with a reason; the caller counts it (``rejected/<reason>``) and the
 registry logs it once per producer and reason, so a flood of forgeries cannot flood the log.
@@ -33,6 +34,8 @@ UNKNOWN_INCARNATION = "unknown_incarnation"
 """A group whose incarnation its producer never declared."""
 UNEXPECTED_PRODUCER = "unexpected_producer"
 """A Hello with a producer id this run does not have (p0 .. p<num_producers - 1>)."""
+FROM_EVALUATOR = "from_evaluator"
+"""A group from an evaluator: it sends evaluation figures, never rollout groups."""
 NO_METADATA = "no_metadata"
 """A group without a str ``incarnation`` and an int ``seq`` >= 0 in its metadata."""
 
@@ -47,16 +50,19 @@ class ProducerIdentity:
 
 
 class ProducerRegistry:
-    def __init__(self, expected: set[str] | None = None) -> None:
-        """``expected``: the producer ids this run has (None: any id may say Hello)."""
+    def __init__(self, expected: set[str] | None = None,
+                 evaluators: frozenset[str] = frozenset()) -> None:
+        """``expected``: the producer ids this run has (None: any id may say Hello);
+        ``evaluators``: the ids of its evaluators, who may say Hello but send no groups."""
         self.expected = expected
+        self.evaluators = evaluators
         self.producers: dict[str, ProducerIdentity] = {}
         self.rejected: Counter[str] = Counter()
         self._logged: set[tuple[str, str]] = set()
 
     def check_hello(self, msg: Hello) -> str | None:
         """None if ``msg`` may introduce its producer, else why not."""
-        if self.expected is not None and msg.producer_id not in self.expected:
+        if self.expected is not None and msg.producer_id not in self.expected | self.evaluators:
             return UNEXPECTED_PRODUCER
         return None
 
@@ -87,6 +93,8 @@ class ProducerRegistry:
         inc, seq = group.metadata.get("incarnation"), group.metadata.get("seq")
         if type(inc) is not str or type(seq) is not int or seq < 0:
             return NO_METADATA
+        if group.producer_id in self.evaluators:
+            return FROM_EVALUATOR
         known = self.producers.get(group.producer_id)
         if known is None:
             return UNKNOWN_PRODUCER

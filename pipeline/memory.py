@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.schedule import engine_count
+
 GB = 1e9
 
 
@@ -219,11 +221,13 @@ def check_memory_plan(cfg: Any, model_path: str, gpus: dict[str, float] | None =
     ranks = max(1, t.learner_processes)
     learner = cfg.learner_gpus.split(",") if cfg.learner_gpus else seen[:ranks]
     tp = cfg.engine.tensor_parallel_size
+    # Every engine: the producers' and a dedicated evaluator's (eval.producer), placed alike.
+    engines = engine_count(cfg.num_producers, cfg.eval.every, cfg.eval.producer)
     if cfg.producer_gpus:
         producers = [cfg.producer_gpus[k % len(cfg.producer_gpus)].split(",")
-                     for k in range(cfg.num_producers)]
+                     for k in range(engines)]
     else:
-        producers = [seen[:tp] for _ in range(cfg.num_producers)]
+        producers = [seen[:tp] for _ in range(engines)]
     setup = learner_setup(t.accelerate_config, ranks, t.lora_rank > 0)
     params = model_parameters(json.loads(conf.read_text()))
     needs = plan(params, setup, [g.strip() for g in learner],

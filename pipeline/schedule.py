@@ -19,3 +19,25 @@ def is_due(version: int, every: int, last: int) -> bool:
     """Whether ``version`` is evaluated: every ``every``-th one (0 included: the base model),
     and always the last; never when evaluation is off (``every`` 0)."""
     return every > 0 and (version % every == 0 or version == last)
+
+
+def skipped(previous: int, version: int, every: int, last: int) -> int:
+    """The due versions strictly between ``previous`` and ``version``: those an evaluator that
+    took ``version`` right after ``previous`` never evaluated (announced and superseded while
+    it was busy)."""
+    return sum(1 for v in range(previous + 1, version) if is_due(v, every, last))
+
+
+EVALUATOR_ID = "eval"
+"""The dedicated evaluator's id on the control channel (never a producer's: those are p<i>)."""
+
+
+def evaluator_index(num_producers: int, every: int, producer: str) -> int | None:
+    """The dedicated evaluator's launch index, after the producers' (``eval.producer``
+    'dedicated' with evaluation on), or None: producer 0 evaluates, or nobody does."""
+    return num_producers if every > 0 and producer == "dedicated" else None
+
+
+def engine_count(num_producers: int, every: int, producer: str) -> int:
+    """The engines a run starts: its producers' and the dedicated evaluator's, if any."""
+    return num_producers + (evaluator_index(num_producers, every, producer) is not None)

@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--connect", metavar="HOST:PORT",
                      help="producer role: the learner's address (sets addr=tcp://HOST:PORT)")
     run.add_argument("--producer-index", type=_count, default=0, metavar="INT",
-                     help="producer role: this producer's index (its data shard)")
+                     help="producer role: this producer's index (its data shard); "
+                          "num_producers: the dedicated evaluator (eval.producer dedicated)")
     run.add_argument("--resume", action="store_true",
                      help="continue from run_dir's latest checkpoint (model, optimizer, step, "
                           "version, dataset cursors, buffered groups); producers resend what "

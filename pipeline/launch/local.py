@@ -4,7 +4,9 @@ Every child runs in its own process group so that stopping it also stops what it
 engine-core processes). On Ctrl-C/SIGTERM the learner gets SIGINT first (it saves a final
 checkpoint), producers get SIGTERM, and whatever is left after a grace period gets SIGKILL; the
 launcher returns only when no child process group is left. A child that dies stops the whole run
-unless ``max_producer_restarts`` allows restarting a dead producer.
+unless ``max_producer_restarts`` allows restarting a dead producer. The dedicated evaluator
+(``eval.producer: dedicated``) is started and restarted like a producer, after them; one dead
+beyond the restarts is reported in one line and the run goes on without evaluation.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from pipeline.procs import (
     to_log_file,
     wait_group_gone,
 )
+from pipeline.schedule import engine_count, evaluator_index
 
 log = logging.getLogger("pipeline")
 
@@ -296,19 +299,38 @@ def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, res
                        name="learner")
 
 
+def is_evaluator(cfg_dict: dict, index: int) -> bool:
+    """Whether engine ``index`` of the run (``cfg_dict``: its config as a dict) is the dedicated
+    evaluator, which the launchers start after the producers (``pipeline.schedule``)."""
+    ev = cfg_dict["eval"]
+    return index == evaluator_index(cfg_dict["num_producers"], ev["every"], ev["producer"])
+
+
+def process_name(cfg_dict: dict, index: int) -> str:
+    """Engine ``index``'s process name: its log file is ``logs/<name>.log``."""
+    return "evaluator" if is_evaluator(cfg_dict, index) else f"producer-{index}"
+
+
 def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False,
                    log_to_file: bool = False) -> None:
-    _child_setup(cfg_dict, f"producer-{index}", log_to_file)
+    """Producer ``index``, or the dedicated evaluator when ``index`` is its."""
+    name = process_name(cfg_dict, index)
+    _child_setup(cfg_dict, name, log_to_file)
     # Pinned before the config is built: nothing may initialise CUDA before this.
     os.environ.update(producer_gpu_env(cfg_dict.get("producer_gpus", []), index))
     cfg = load_config(overrides=flatten(cfg_dict))
+    from pipeline.producer.evaluator import evaluator_main
     from pipeline.producer.loop import producer_main
 
+    if is_evaluator(cfg_dict, index):
+        main = evaluator_main(cfg, index, model_path, index + 1,
+                              stop_when_learner_done=standalone)
+    else:
+        main = producer_main(cfg, index, model_path, stop_when_learner_done=standalone)
     try:
-        asyncio.run(run_with_sigterm(producer_main(cfg, index, model_path,
-                                                    stop_when_learner_done=standalone)))
+        asyncio.run(run_with_sigterm(main))
     except (KeyboardInterrupt, asyncio.CancelledError):
-        log.info("producer %d stopped", index)
+        log.info("%s stopped", name)
 
 
 def _stop(proc: mp.Process, sig: int, group: bool = True) -> None:
@@ -445,7 +467,8 @@ class _Supervisor:
         self.learner: Any = None
         if role in ("all", "learner"):
             self.learner = _make_learner(self.ctx, cfg, self.cfg_dict, model_path, resume)
-        indices = range(cfg.num_producers) if role == "all" else (
+        engines = engine_count(cfg.num_producers, cfg.eval.every, cfg.eval.producer)
+        indices = range(engines) if role == "all" else (
             [producer_index] if role == "producer" else [])
         # --role producer: its producer exits when the learner announces its last step.
         self.producers = {i: self.ctx.Process(target=producer_entry, name=f"producer{i}",
@@ -462,7 +485,8 @@ class _Supervisor:
     def start(self) -> None:
         for p in self.procs:
             p.start()
-        names = (["learner"] if self.learner else []) + [f"producer-{i}" for i in self.producers]
+        names = (["learner"] if self.learner else []) + [process_name(self.cfg_dict, i)
+                                                         for i in self.producers]
         print(f"pipeline-train: started {', '.join(names)}; their logs: "
               f"{self.run_dir / LOGS_DIR}/ (--verbose shows them here)", flush=True)
 
@@ -485,6 +509,11 @@ class _Supervisor:
                 return p.exitcode or 0
             if self.restarts < self.max_producer_restarts:
                 self._restart_producer(i, p)
+            elif is_evaluator(self.cfg_dict, i):  # training goes on without evaluation
+                log.error("the evaluator died (exit %s); training goes on without evaluation",
+                          p.exitcode)
+                del self.producers[i]
+                self._bury(p)
             else:
                 log.error("producer %d died (exit %s); stopping the run", i, p.exitcode)
                 self.code = 1
@@ -514,18 +543,22 @@ class _Supervisor:
 
     def _restart_producer(self, i: int, p: Any) -> None:
         self.restarts += 1
-        log.warning("producer %d died (exit %s); restarting (%d/%d)", i, p.exitcode,
-                    self.restarts, self.max_producer_restarts)
-        _stop(p, signal.SIGKILL)
-        p.join(5)
-        wait_group_gone(p.pid)  # its engine core may still hold the segments
-        forget_tracked(reclaim_orphans(self.shm_before))
+        log.warning("%s died (exit %s); restarting (%d/%d)", process_name(self.cfg_dict, i),
+                    p.exitcode, self.restarts, self.max_producer_restarts)
+        self._bury(p)
         new = self.ctx.Process(target=producer_entry,
                                args=(self.cfg_dict, self.model_path, i, False, True),
                                name=f"producer{i}")
         new.start()
         self.producers[i] = new
         self.procs.append(new)
+
+    def _bury(self, p: Any) -> None:
+        """A dead producer's (or evaluator's) group killed, its shared memory reclaimed."""
+        _stop(p, signal.SIGKILL)
+        p.join(5)
+        wait_group_gone(p.pid)  # its engine core may still hold the segments
+        forget_tracked(reclaim_orphans(self.shm_before))
 
     def interrupt(self) -> None:
         """Ctrl-C / SIGTERM / a fatal death: the learner gets SIGINT and time for its final

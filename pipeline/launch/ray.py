@@ -9,7 +9,9 @@ learner (one bundle: all its ranks on one node) and one for the producers (a bun
 the actors and watches them. Ray restarts an actor whose role died (``max_restarts`` from
 ``--max-producer-restarts`` / ``--max-learner-restarts``); the driver reports restarts and lost
 nodes, and stops the run when Ray gives up on an actor or the learner's node (with its
-checkpoints) is gone.
+checkpoints) is gone. The dedicated evaluator (``eval.producer: dedicated``) is one more
+producer actor with a producer's bundle, after the producers; when Ray gives up on it the run
+goes on without evaluation (one line on the console).
 
 Files: actors on the driver's node (or with ``launch.shared_run_dir``) write into ``run_dir``;
 others into a directory of their node, and the driver mirrors the learner's metrics into
@@ -44,6 +46,7 @@ from pipeline.launch.ray_actors import (
 from pipeline.launch.ray_cluster import connect, forwarded_env, import_ray, start_private_node
 from pipeline.launch.ray_placement import bundle, place
 from pipeline.options import ConfigError, to_dict
+from pipeline.schedule import engine_count, evaluator_index
 
 log = logging.getLogger("pipeline")
 
@@ -168,6 +171,9 @@ class _Driver:
         self.watched: _Producers | None = None
         self.mirror: _Mirror | None = None
         self.reward_actors: list[Any] = []
+        ev = cfg.eval
+        self.engines = engine_count(cfg.num_producers, ev.every, ev.producer)
+        self.evaluator = evaluator_index(cfg.num_producers, ev.every, ev.producer)
 
     def place(self) -> None:
         """Reserve the learner's bundle (all its ranks on one node) and the producers'."""
@@ -181,7 +187,7 @@ class _Driver:
             place(
                 ray,
                 "producer",
-                [pb] * self.cfg.num_producers,
+                [pb] * self.engines,
                 lc.producer_strategy,
                 lc.producer_labels,
                 lc.ray_timeout_s,
@@ -233,7 +239,7 @@ class _Driver:
                                        lc.learner_resources, max_learner_restarts))
             .remote(self.cfg_dict, self.model_path, keys, self.resume, driver_node)
         )
-        for i in range(self.cfg.num_producers):
+        for i in range(self.engines):  # the producers, then the dedicated evaluator if any
             self.producers[i] = (
                 ray.remote(ProducerActor)
                 .options(**opts(self.pgs[1], i, lc.producer_num_cpus, lc.producer_num_gpus,
@@ -259,21 +265,26 @@ class _Driver:
         )
         infos = ray.get([p.info.remote() for p in producers.values()])
         placement = {"learner": ep["node_id"]} | {
-            f"producer{i}": info["node_id"] for i, info in zip(producers, infos, strict=True)
+            self._name(i).replace(" ", ""): info["node_id"]
+            for i, info in zip(producers, infos, strict=True)
         }
         (self.run_dir / "placement.json").write_text(json.dumps(placement, indent=1))
         for i, info in zip(producers, infos, strict=True):
             log.info(
-                "ray: producer %d on node %s (%s), actor pid %d, producer pid %d",
-                i,
+                "ray: %s on node %s (%s), actor pid %d, %s pid %d",
+                self._name(i),
                 info["node_id"][:12],
                 info["ip"],
                 info["actor_pid"],
+                self._name(i).split()[0],
                 info["pid"],
             )
         self.mirror = None if ep["same_dir"] else _Mirror(ray, self.learner, self.run_dir)
-        self.watched = _Producers(ray, producers, infos)
+        self.watched = _Producers(ray, producers, infos, self.evaluator)
         return ep
+
+    def _name(self, i: int) -> str:
+        return "evaluator" if i == self.evaluator else f"producer {i}"
 
     def watch(self, learner_ep: dict[str, Any], movable: bool) -> int:
         """Until the learner's child exits (``_watch``); ``movable``: Ray may restart the
@@ -351,8 +362,10 @@ class _Producers:
     """The driver's view of the producer actors: one poll in flight each (never blocking the
     loop on an actor that waits for a node), restarts and lost nodes reported on the console."""
 
-    def __init__(self, ray: Any, actors: dict[int, Any], infos: list[dict]):
-        self.ray, self.actors = ray, actors
+    def __init__(self, ray: Any, actors: dict[int, Any], infos: list[dict],
+                 evaluator: int | None = None):
+        """``evaluator``: the dedicated evaluator's index among ``actors`` (None: none)."""
+        self.ray, self.actors, self.evaluator = ray, actors, evaluator
         self.pid = {i: info["pid"] for i, info in zip(actors, infos, strict=True)}
         self.node = {i: info["node_id"] for i, info in zip(actors, infos, strict=True)}
         self.ip = {i: info["ip"] for i, info in zip(actors, infos, strict=True)}
@@ -378,7 +391,7 @@ class _Producers:
                         i,
                         self.node[i][:12],
                         self.ip[i],
-                        len(self.actors) - len(self.lost) - len(self.dead),
+                        len(set(self.actors) - self.lost - self.dead - {self.evaluator}),
                     )
         for i, actor in self.actors.items():
             if i in self.dead:
@@ -396,7 +409,11 @@ class _Producers:
                 if i not in self.lost and not _dead(ray, actor.poll.remote):
                     continue
                 self.dead.add(i)
-                left = len(self.actors) - len(self.dead)
+                if i == self.evaluator:
+                    log.error("the evaluator died and Ray will not restart it; training goes on "
+                              "without evaluation: %s", str(e).splitlines()[0])
+                    continue
+                left = len(set(self.actors) - self.dead - {self.evaluator})  # producers
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
                 if (i in self.lost or self.node[i] not in alive) and left:
                     log.error("producer %d is gone for good with its node; %d left", i, left)

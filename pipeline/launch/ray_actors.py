@@ -8,6 +8,9 @@ and Ray restarts the actor (``max_restarts``): Ray does the supervision. A resta
 resends what its outbox holds; a restarted learner resumes from its last checkpoint on the same
 ports, so producers reconnect by themselves.
 
+A ``ProducerActor`` whose index is the dedicated evaluator's (``eval.producer: dedicated``, index
+``num_producers``) runs the evaluator instead (``pipeline.launch.local.producer_entry``).
+
 ``LearnerActor`` picks the learner's ports on its node's address and serves its snapshot files to
 other nodes (``sync.serve_stream``); ``ProducerActor`` k connects producer k to the learner's
 address and, off the learner's node, streams each version into its own node
@@ -408,8 +411,10 @@ class ProducerActor(RoleActor):
         import ray
 
         learner = ray.get(learner.get_endpoints.remote())
-        self.name = f"producer {index}"
-        self.log_name = f"producer-{index}.log"
+        from pipeline.launch.local import process_name
+
+        self.name = process_name(cfg_dict, index).replace("-", " ")
+        self.log_name = f"{process_name(cfg_dict, index)}.log"
         from pipeline.owner import OWNER_ENV, owner_tag
 
         os.environ[OWNER_ENV] = owner_tag()  # owns its engines' shared memory (pipeline.owner)
@@ -446,7 +451,7 @@ class ProducerActor(RoleActor):
         reclaim_dead_owners()  # what a killed run (or driver) left in this node's /dev/shm
         if self.restarted and shm_file.is_file():
             reclaim_orphans(set(json.loads(shm_file.read_text())))
-            log.warning("producer %d actor restarted by Ray", index)
+            log.warning("%s actor restarted by Ray", self.name)
         else:
             shm_file.write_text(json.dumps(sorted(list_segments())))
             if not resume:  # a fresh run must not resend an earlier run's outbox

@@ -12,6 +12,7 @@ from typing import Any
 from pipeline.config import RunConfig
 from pipeline.options import ConfigError
 from pipeline.owner import owner_tag
+from pipeline.schedule import engine_count
 
 MIN_RAY = (2, 49)  # label selectors on placement-group bundles
 FORWARDED_PREFIXES = ("PIPELINE_", "VLLM_", "HF_", "TOKENIZERS_")  # environment the actors get
@@ -61,7 +62,9 @@ def start_private_node(cfg: RunConfig) -> Any:
     lc = cfg.launch
     if lc.ray_address:
         return None
-    need = lc.learner_num_cpus + cfg.num_producers * lc.producer_num_cpus
+    # Every producer bundle: the producers' and the dedicated evaluator's (eval.producer).
+    engines = engine_count(cfg.num_producers, cfg.eval.every, cfg.eval.producer)
+    need = lc.learner_num_cpus + engines * lc.producer_num_cpus
     # 127.0.0.2: Ray rewrites 127.0.0.1 to the machine's network address; any other
     # loopback address stays as given, so a private run's traffic stays on loopback.
     return RayNode(
@@ -69,7 +72,7 @@ def start_private_node(cfg: RunConfig) -> Any:
         num_cpus=max(os.cpu_count() or 1, int(need + 0.999)),
         resources={
             **lc.learner_resources,
-            **{k: v * cfg.num_producers for k, v in lc.producer_resources.items()},
+            **{k: v * engines for k, v in lc.producer_resources.items()},
         },
         object_store_mb=lc.ray_object_store_mb,
         owner=owner_tag(),  # a guard stops the node if this driver dies without stopping it

@@ -61,6 +61,7 @@ from pipeline.learner.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
+from pipeline.learner.evaluations import Evaluations
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
 from pipeline.learner.producers import ProducerInfo
 from pipeline.learner.routes import LearnerRoutes, serve_stream, snapshot_dir
@@ -68,7 +69,6 @@ from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
 from pipeline.options import to_dict
 from pipeline.procs import LOGS_DIR, ConsoleStream
-from pipeline.schedule import is_due, last_version
 from sync.snapshot import SnapshotRef
 from sync.writer import SnapshotWriter
 
@@ -110,7 +110,6 @@ class Learner:
         self._acks_tracked = 0  # newest version whose acks are being collected
         self._heading_to = 0  # version the step under way will publish (Announce.heading_to)
         self.producers: dict[str, ProducerInfo] = {}
-        self.registry = ProducerRegistry({f"p{i}" for i in range(cfg.num_producers)})
         self.acks: dict[int, dict[str, Ack]] = {}
         self.last_sync: dict[str, float] = {}
         self.endpoint: LearnerEndpoint | None = None
@@ -119,6 +118,10 @@ class Learner:
                                      trackers=Trackers(cfg.report_to, self.run_dir, cfg.name,
                                                        to_dict(cfg)),
                                      stream=ConsoleStream())
+        # Evaluation figures, and the dedicated evaluator (eval.producer), never a producer.
+        self.evals = Evaluations(cfg, self.metrics)
+        self.registry = ProducerRegistry({f"p{i}" for i in range(cfg.num_producers)},
+                                         evaluators=self.evals.ids)
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):
             self.counters.setdefault(k, 0)
@@ -132,7 +135,6 @@ class Learner:
         self._rejects_logged: dict[tuple[str, str], int] = {}
         self._vocab_size = self.trainer.vocab_size
         self._failed_steps = 0  # consecutive training steps that raised
-        self.evaluated: dict[int, dict[str, float]] = {}  # version -> its eval/* figures
         if resume:  # a checkpoint may hold groups that this run would reject now
             limits = self.limits()
             for g, bad in self.buffer.recheck(lambda g: check_group(g, limits)):
@@ -188,7 +190,10 @@ class Learner:
                      info.route, msg.incarnation)
 
     def _on_control(self, msg: ControlMessage) -> None:
-        """A checked control message from a producer that said Hello."""
+        """A checked control message from a producer (or evaluator) that said Hello."""
+        if msg.producer_id in self.evals.ids:
+            self.evals.heard(msg.producer_id, msg, self.state.step)
+            return
         info = self.producers[msg.producer_id]
         info.last_seen = time.monotonic()
         if isinstance(msg, Heartbeat):
@@ -197,7 +202,7 @@ class Learner:
         elif isinstance(msg, SyncReady):
             self.routes.on_sync_ready(msg)
         elif isinstance(msg, EvalResult):
-            self._on_eval(msg)
+            self.evals.result(msg, self.state.step)
         elif isinstance(msg, Ack):
             self.acks.setdefault(msg.version if msg.ok else -1, {})[msg.producer_id] = msg
             if msg.ok:
@@ -211,42 +216,15 @@ class Learner:
                 self.counters["sync_failures"] = self.counters.get("sync_failures", 0) + 1
                 log.error("producer %s failed to sync: %s", msg.producer_id, msg.error)
 
-    def _on_eval(self, msg: EvalResult) -> None:
-        """An evaluation's figures: one metrics row (at the current step) tagged with the
-        version they measure, and one console line."""
-        self.evaluated[msg.version] = dict(msg.stats)
-        self.metrics.log(self.state.step, {"eval/version": float(msg.version), **msg.stats},
-                         progress=False)
-        k = self.cfg.eval.samples_per_prompt
-        print(f"eval v{msg.version}: reward {msg.stats.get('eval/reward_mean', 0.0):.3f}, "
-              f"pass@{k} {msg.stats.get(f'eval/pass@{k}', 0.0):.3f} "
-              f"({int(msg.stats.get('eval/prompts', 0))} prompts, "
-              f"{msg.stats.get('eval/seconds', 0.0):.1f} s)", file=ConsoleStream(), flush=True)
-
-    async def _await_last_eval(self) -> None:
-        """Training is over: wait (``eval.timeout_s``) for the evaluation of the last version,
-        which producer 0 may still be running."""
-        ev, v = self.cfg.eval, self.state.version
-        if not ev.every or v in self.evaluated:
-            return
-        if not is_due(v, ev.every, last_version(self.cfg.train.steps, self.cfg.sync.sync_every)):
-            # A skipped (non-finite) update published fewer versions than the producers expect.
-            log.warning("the last version, %d, is not one the producers evaluate; no final "
-                        "evaluation", v)
-            return
-        deadline = time.monotonic() + ev.timeout_s
-        while v not in self.evaluated and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if v not in self.evaluated:
-            log.warning("no evaluation of the last version %d within eval.timeout_s (%.0f s)",
-                        v, ev.timeout_s)
-
     def _answer(self, msg: ControlMessage) -> Welcome | Reply:
         """Check and apply one control message; the answer goes back to its sender."""
         if isinstance(msg, Hello):
             reason = self.registry.check_hello(msg)
-            if reason is None:
+            if reason is None and msg.producer_id in self.evals.ids:
+                self.evals.hello(msg, self.registry.hello(msg))
+            elif reason is None:
                 self._on_hello(msg)
+            if reason is None:
                 return Welcome(producer_id=msg.producer_id, incarnation=msg.incarnation,
                                learner_session=self.session)
         else:
@@ -426,6 +404,7 @@ class Learner:
                 "producers_alive": float(sum(1 for i in self.producers.values()
                                              if i.alive(now))),
                 **self._producer_metrics(),
+                **self.evals.step_metrics(),
                 **{k: float(v) for k, v in self.counters.items()},
                 "snapshot_files_skipped": float(self.writer.skipped),
                 "duplicates_ignored": float(self.ledger.duplicates),
@@ -442,7 +421,7 @@ class Learner:
                     if st.step % ce == 0 and st.step < t.steps else 0.0
             m.update(self._take_checkpoint_write())
             self.metrics.log(st.step, m)
-        await self._await_last_eval()
+        await self.evals.await_last(st.version)
         await self.writer.flush()  # a failed write raises here, not silently
 
     def _producer_metrics(self) -> dict[str, float]:

@@ -13,9 +13,10 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
   The weights come by the route the learner names for us (file, ipc or nccl; see
   ``sync.routes``); a GPU route that fails is followed by a file swap to the same version;
 - ``_heartbeat``: liveness and stats for the learner.
-Producer 0 also evaluates (``eval.every``): on each due version, once loaded and before new
-admissions, it runs the held-out prompts and sends their figures in an EvalResult (never as
-groups: ``pipeline.producer.evaluate``).
+Producer 0 also evaluates (``eval.every``, unless ``eval.producer`` is 'dedicated': then the
+evaluator does, ``pipeline.producer.evaluator``): on each due version, once loaded and before
+new admissions, it runs the held-out prompts and sends their figures in an EvalResult (never
+as groups: ``pipeline.producer.evaluate``).
 Control messages (Hello, Heartbeat, Ack, SyncReady) go on the control channel and each gets an
 answer (``buffer.protocol``); groups go on the data channel only after the learner has welcomed
 this incarnation, and a learner that no longer knows us (restarted) gets a new Hello.
@@ -62,7 +63,7 @@ from pipeline.producer.rewards.call import rate_limiter
 from pipeline.producer.rewards.runner import RewardSet
 from pipeline.producer.sampling import DropCap, extra_cap
 from pipeline.producer.stats import ProducerStats
-from pipeline.schedule import is_due, last_version
+from pipeline.schedule import engine_count, evaluator_index, is_due, last_version
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.lora import adapter_config, adapter_sync_plan
 from sync.routes import make_route, plan_route, route_class
@@ -143,9 +144,12 @@ class Producer(GroupRollout):
             if g.dynamic_sampling else None
         self.learner_consumed = 0  # groups the learner has taken, all producers (Announce)
         self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
-        # Only producer 0 evaluates: one evaluation per version, whatever the producer count.
+        # Only producer 0 evaluates: one evaluation per version, whatever the producer count;
+        # none does when the run has a dedicated evaluator.
         ev = cfg.eval
-        self.eval_records = eval_records(cfg.data, ev) if ev.every and index == 0 else []
+        shared = evaluator_index(cfg.num_producers, ev.every, ev.producer) is None
+        self.eval_records = eval_records(cfg.data, ev) if ev.every and index == 0 and shared \
+            else []
         self.eval_last = last_version(cfg.train.steps, cfg.sync.sync_every)
         self._evaluated: set[int] = set()
 
@@ -514,7 +518,8 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
                           lora_rank=t.lora_rank if adapters else 0,
                           max_loras=versions_in_flight(cfg.train.max_staleness),
-                          share=(index, cfg.num_producers))
+                          share=(index, engine_count(cfg.num_producers, cfg.eval.every,
+                                                     cfg.eval.producer)))
     failed = True
     try:
         await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,

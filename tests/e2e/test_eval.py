@@ -83,3 +83,102 @@ def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
                          tag="eval", timeout=120, returncode=2)
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0, bad.stderr
     assert "eval.data" in bad.stderr
+
+
+def test_a_dedicated_evaluator_in_sync_mode(tiny_model, tmp_path):
+    """eval.producer dedicated: the evaluator evaluates due versions (always the last) with its
+    own engine; producer 0 never evaluates; nothing of it enters the buffer; sync mode trains
+    every step without waiting for it."""
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n"
+                               for a in range(5)))
+    run_dir = tmp_path / "run"
+    proc = pipeline_train(
+        *tiny_args(tiny_model, run_dir, data="arithmetic:64", group_size=2),
+        "--mode", "sync", "--steps", "4", "--name", "eval-dedicated",
+        "--eval.data", str(heldout), "--eval.every", "1", "--eval.samples_per_prompt", "2",
+        "--eval.max_prompts", "3", "--eval.pass_threshold", "0.0",
+        "--eval.producer", "dedicated",
+        tag="evald",
+    )
+    rows = _rows(run_dir / "metrics.jsonl")
+    train = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    evals = [r for r in rows if "eval/version" in r]
+    versions = [int(r["eval/version"]) for r in evals]
+    # Each at most once; it may skip a version announced while it was busy, never the last.
+    assert len(set(versions)) == len(versions) and 3 in versions, versions
+    assert set(versions) <= {0, 1, 2, 3}
+    for r in evals:
+        assert r["eval/prompts"] == 3.0 and r["eval/pass@2"] == 1.0
+        assert r["eval/versions_behind"] >= 0
+    assert "eval v3: reward" in proc.stdout + proc.stderr
+    assert all("evaluator_alive" in r for r in train)
+    assert max(r["evaluator_alive"] for r in train) == 1.0
+    logs = run_dir / "logs"
+    assert "eval v3" in (logs / "evaluator.log").read_text()
+    assert "eval v" not in (logs / "producer-0.log").read_text()  # producer 0 never paused
+    # Nothing of the evaluator reaches the buffer; every step trained its batch of p0's groups.
+    last = train[-1]
+    assert all(r.get("rejected_groups", 0) == 0 and "rejected/from_evaluator" not in r
+               for r in train)
+    assert last["received"] == 4 * 2 + last["dropped_stale"] + last["buffer_size"]
+    assert all(r.get("producers_acked", 1.0) <= 1.0 for r in train)  # p0's ack only
+
+
+def test_a_dead_evaluator_is_reported_and_training_goes_on(tiny_model, tmp_path):
+    """kill -9 of the evaluator: one error line, no restart left, the run trains every step
+    and exits 0, and nothing of the evaluator is left running."""
+    import os
+    import re
+    import signal
+
+    from tests.e2e.support.launcher import ENGINE_START_S, Launcher, assert_gone
+
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    run_dir = tmp_path / "run"
+    steps = 12
+    la = Launcher(tiny_model, run_dir, "--num-producers", "1", "--mode", "async",
+                  "--max-staleness", "1", "--steps", str(steps), "--eval.data", str(heldout),
+                  "--eval.every", "1", "--eval.max_prompts", "1", "--eval.timeout_s", "20",
+                  "--eval.producer", "dedicated")
+    try:
+        pattern = re.compile(r"evaluator eval \(pid (\d+)\) connected")
+        pid = la.wait_for(lambda: next((int(m[1]) for ln in la.lines
+                                        if (m := pattern.search(ln))), None),
+                          ENGINE_START_S, "the evaluator's Hello")
+        os.kill(pid, signal.SIGKILL)
+        assert la.wait(ENGINE_START_S) == 0, la.tail()
+    finally:
+        la.stop()
+    died = [ln for ln in la.lines if "the evaluator died" in ln]
+    assert len(died) == 1 and "training goes on without evaluation" in died[0], la.tail()
+    train = [r for r in _rows(run_dir / "metrics.jsonl") if "reward_mean" in r]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert_gone(la.descendants, "the run's processes")
+
+
+def test_a_dedicated_evaluator_under_the_ray_launcher(tiny_model, tmp_path):
+    """--launcher ray (a private node): the evaluator is one more producer actor, placed and
+    reported; it evaluates the last version and the run ends clean."""
+    pytest.importorskip("ray")
+    from tests.e2e.support.launcher import ENGINE_START_S, Launcher
+    from tests.e2e.support.ray_runs import ray_args, stop_and_keep_log
+
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    run_dir = tmp_path / "run"
+    la = Launcher(tiny_model, run_dir, *ray_args(
+        None, "--num-producers", "1", "--mode", "async", "--steps", "3",
+        "--eval.data", str(heldout), "--eval.every", "2", "--eval.max_prompts", "1",
+        "--eval.producer", "dedicated"))
+    try:
+        assert la.wait(ENGINE_START_S) == 0, la.tail()
+    finally:
+        log = stop_and_keep_log(la, tmp_path / "console.log")
+    assert "ray: evaluator on node" in log and "evaluator pid" in log, log[-3000:]
+    rows = _rows(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]
+    assert 2 in [int(r["eval/version"]) for r in rows if "eval/version" in r]  # the last
+    assert "eval v2" in (run_dir / "logs" / "evaluator.log").read_text()

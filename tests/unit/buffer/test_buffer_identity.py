@@ -7,6 +7,7 @@ import logging
 from buffer_factories import make_group
 
 from buffer.identity import (
+    FROM_EVALUATOR,
     NO_METADATA,
     STALE_INCARNATION,
     UNEXPECTED_PRODUCER,
@@ -42,6 +43,15 @@ def test_only_the_runs_producer_ids_may_say_hello():
     reg = ProducerRegistry({"p0", "p1"})
     assert reg.check_hello(hello("evil-producer", "x")) == UNEXPECTED_PRODUCER
     assert reg.check_hello(hello("p1", "p1-a")) is None
+
+
+def test_an_evaluator_may_say_hello_but_sends_no_groups():
+    reg = ProducerRegistry({"p0"}, evaluators=frozenset({"eval"}))
+    assert reg.check_hello(hello("eval", "eval-a")) is None
+    reg.hello(hello("eval", "eval-a"))
+    assert reg.check_control("eval", "eval-a") is None  # its EvalResult, heartbeats
+    assert reg.check_group(group("eval", "eval-a")) == FROM_EVALUATOR
+    assert ProducerRegistry({"p0"}).check_hello(hello("eval", "e")) == UNEXPECTED_PRODUCER
 
 
 def test_group_needs_incarnation_and_seq():

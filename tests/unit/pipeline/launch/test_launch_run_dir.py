@@ -83,3 +83,19 @@ def test_without_a_checkpoint_every_group_in_an_outbox_waits(tmp_path):
     assert waiting_groups_line(run, max_staleness=0).startswith(
         "pipeline-train: 1 group(s) generated but not delivered wait in ")
     assert waiting_groups_line(tmp_path / "empty", max_staleness=0) is None
+
+
+def test_the_dedicated_evaluator_is_the_engine_after_the_producers(tmp_path):
+    """Its index (num_producers) starts the evaluator, logging to logs/evaluator.log; a shared
+    run has no such engine."""
+    from pipeline.config import load_config
+    from pipeline.launch.local import is_evaluator, process_name
+    from pipeline.options import to_dict
+
+    over = {"run_dir": str(tmp_path), "num_producers": 2, "train.batch_groups": 4,
+            "eval.data": "arithmetic:8", "eval.every": 1}
+    dedicated = to_dict(load_config(overrides={**over, "eval.producer": "dedicated"}))
+    assert [process_name(dedicated, i) for i in range(3)] == \
+        ["producer-0", "producer-1", "evaluator"]
+    shared = to_dict(load_config(overrides=over))
+    assert not any(is_evaluator(shared, i) for i in range(3))

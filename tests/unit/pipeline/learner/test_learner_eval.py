@@ -50,8 +50,110 @@ def test_eval_result_is_logged_with_its_version_and_never_buffered(tiny_model, t
 
     asyncio.run(main())
     learner.metrics.close()
-    assert learner.evaluated == {2: STATS}
+    assert learner.evals.evaluated == {2: STATS}
     assert len(learner.buffer) == 0 and learner.buffer.stats.received == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["eval/version"] == 2.0
     assert {k: rows[0][k] for k in STATS} == STATS and "reward_mean" not in rows[0]
+
+
+def test_a_dedicated_evaluator_is_welcomed_but_is_no_producer(tiny_model, tmp_path):
+    """eval.producer dedicated: the evaluator's Hello, heartbeats and results are taken; it is
+    not in the producers' table (no ack awaited, no route, no share), its groups are refused,
+    and each step's row says whether it is alive, with its counters."""
+    import numpy as np
+
+    from buffer.protocol import Heartbeat
+    from buffer.schema import Completion, RolloutGroup
+    from pipeline.schedule import EVALUATOR_ID
+
+    cfg = load_config(
+        overrides={
+            "run_dir": str(tmp_path),
+            "model.path": str(tiny_model),
+            "num_producers": 1,
+            "progress": False,
+            "tensorboard": False,
+            "eval.data": "arithmetic:8",
+            "eval.every": 1,
+            "eval.producer": "dedicated",
+        }
+    )
+    learner = Learner(cfg, str(tiny_model))
+    inc = f"{EVALUATOR_ID}-1"
+
+    async def main():
+        from buffer.transport import LearnerEndpoint
+
+        learner.endpoint = LearnerEndpoint(cfg.bind_addr)
+        tasks = [asyncio.create_task(learner._control()),
+                 asyncio.create_task(learner._receive())]
+        ep = ProducerEndpoint(cfg.bind_addr)
+        try:
+            hello = Hello(producer_id=EVALUATOR_ID, incarnation=inc, policy_version=0, pid=7)
+            assert isinstance(await ep.call(hello, 5), Welcome)
+            beat = Heartbeat(producer_id=EVALUATOR_ID, incarnation=inc, policy_version=3,
+                             stats={"evaluations": 2.0, "versions_skipped": 1.0})
+            assert await ep.call(beat, 5) == Reply(ok=True)
+            msg = EvalResult(producer_id=EVALUATOR_ID, incarnation=inc, version=3, stats=STATS)
+            assert await ep.call(msg, 5) == Reply(ok=True)
+            comp = Completion(token_ids=np.arange(3, dtype=np.int32),
+                              logprobs=np.full(3, -1.0, dtype=np.float32),
+                              version_segments=[(0, 0)], reward=1.0)
+            await ep.send(RolloutGroup(group_id="g0", producer_id=EVALUATOR_ID, prompt_id="q",
+                                       prompt_token_ids=np.arange(4, dtype=np.int32),
+                                       completions=[comp] * cfg.generation.group_size,
+                                       metadata={"incarnation": inc, "seq": 0}))
+            for _ in range(100):
+                if learner.buffer.stats.rejected:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            ep.close()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            learner.endpoint.close()
+
+    asyncio.run(main())
+    learner.metrics.close()
+    assert learner.evals.evaluated == {3: STATS}
+    assert EVALUATOR_ID not in learner.producers  # no ack, route, share or shard for it
+    assert learner.buffer.stats.rejected == 1 and len(learner.buffer) == 0
+    assert learner.registry.metrics() == {"rejected/from_evaluator": 1.0}
+    m = learner.evals.step_metrics()
+    assert m == {"evaluator_alive": 1.0, "evaluator/evaluations": 2.0,
+                 "evaluator/versions_skipped": 1.0}
+
+
+def test_a_shared_run_refuses_an_evaluator_and_logs_no_evaluator_keys(tiny_model, tmp_path):
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "model.path": str(tiny_model),
+                                 "progress": False, "eval.data": "arithmetic:8",
+                                 "eval.every": 1})
+    learner = Learner(cfg, str(tiny_model))
+    learner.metrics.close()
+    hello = Hello(producer_id="eval", incarnation="eval-1", policy_version=0, pid=7)
+    assert learner._answer(hello) == Reply(ok=False, reason="unexpected_producer")
+    assert learner.evals.step_metrics() == {}
+
+
+def test_the_final_wait_ends_when_the_evaluator_is_gone(tmp_path):
+    """A dedicated evaluator heard from once, then silent past ALIVE_S (dead beyond its
+    restarts): the learner's final wait stops at once instead of waiting eval.timeout_s."""
+    import time
+
+    from pipeline.learner.evaluations import Evaluations
+    from pipeline.learner.producers import ALIVE_S
+    from pipeline.schedule import EVALUATOR_ID
+
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
+                                 "eval.data": "arithmetic:8", "eval.every": 1,
+                                 "eval.producer": "dedicated", "eval.timeout_s": 60})
+    evals = Evaluations(cfg, metrics=None)
+    evals.hello(Hello(producer_id=EVALUATOR_ID, incarnation="e-1", policy_version=0, pid=7),
+                new=True)
+    evals.evaluators[EVALUATOR_ID].last_seen = time.monotonic() - ALIVE_S - 1
+    assert evals.evaluator_gone()
+    t0 = time.monotonic()
+    asyncio.run(evals.await_last(2))
+    assert time.monotonic() - t0 < 5
