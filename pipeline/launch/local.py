@@ -330,7 +330,7 @@ def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool
     try:
         asyncio.run(run_with_sigterm(main))
     except (KeyboardInterrupt, asyncio.CancelledError):
-        log.info("%s stopped", name)
+        log.info("%s stopped", name.replace("-", " "))  # "producer 1 stopped", "evaluator stopped"
 
 
 def _stop(proc: mp.Process, sig: int, group: bool = True) -> None:
