@@ -374,6 +374,19 @@ class _Producers:
         self.dead: set[int] = set()  # for good
         self.nodes_checked = 0.0
 
+    def _lost(self, i: int) -> None:
+        """Producer ``i``'s node left the cluster: said once, whichever check sees it first."""
+        self.lost.add(i)
+        log.error(
+            "producer %d lost: its node %s (%s) left the cluster; the run goes on with %d "
+            "producer(s); Ray restarts it where its bundle fits, if restarts are left "
+            "(--max-producer-restarts)",
+            i,
+            self.node[i][:12],
+            self.ip[i],
+            len(set(self.actors) - self.lost - self.dead - {self.evaluator}),
+        )
+
     def check(self) -> bool:
         """False when the run must stop (a producer died for good other than by node loss, or
         no producer is left)."""
@@ -383,16 +396,7 @@ class _Producers:
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
             for i in sorted(set(self.actors) - self.lost - self.dead):
                 if self.node[i] not in alive:
-                    self.lost.add(i)
-                    log.error(
-                        "producer %d lost: its node %s (%s) left the cluster; the run goes on "
-                        "with %d producer(s); Ray restarts it where its bundle fits, if restarts "
-                        "are left (--max-producer-restarts)",
-                        i,
-                        self.node[i][:12],
-                        self.ip[i],
-                        len(set(self.actors) - self.lost - self.dead - {self.evaluator}),
-                    )
+                    self._lost(i)
         for i, actor in self.actors.items():
             if i in self.dead:
                 continue
@@ -415,7 +419,9 @@ class _Producers:
                     continue
                 left = len(set(self.actors) - self.dead - {self.evaluator})  # producers
                 alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-                if (i in self.lost or self.node[i] not in alive) and left:
+                if i not in self.lost and self.node[i] not in alive:
+                    self._lost(i)  # its death was seen before the node check saw the node go
+                if i in self.lost and left:
                     log.error("producer %d is gone for good with its node; %d left", i, left)
                     continue
                 log.error(
