@@ -311,6 +311,11 @@ def process_name(cfg_dict: dict, index: int) -> str:
     return "evaluator" if is_evaluator(cfg_dict, index) else f"producer-{index}"
 
 
+def display_name(cfg_dict: dict, index: int) -> str:
+    """Engine ``index`` as console lines say it: "producer 1", "evaluator"."""
+    return process_name(cfg_dict, index).replace("-", " ")
+
+
 def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False,
                    log_to_file: bool = False) -> None:
     """Producer ``index``, or the dedicated evaluator when ``index`` is its."""
@@ -330,7 +335,7 @@ def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool
     try:
         asyncio.run(run_with_sigterm(main))
     except (KeyboardInterrupt, asyncio.CancelledError):
-        log.info("%s stopped", name.replace("-", " "))  # "producer 1 stopped", "evaluator stopped"
+        log.info("%s stopped", display_name(cfg_dict, index))
 
 
 def _stop(proc: mp.Process, sig: int, group: bool = True) -> None:
@@ -543,7 +548,7 @@ class _Supervisor:
 
     def _restart_producer(self, i: int, p: Any) -> None:
         self.restarts += 1
-        log.warning("%s died (exit %s); restarting (%d/%d)", process_name(self.cfg_dict, i),
+        log.warning("%s died (exit %s); restarting (%d/%d)", display_name(self.cfg_dict, i),
                     p.exitcode, self.restarts, self.max_producer_restarts)
         self._bury(p)
         new = self.ctx.Process(target=producer_entry,

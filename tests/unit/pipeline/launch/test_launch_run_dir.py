@@ -89,7 +89,7 @@ def test_the_dedicated_evaluator_is_the_engine_after_the_producers(tmp_path):
     """Its index (num_producers) starts the evaluator, logging to logs/evaluator.log; a shared
     run has no such engine."""
     from pipeline.config import load_config
-    from pipeline.launch.local import is_evaluator, process_name
+    from pipeline.launch.local import display_name, is_evaluator, process_name
     from pipeline.options import to_dict
 
     over = {"run_dir": str(tmp_path), "num_producers": 2, "train.batch_groups": 4,
@@ -97,5 +97,8 @@ def test_the_dedicated_evaluator_is_the_engine_after_the_producers(tmp_path):
     dedicated = to_dict(load_config(overrides={**over, "eval.producer": "dedicated"}))
     assert [process_name(dedicated, i) for i in range(3)] == \
         ["producer-0", "producer-1", "evaluator"]
+    # Console lines ("producer 1 died ...") say it with a space.
+    assert [display_name(dedicated, i) for i in range(3)] == \
+        ["producer 0", "producer 1", "evaluator"]
     shared = to_dict(load_config(overrides=over))
     assert not any(is_evaluator(shared, i) for i in range(3))
