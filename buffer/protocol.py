@@ -122,6 +122,17 @@ class EvalResult(_Message, tag="eval_result"):
     """``eval/reward_mean``, ``eval/pass@k``, ``eval/<reward>`` and the like."""
 
 
+class Leave(_Message, tag="leave"):
+    """The producer leaves the run (elastic runs, ``max_producers``): it starts no more groups
+    and every one it started has reached the learner (``sent`` of them). The learner takes it
+    out of ``Announce.members``, so the others take over its admission share and data, and
+    checkpoints its groups at the next step; the producer exits once they are durable."""
+
+    producer_id: Name
+    incarnation: Name
+    sent: Count
+
+
 # ---- learner -> producer (control channel replies) ------------------------------------------
 class Welcome(_Message, tag="welcome"):
     """The answer to a Hello: the learner has recorded this incarnation."""
@@ -192,6 +203,10 @@ class Announce(_Message, tag="announce"):
     """The version the learner's training is heading to: ``version`` of its newest weights, plus
     one while it trains on a batch it has taken (a group started now is trained at this version
     or later, so producers on an older one wait rather than generate a group too stale)."""
+    members: Annotated[list[Name], Meta(max_length=4096)] = []
+    """The producers of the run now, by id in index order: each producer's admission share and
+    data shard are its rank among them (``num_producers`` ids from the start; elastic runs
+    add the ones that join and drop the ones that leave)."""
     finished: bool = False
     """The learner has trained its last step and is stopping: producers exit (a learner that
     stops early, e.g. Ctrl-C or a crash, never sets it, so producers wait for its return)."""
@@ -200,7 +215,7 @@ class Announce(_Message, tag="announce"):
         _plain(self.transfer, "announce.transfer")
 
 
-ControlMessage = Hello | Heartbeat | Ack | SyncReady | EvalResult
+ControlMessage = Hello | Heartbeat | Ack | SyncReady | EvalResult | Leave
 """What producers send on the control channel."""
 Message = ControlMessage | Welcome | Reply | Announce
 

@@ -537,6 +537,10 @@ class RunConfig:
     """output dir: metrics.jsonl, TensorBoard, checkpoints, reward.png"""
     num_producers: int = opt(1, ge=1)
     """producer processes (each one vLLM AsyncLLM engine)"""
+    max_producers: int = opt(0, ge=0)
+    """elastic runs: the most producers at once; more join while the run goes (pipeline-train
+    scale, or --role producer with a --producer-index below this) and any may leave (0: always
+    num_producers)"""
     addr: str = ""
     """learner bind address (default: ipc in run_dir); producers connect here"""
     insecure: bool = False
@@ -631,6 +635,12 @@ class RunConfig:
                   "files: set sync.lora_adapters=off (merged versions) when weights are streamed "
                   "(sync.stream_from, or --launcher ray with launch.stream_weights other than "
                   "never)")
+        check(self.max_producers == 0 or self.max_producers >= self.num_producers,
+              "max_producers", f"must be 0 (no elastic producers) or at least num_producers "
+              f"({self.num_producers}), got {self.max_producers}")
+        check(self.max_producers <= self.num_producers or self.launch.backend != "ray",
+              "max_producers", "elastic producers run under the local launcher (and "
+              "--role producer by hand); --launcher ray starts a fixed num_producers")
         if self.train.mode == "sync":
             check(self.train.batch_groups % self.num_producers == 0, "train.batch_groups",
                   f"sync mode needs batch_groups ({self.train.batch_groups}) divisible by "
@@ -646,6 +656,12 @@ class RunConfig:
                   or bool(self.launch.ray_address), f"rewards.specs[{i}].executor",
                   "ray needs a Ray cluster: run with --launcher ray, or give --ray-address "
                   "(the local launcher then starts the reward actors on that cluster)")
+
+    @property
+    def producer_slots(self) -> int:
+        """Producer indices the run may use: 0 .. producer_slots - 1 (engine index
+        ``producer_slots`` is the dedicated evaluator's)."""
+        return max(self.num_producers, self.max_producers)
 
     @property
     def bind_addr(self) -> str:

@@ -222,7 +222,7 @@ def check_memory_plan(cfg: Any, model_path: str, gpus: dict[str, float] | None =
     learner = cfg.learner_gpus.split(",") if cfg.learner_gpus else seen[:ranks]
     tp = cfg.engine.tensor_parallel_size
     # Every engine: the producers' and a dedicated evaluator's (eval.producer), placed alike.
-    engines = engine_count(cfg.num_producers, cfg.eval.every, cfg.eval.producer)
+    engines = engine_count(cfg.producer_slots, cfg.eval.every, cfg.eval.producer)
     if cfg.producer_gpus:
         producers = [cfg.producer_gpus[k % len(cfg.producer_gpus)].split(",")
                      for k in range(engines)]

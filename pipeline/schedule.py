@@ -32,12 +32,13 @@ EVALUATOR_ID = "eval"
 """The dedicated evaluator's id on the control channel (never a producer's: those are p<i>)."""
 
 
-def evaluator_index(num_producers: int, every: int, producer: str) -> int | None:
-    """The dedicated evaluator's launch index, after the producers' (``eval.producer``
-    'dedicated' with evaluation on), or None: producer 0 evaluates, or nobody does."""
-    return num_producers if every > 0 and producer == "dedicated" else None
+def evaluator_index(producer_slots: int, every: int, producer: str) -> int | None:
+    """The dedicated evaluator's launch index, after every producer index the run may use
+    (``RunConfig.producer_slots``; ``eval.producer`` 'dedicated' with evaluation on), or None:
+    producer 0 evaluates, or nobody does."""
+    return producer_slots if every > 0 and producer == "dedicated" else None
 
 
-def engine_count(num_producers: int, every: int, producer: str) -> int:
-    """The engines a run starts: its producers' and the dedicated evaluator's, if any."""
-    return num_producers + (evaluator_index(num_producers, every, producer) is not None)
+def engine_count(producer_slots: int, every: int, producer: str) -> int:
+    """The engines a run may have at once: its producers' and the dedicated evaluator's."""
+    return producer_slots + (evaluator_index(producer_slots, every, producer) is not None)

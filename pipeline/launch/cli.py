@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="pipeline-train",
         usage="%(prog)s [--config FILE] [--OPTION VALUE ...] [--set KEY=VALUE ...]\n"
-              "       %(prog)s eval --checkpoint DIR [--config FILE] [--set KEY=VALUE ...]",
+              "       %(prog)s eval --checkpoint DIR [--config FILE] [--set KEY=VALUE ...]\n"
+              "       %(prog)s scale RUN_DIR (--producers N | --remove ID)",
         description="Asynchronous pipelined GRPO: vLLM producers -> ZeroMQ rollout buffer -> "
                     "learner, with versioned weight sync. Options come from a YAML --config "
                     "and/or flags (flags win).",
@@ -90,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--connect", metavar="HOST:PORT",
                      help="producer role: the learner's address (sets addr=tcp://HOST:PORT)")
     run.add_argument("--producer-index", type=_count, default=0, metavar="INT",
-                     help="producer role: this producer's index (its data shard); "
-                          "num_producers: the dedicated evaluator (eval.producer dedicated)")
+                     help="producer role: this producer's index, below num_producers (or below "
+                          "max_producers: it joins an elastic run); the index after those: the "
+                          "dedicated evaluator (eval.producer dedicated)")
     run.add_argument("--resume", action="store_true",
                      help="continue from run_dir's latest checkpoint (model, optimizer, step, "
                           "version, dataset cursors, buffered groups); producers resend what "
@@ -174,8 +176,25 @@ def parse(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]
     return load_config(args.config, overrides), args
 
 
+def check_producer_index(cfg: RunConfig, role: str, index: int) -> None:
+    """--producer-index names one of the run's producers, or its dedicated evaluator."""
+    from pipeline.schedule import evaluator_index
+
+    ev = cfg.eval
+    if role != "producer" or index < cfg.producer_slots or \
+            index == evaluator_index(cfg.producer_slots, ev.every, ev.producer):
+        return
+    raise ConfigError(f"--producer-index: the run has producers 0 .. {cfg.producer_slots - 1} "
+                      f"(num_producers {cfg.num_producers}, max_producers {cfg.max_producers}), "
+                      f"got {index}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["scale"]:  # `pipeline-train scale RUN_DIR --producers N`: elastic runs
+        from pipeline.launch.scale import main as scale_main
+
+        return scale_main(argv[1:])
     if argv[:1] == ["eval"]:  # `pipeline-train eval --checkpoint DIR`: one checkpoint alone
         from pipeline.launch.evaluate import main as eval_main
 
@@ -185,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         # A pinned placement that rules out an explicit transport fails here, in one line,
         # not as a silent file fallback once the engines are up.
         check_placement(cfg.sync.transport, cfg.learner_gpus, cfg.producer_gpus)
+        check_producer_index(cfg, args.role, args.producer_index)
     except ConfigError as e:
         print(f"pipeline-train: config error: {e}", file=sys.stderr)
         return 2

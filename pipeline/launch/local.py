@@ -30,6 +30,7 @@ from pipeline.config import RunConfig, flatten, load_config
 from pipeline.keys import curve_keys
 from pipeline.launch.console import LogFollower, log_to_run_dir, resource_tracker_to
 from pipeline.launch.placement import learner_gpu_env, producer_gpu_env
+from pipeline.launch.scale import LAUNCHER_FILE, ScaleWatch, plan, record_launcher
 from pipeline.launch.shm import (
     forget_record,
     forget_tracked,
@@ -48,7 +49,7 @@ from pipeline.procs import (
     to_log_file,
     wait_group_gone,
 )
-from pipeline.schedule import engine_count, evaluator_index
+from pipeline.schedule import evaluator_index
 
 log = logging.getLogger("pipeline")
 
@@ -303,7 +304,8 @@ def is_evaluator(cfg_dict: dict, index: int) -> bool:
     """Whether engine ``index`` of the run (``cfg_dict``: its config as a dict) is the dedicated
     evaluator, which the launchers start after the producers (``pipeline.schedule``)."""
     ev = cfg_dict["eval"]
-    return index == evaluator_index(cfg_dict["num_producers"], ev["every"], ev["producer"])
+    slots = max(cfg_dict["num_producers"], cfg_dict.get("max_producers", 0))
+    return index == evaluator_index(slots, ev["every"], ev["producer"])
 
 
 def process_name(cfg_dict: dict, index: int) -> str:
@@ -383,6 +385,9 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     # Also SIGINT: a launcher started in the background (`cmd &`) inherits SIGINT ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if role == "producer" and cfg.producer_slots > cfg.num_producers:
+        # An elastic run's producer started by hand leaves it cleanly on `kill -USR1`.
+        signal.signal(signal.SIGUSR1, lambda *_: sup.ask_to_leave(producer_index))
     reward_cluster = None
     if ray_rewards and role == "all":  # before any child: they inherit where the replicas are
         from pipeline.launch.ray_cluster import RewardCluster
@@ -472,14 +477,21 @@ class _Supervisor:
         self.learner: Any = None
         if role in ("all", "learner"):
             self.learner = _make_learner(self.ctx, cfg, self.cfg_dict, model_path, resume)
-        engines = engine_count(cfg.num_producers, cfg.eval.every, cfg.eval.producer)
-        indices = range(engines) if role == "all" else (
+        # The producers the run starts with, then the dedicated evaluator if any (its index
+        # follows every producer index an elastic run may add: RunConfig.producer_slots).
+        evaluator = evaluator_index(cfg.producer_slots, cfg.eval.every, cfg.eval.producer)
+        indices = [*range(cfg.num_producers), *([] if evaluator is None else [evaluator])] \
+            if role == "all" else (
             [producer_index] if role == "producer" else [])
         # --role producer: its producer exits when the learner announces its last step.
         self.producers = {i: self.ctx.Process(target=producer_entry, name=f"producer{i}",
                                               args=(self.cfg_dict, model_path, i,
                                                     role == "producer", True))
                           for i in indices}
+        # Elastic runs (max_producers): `pipeline-train scale` requests, and who is leaving.
+        self.scale = ScaleWatch(self.run_dir) \
+            if role == "all" and cfg.producer_slots > cfg.num_producers else None
+        self.leaving: set[int] = set()
         self.procs = ([self.learner] if self.learner else []) + list(self.producers.values())
         self.code = 0  # the exit code decided while supervising
         self.restarts = 0
@@ -494,6 +506,10 @@ class _Supervisor:
                                                          for i in self.producers]
         print(f"pipeline-train: started {', '.join(names)}; their logs: "
               f"{self.run_dir / LOGS_DIR}/ (--verbose shows them here)", flush=True)
+        if self.scale is not None:
+            record_launcher(self.run_dir)
+            print(f"pipeline-train: elastic, up to {self.cfg.producer_slots} producers: "
+                  f"pipeline-train scale {self.run_dir} --producers N", flush=True)
 
     def poll(self) -> int | None:
         """One look at the children: the run's exit code once it is over, else None. A
@@ -507,12 +523,15 @@ class _Supervisor:
             if self.code:
                 log.error("learner exited with code %d; stopping producers", self.code)
             return self.code
+        self._scale()
         for i, p in list(self.producers.items()):
             if p.is_alive():
                 continue
             if learner is None:  # producer-only role: its exit is the end
                 return p.exitcode or 0
-            if self.restarts < self.max_producer_restarts:
+            if i in self.leaving:  # asked to leave (pipeline-train scale): never restarted
+                self._left(i, p)
+            elif self.restarts < self.max_producer_restarts:
                 self._restart_producer(i, p)
             elif is_evaluator(self.cfg_dict, i):  # training goes on without evaluation
                 log.error("the evaluator died (exit %s); training goes on without evaluation",
@@ -551,12 +570,51 @@ class _Supervisor:
         log.warning("%s died (exit %s); restarting (%d/%d)", display_name(self.cfg_dict, i),
                     p.exitcode, self.restarts, self.max_producer_restarts)
         self._bury(p)
+        self._start_producer(i)
+
+    def _start_producer(self, i: int) -> None:
         new = self.ctx.Process(target=producer_entry,
                                args=(self.cfg_dict, self.model_path, i, False, True),
                                name=f"producer{i}")
         new.start()
         self.producers[i] = new
         self.procs.append(new)
+
+    def _scale(self) -> None:
+        """Apply a new ``pipeline-train scale`` request, if any (``pipeline.launch.scale``)."""
+        req = self.scale.poll() if self.scale is not None else None
+        if req is None:
+            return
+        running = [i for i, p in self.producers.items() if p.is_alive()
+                   and not is_evaluator(self.cfg_dict, i) and i not in self.leaving]
+        todo = plan(req, running, self.cfg.producer_slots)
+        if todo.problem:
+            log.error("scale: %s", todo.problem)
+        for i in todo.start:
+            log.info("scale: starting producer %d; it joins the run once its engine is up", i)
+            self._start_producer(i)
+        for i in todo.leave:
+            log.info("scale: producer %d leaves the run once the groups it started are in the "
+                     "learner's checkpoint", i)
+            self.ask_to_leave(i)
+
+    def ask_to_leave(self, i: int) -> None:
+        """SIGUSR1 to producer ``i``: it leaves the run cleanly (``Producer._leave``)."""
+        self.leaving.add(i)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.producers[i].pid, signal.SIGUSR1)
+
+    def _left(self, i: int, p: Any) -> None:
+        """A producer asked to leave has exited: out of the table for good."""
+        self.leaving.discard(i)
+        del self.producers[i]
+        if p.exitcode == 0:
+            log.info("producer %d left the run", i)
+        else:
+            log.error("producer %d died while leaving (exit %s); groups of it that no "
+                      "checkpoint holds stay in its outbox log (run_dir/producers/)", i,
+                      p.exitcode)
+        self._bury(p)
 
     def _bury(self, p: Any) -> None:
         """A dead producer's (or evaluator's) group killed, its shared memory reclaimed."""
@@ -582,3 +640,5 @@ class _Supervisor:
         _reap(self.procs, grace_s=20.0)
         forget_tracked(reclaim_orphans(self.shm_before))
         forget_record()
+        if self.scale is not None:
+            (self.run_dir / LAUNCHER_FILE).unlink(missing_ok=True)

@@ -172,8 +172,8 @@ class _Driver:
         self.mirror: _Mirror | None = None
         self.reward_actors: list[Any] = []
         ev = cfg.eval
-        self.engines = engine_count(cfg.num_producers, ev.every, ev.producer)
-        self.evaluator = evaluator_index(cfg.num_producers, ev.every, ev.producer)
+        self.engines = engine_count(cfg.producer_slots, ev.every, ev.producer)
+        self.evaluator = evaluator_index(cfg.producer_slots, ev.every, ev.producer)
 
     def place(self) -> None:
         """Reserve the learner's bundle (all its ranks on one node) and the producers'."""

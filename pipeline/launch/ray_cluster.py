@@ -63,7 +63,7 @@ def start_private_node(cfg: RunConfig) -> Any:
     if lc.ray_address:
         return None
     # Every producer bundle: the producers' and the dedicated evaluator's (eval.producer).
-    engines = engine_count(cfg.num_producers, cfg.eval.every, cfg.eval.producer)
+    engines = engine_count(cfg.producer_slots, cfg.eval.every, cfg.eval.producer)
     need = lc.learner_num_cpus + engines * lc.producer_num_cpus
     # 127.0.0.2: Ray rewrites 127.0.0.1 to the machine's network address; any other
     # loopback address stays as given, so a private run's traffic stays on loopback.

@@ -31,7 +31,7 @@ class Evaluations:
         self.cfg, self.metrics = cfg, metrics
         self.evaluated: dict[int, dict[str, float]] = {}  # version -> its eval/* figures
         ev = cfg.eval
-        self.dedicated = evaluator_index(cfg.num_producers, ev.every, ev.producer) is not None
+        self.dedicated = evaluator_index(cfg.producer_slots, ev.every, ev.producer) is not None
         self.ids = frozenset({EVALUATOR_ID}) if self.dedicated else frozenset()
         self.evaluators: dict[str, ProducerInfo] = {}
 

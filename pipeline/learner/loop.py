@@ -44,6 +44,7 @@ from buffer.protocol import (
     EvalResult,
     Heartbeat,
     Hello,
+    Leave,
     Reply,
     SyncReady,
     Welcome,
@@ -63,7 +64,7 @@ from pipeline.learner.checkpoint import (
 )
 from pipeline.learner.evaluations import Evaluations
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
-from pipeline.learner.producers import ProducerInfo
+from pipeline.learner.producers import Members, ProducerInfo
 from pipeline.learner.routes import LearnerRoutes, serve_stream, snapshot_dir
 from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
@@ -120,8 +121,11 @@ class Learner:
                                      stream=ConsoleStream())
         # Evaluation figures, and the dedicated evaluator (eval.producer), never a producer.
         self.evals = Evaluations(cfg, self.metrics)
-        self.registry = ProducerRegistry({f"p{i}" for i in range(cfg.num_producers)},
+        self.registry = ProducerRegistry({f"p{i}" for i in range(cfg.producer_slots)},
                                          evaluators=self.evals.ids)
+        # Who shares the admission budget and the data now (elastic runs: max_producers).
+        self.members = Members(cfg.num_producers)
+        self._checkpoint_soon = False  # a producer left: its groups go in the next checkpoint
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):
             self.counters.setdefault(k, 0)
@@ -188,6 +192,8 @@ class Learner:
             log.info("producer %s (pid %d) connected at version %d; weights by %s "
                      "(incarnation %s)", msg.producer_id, msg.pid, msg.policy_version,
                      info.route, msg.incarnation)
+        if self.members.join(msg.producer_id):
+            log.info("producer %s joined the run: %s", msg.producer_id, self.members)
 
     def _on_control(self, msg: ControlMessage) -> None:
         """A checked control message from a producer (or evaluator) that said Hello."""
@@ -203,6 +209,11 @@ class Learner:
             self.routes.on_sync_ready(msg)
         elif isinstance(msg, EvalResult):
             self.evals.result(msg, self.state.step)
+        elif isinstance(msg, Leave):
+            if self.members.leave(msg.producer_id):
+                self._checkpoint_soon = True
+                log.info("producer %s left the run after %d groups: %s", msg.producer_id,
+                         msg.sent, self.members)
         elif isinstance(msg, Ack):
             self.acks.setdefault(msg.version if msg.ok else -1, {})[msg.producer_id] = msg
             if msg.ok:
@@ -290,7 +301,7 @@ class Learner:
                         accepted={k: st.accepted for k, st in self.ledger.streams.items()},
                         routes=routes, transfer=transfer,
                         heading_to=max(self._heading_to, self.state.version),
-                        finished=finished)
+                        members=list(self.members), finished=finished)
 
     async def _announce(self) -> None:
         assert self.endpoint is not None
@@ -323,14 +334,14 @@ class Learner:
         deadline = published_at + self.cfg.sync.ack_timeout_s
         while time.monotonic() < deadline:
             now = time.monotonic()
-            alive = [i for i in self.producers.values() if i.alive(now)]
+            alive = [i for p, i in self.producers.items() if i.alive(now) and p in self.members]
             if all(i.version >= version for i in alive):  # none alive: nobody to wait for
                 break
             await asyncio.sleep(0.02)
         got = self.acks.pop(version, {})
         now = time.monotonic()
         behind = sorted(p for p, i in self.producers.items()
-                        if i.version < version and i.alive(now))
+                        if i.version < version and i.alive(now) and p in self.members)
         if behind:
             log.warning("version %d: no ack from %s within %.0fs; training goes on without "
                         "them", version, behind, self.cfg.sync.ack_timeout_s)
@@ -403,6 +414,7 @@ class Learner:
                 **{f"rejected_groups/{k}": float(v) for k, v in bs.rejected_groups.items()},
                 "producers_alive": float(sum(1 for i in self.producers.values()
                                              if i.alive(now))),
+                "producers_members": float(len(self.members)),
                 **self._producer_metrics(),
                 **self.evals.step_metrics(),
                 **{k: float(v) for k, v in self.counters.items()},
@@ -416,9 +428,10 @@ class Learner:
                 st.first_reward = m["reward_mean"]
             self.checkpoints.raise_if_failed()  # a background write failed: stop, as a save would
             ce = t.checkpoint_every
-            if ce:  # the stall lands in the next step's step_s, as the snapshot copy's does
+            soon, self._checkpoint_soon = self._checkpoint_soon, False
+            if ce or soon:  # the stall lands in the next step's step_s, as the snapshot copy's
                 m["checkpoint_stall_s"] = await self.checkpoint() \
-                    if st.step % ce == 0 and st.step < t.steps else 0.0
+                    if (soon or st.step % ce == 0) and st.step < t.steps else 0.0
             m.update(self._take_checkpoint_write())
             self.metrics.log(st.step, m)
         await self.evals.await_last(st.version)

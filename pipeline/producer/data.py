@@ -212,15 +212,26 @@ class PromptSource:
         records: list[dict[str, Any]] | None = None,
     ):
         self.cfg = cfg
-        recs = records if records is not None else load_records(cfg.path)
-        check_records(cfg, recs)
-        self.shard = [(i, r) for i, r in enumerate(recs) if i % num_producers == index]
-        if not self.shard:
-            raise ConfigError(
-                f"data.path: {len(recs)} records are fewer than the {num_producers} producers"
-            )
+        self.records = records if records is not None else load_records(cfg.path)
+        check_records(cfg, self.records)
+        self.shard = self._shard(index, num_producers)
         self.cursor = start_cursor
         self._epoch_order: tuple[int, list[int]] = (-1, [])
+
+    def _shard(self, index: int, num_producers: int) -> list[tuple[int, dict[str, Any]]]:
+        shard = [(i, r) for i, r in enumerate(self.records) if i % num_producers == index]
+        if not shard:
+            raise ConfigError(f"data.path: {len(self.records)} records are fewer than the "
+                              f"{num_producers} producers")
+        return shard
+
+    def reshard(self, index: int, num_producers: int) -> None:
+        """Read shard ``index`` of ``num_producers`` from now on (an elastic run's producers
+        joined or left), at the same point of the pass over the data: the cursor keeps its
+        fraction of an epoch, so no producer starts its new shard over."""
+        shard = self._shard(index, num_producers)
+        self.cursor = self.cursor * len(shard) // len(self.shard)
+        self.shard, self._epoch_order = shard, (-1, [])
 
     def _order(self, epoch: int) -> list[int]:
         if self._epoch_order[0] != epoch:

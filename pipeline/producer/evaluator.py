@@ -27,21 +27,16 @@ import os
 import time
 from typing import Any
 
-from buffer.identity import STALE_INCARNATION, UNEXPECTED_PRODUCER, UNKNOWN_PRODUCER
-from buffer.protocol import Announce, ControlMessage, EvalResult, Heartbeat, Hello, Reply, Welcome
+from buffer.protocol import Announce, EvalResult, Heartbeat, Hello
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
 from pipeline.keys import curve_keys
 from pipeline.producer.adapters import AdapterSet
+from pipeline.producer.engine import shutdown_engine, weight_routes
 from pipeline.producer.episode import load_episode
 from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
-from pipeline.producer.loop import (
-    CONTROL_TIMEOUT_S,
-    LearnerFinished,
-    shutdown_engine,
-    weight_routes,
-)
 from pipeline.producer.rewards.runner import RewardSet
+from pipeline.producer.session import LearnerFinished, LearnerSession, run_tasks
 from pipeline.schedule import EVALUATOR_ID, is_due, last_version, skipped
 from sync.barrier import RequestTracker, SwapBarrier, SwapReport
 from sync.lora import adapter_config, adapter_sync_plan
@@ -60,6 +55,11 @@ class Evaluator:
         self.stop_when_learner_done = stop_when_learner_done
         self.producer_id = EVALUATOR_ID
         self.incarnation = f"{EVALUATOR_ID}-{os.getpid()}-{time.time_ns() % 10**12}"
+        self.session = LearnerSession(
+            endpoint, lambda: Hello(producer_id=self.producer_id, incarnation=self.incarnation,
+                                    policy_version=self.tracker.version, pid=os.getpid()),
+            "the learner refused the evaluator: it runs without one (eval.producer differs "
+            "between the roles?)")
         self.records = eval_records(cfg.data, cfg.eval)
         self.last = last_version(cfg.train.steps, cfg.sync.sync_every)
         self.tracker = RequestTracker()
@@ -152,54 +152,29 @@ class Evaluator:
         self.stats["eval_s"] += stats["eval/seconds"]
         log.info("%s: eval v%d: %s", self.producer_id, v,
                  ", ".join(f"{k.removeprefix('eval/')} {x:.3g}" for k, x in stats.items()))
-        answer = await self._control(EvalResult(producer_id=self.producer_id,
-                                                incarnation=self.incarnation, version=v,
-                                                stats=stats))
+        answer = await self.session.call(EvalResult(producer_id=self.producer_id,
+                                                    incarnation=self.incarnation, version=v,
+                                                    stats=stats))
         if answer is None or not answer.ok:
             log.warning("%s: the learner did not take the evaluation of v%d: %s",
                         self.producer_id, v, answer.reason if answer else "no answer")
 
     # ------------------------------------------------------------------ control
-    async def _hello(self) -> None:
-        hello = Hello(producer_id=self.producer_id, incarnation=self.incarnation,
-                      policy_version=self.tracker.version, pid=os.getpid())
-        while True:
-            answer = await self.endpoint.call(hello, CONTROL_TIMEOUT_S)
-            if isinstance(answer, Welcome):
-                return
-            if isinstance(answer, Reply) and answer.reason == UNEXPECTED_PRODUCER:
-                raise RuntimeError("the learner refused the evaluator: it runs without one "
-                                   "(eval.producer differs between the roles?)")
-            log.info("%s: no welcome from the learner (%s); saying Hello again",
-                     self.producer_id, answer.reason if answer else "no answer")
-
-    async def _control(self, msg: ControlMessage) -> Reply | None:
-        """One control request; a learner that no longer knows us gets our Hello first."""
-        answer = await self.endpoint.call(msg, CONTROL_TIMEOUT_S)
-        if isinstance(answer, Reply) and answer.reason in (UNKNOWN_PRODUCER, STALE_INCARNATION):
-            await self._hello()
-            answer = await self.endpoint.call(msg, CONTROL_TIMEOUT_S)
-        return answer if isinstance(answer, Reply) else None
-
     async def _heartbeat(self) -> None:
         while True:
-            await self._control(Heartbeat(producer_id=self.producer_id,
-                                          incarnation=self.incarnation,
-                                          policy_version=self.tracker.version,
-                                          stats=dict(self.stats)))
+            await self.session.call(Heartbeat(producer_id=self.producer_id,
+                                              incarnation=self.incarnation,
+                                              policy_version=self.tracker.version,
+                                              stats=dict(self.stats)))
             await asyncio.sleep(HEARTBEAT_S)
 
     async def run(self) -> None:
         log.info("%s: engine ready; %d held-out prompts; waiting for the learner's announces",
                  self.producer_id, len(self.records))
-        await self._hello()
+        await self.session.hello()
         try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._listen())
-                tg.create_task(self._heartbeat())
-                tg.create_task(self._evaluate_versions())
-        except* LearnerFinished as eg:
-            log.info("%s: %s; stopping", self.producer_id, eg.exceptions[0])
+            await run_tasks(self.producer_id, [self._listen(), self._heartbeat(),
+                                               self._evaluate_versions()])
         finally:
             for route in self.routes.values():
                 route.close()

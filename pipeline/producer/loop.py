@@ -12,7 +12,11 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
 - ``_listen``: applies announces: new snapshot -> sync barrier -> ack; consumption counts.
   The weights come by the route the learner names for us (file, ipc or nccl; see
   ``sync.routes``); a GPU route that fails is followed by a file swap to the same version;
-- ``_heartbeat``: liveness and stats for the learner.
+- ``_heartbeat``: liveness and stats for the learner;
+- ``_leave``: in an elastic run (``max_producers``), on SIGUSR1 (``pipeline-train scale``) the
+  producer leaves cleanly: it starts no more groups, sends those it started, tells the learner
+  (``Leave``) and exits once the learner's checkpoint holds them. The admission share and data
+  shard are the producer's rank among ``Announce.members``, so the others take over its share.
 Producer 0 also evaluates (``eval.every``, unless ``eval.producer`` is 'dedicated': then the
 evaluator does, ``pipeline.producer.evaluator``): on each due version, once loaded and before
 new admissions, it runs the held-out prompts and sends their figures in an EvalResult (never
@@ -29,13 +33,12 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import time
-from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from buffer.identity import STALE_INCARNATION, UNEXPECTED_PRODUCER, UNKNOWN_PRODUCER
 from buffer.protocol import (
     Ack,
     Announce,
@@ -43,18 +46,22 @@ from buffer.protocol import (
     EvalResult,
     Heartbeat,
     Hello,
+    Leave,
     Reply,
     SyncReady,
-    Welcome,
 )
-from buffer.staleness import may_admit, producer_budget, versions_in_flight
+from buffer.staleness import may_admit, versions_in_flight
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
 from pipeline.keys import curve_keys
-from pipeline.procs import ENGINE_SHUTDOWN
 from pipeline.producer.adapters import AdapterSet
 from pipeline.producer.data import PromptSource, render_prompt
-from pipeline.producer.engine import engine_progress
+from pipeline.producer.engine import (
+    engine_devices,
+    engine_progress,
+    shutdown_engine,
+    weight_routes,
+)
 from pipeline.producer.episode import FailureLog, load_episode
 from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
 from pipeline.producer.group import GroupRollout
@@ -62,20 +69,23 @@ from pipeline.producer.outbox import Outbox
 from pipeline.producer.rewards.call import rate_limiter
 from pipeline.producer.rewards.runner import RewardSet
 from pipeline.producer.sampling import DropCap, extra_cap
+from pipeline.producer.session import (
+    CONTROL_TIMEOUT_S,
+    LearnerFinished,
+    LearnerSession,
+    ProducerLeft,
+    run_tasks,
+)
 from pipeline.producer.stats import ProducerStats
 from pipeline.schedule import engine_count, evaluator_index, is_due, last_version
 from sync.barrier import RequestTracker, SwapBarrier
 from sync.lora import adapter_config, adapter_sync_plan
-from sync.routes import make_route, plan_route, route_class
-from sync.routes.base import WeightRoute, swap_with_fallback
+from sync.routes import plan_route, route_class
+from sync.routes.base import swap_with_fallback
 from sync.snapshot import SnapshotRef
 
 log = logging.getLogger(__name__)
-CONTROL_TIMEOUT_S = 5.0  # the learner answers control requests at once; longer means it is down
-
-
-class LearnerFinished(Exception):
-    """The learner announced its end (all steps trained): the producer's run is over."""
+LEAVE_DURABLE_S = 300.0  # a leaving producer waits this long for the checkpoint of its groups
 
 
 class Producer(GroupRollout):
@@ -97,8 +107,11 @@ class Producer(GroupRollout):
                                    drain_timeout_s=s.drain_timeout_s,
                                    pause_timeout_s=s.pause_timeout_s,
                                    load_timeout_s=s.load_timeout_s)
-        self.budget = producer_budget(cfg.train.batch_groups, cfg.train.max_staleness,
-                                      cfg.num_producers, index)
+        # The run's producers now (Announce.members): our rank among them is our admission
+        # share and data shard. Until the first announce: the producers the run starts with.
+        self.members = [f"p{i}" for i in range(cfg.num_producers)]
+        self.leave_requested = asyncio.Event()  # SIGUSR1: leave the run (elastic runs)
+        self.leaving = False
         # The producer end of each route the learner may name (sync.routes); "file" is read
         # where the learner wrote it, or streamed to this node first (sync.stream_from).
         self.routes = weight_routes(engine, cfg, self.producer_id, self._send_ready)
@@ -129,6 +142,10 @@ class Producer(GroupRollout):
         self.seq = 0
         out_dir = Path(cfg.run_dir) / "producers"
         self.outbox = Outbox(out_dir, self.producer_id, self.incarnation, cfg.sync.retain_groups)
+        self.session = LearnerSession(
+            endpoint, self._make_hello, f"the learner refused {self.producer_id}: its run has "
+            "fewer producers (num_producers, or max_producers for one that joins, differs "
+            "between the roles?)")
         self.sent_log = out_dir / f"{self.incarnation}.jsonl"
         self._budget_changed = asyncio.Event()
         self._synced = asyncio.Event()   # set once we hold the learner's current version
@@ -140,20 +157,47 @@ class Producer(GroupRollout):
         # step (pipeline.producer.sampling); the step is told by the groups the learner took.
         g = cfg.generation
         self.drop_cap = DropCap(extra_cap(cfg.train.batch_groups, g.dynamic_sampling_max_extra,
-                                          cfg.num_producers, index)) \
+                                          *self.share() or (1, 0))) \
             if g.dynamic_sampling else None
         self.learner_consumed = 0  # groups the learner has taken, all producers (Announce)
         self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
         # Only producer 0 evaluates: one evaluation per version, whatever the producer count;
         # none does when the run has a dedicated evaluator.
         ev = cfg.eval
-        shared = evaluator_index(cfg.num_producers, ev.every, ev.producer) is None
+        shared = evaluator_index(cfg.producer_slots, ev.every, ev.producer) is None
         self.eval_records = eval_records(cfg.data, ev) if ev.every and index == 0 and shared \
             else []
         self.eval_last = last_version(cfg.train.steps, cfg.sync.sync_every)
         self._evaluated: set[int] = set()
 
     # ------------------------------------------------------------------ admission
+    def share(self) -> tuple[int, int] | None:
+        """(producers, our rank) among the run's members; None while we are not one (we joined
+        and no announce has named us yet, or we are leaving): then we start no group."""
+        if self.leaving or self.producer_id not in self.members:
+            return None
+        return len(self.members), self.members.index(self.producer_id)
+
+    def _on_members(self, members: list[str]) -> None:
+        """Producers joined or left: our admission share, data shard and drop cap follow."""
+        self.members = members
+        share = self.share()
+        if share is None:
+            return
+        self.prompts.reshard(share[1], share[0])
+        if self.drop_cap is not None:
+            self.drop_cap.cap = extra_cap(self.cfg.train.batch_groups,
+                                          self.cfg.generation.dynamic_sampling_max_extra, *share)
+        log.info("%s: the run has %d producer(s) now (%s); data shard %d of %d",
+                 self.producer_id, share[0], ", ".join(members), share[1], share[0])
+
+    def may_start(self) -> bool:
+        """Whether the admission budget lets us start one more group now."""
+        share = self.share()
+        return self._synced.is_set() and share is not None and may_admit(
+            self.outstanding(), self.cfg.train.batch_groups, self.cfg.train.max_staleness,
+            *share, self.tracker.version, self.learner_heading_to)
+
     def outstanding(self) -> int:
         """Groups generating, in transit, or waiting in the learner's buffer."""
         in_transit = max(self.seq - self.accepted, 0)
@@ -164,10 +208,7 @@ class Producer(GroupRollout):
         rate = self.cfg.generation.admit_rate_per_s
         throttle = rate_limiter(rate) if rate else contextlib.nullcontext()
         for record in self.prompts:
-            while not self._synced.is_set() or not may_admit(
-                    self.outstanding(), self.cfg.train.batch_groups,
-                    self.cfg.train.max_staleness, self.cfg.num_producers, self.index,
-                    self.tracker.version, self.learner_heading_to):
+            while not self.may_start():
                 self._budget_changed.clear()
                 await self._sleep_if_idle()
                 await self._budget_changed.wait()
@@ -230,6 +271,11 @@ class Producer(GroupRollout):
             ann = await self.endpoint.recv_announce(timeout=1.0)
             if ann is None:
                 continue
+            # Each announce carries the learner's whole state, so only the newest queued one
+            # matters: after a long wait (an engine start, a swap) the older ones would only
+            # name snapshot files the learner has since pruned.
+            while (newer := await self.endpoint.recv_announce(timeout=0)) is not None:
+                ann = newer
             await self._apply_announce(ann)
 
     async def _apply_announce(self, ann: Announce) -> None:
@@ -269,6 +315,8 @@ class Producer(GroupRollout):
             if report is not None:
                 await self._report(report, ann.learner_session)
         pid = self.producer_id
+        if ann.members and ann.members != self.members:
+            self._on_members(list(ann.members))
         self.learner_heading_to = ann.heading_to
         self.learner_consumed = sum(ann.consumed.values())
         self.held = max(ann.received.get(pid, 0) - ann.consumed.get(pid, 0), 0)
@@ -368,34 +416,17 @@ class Producer(GroupRollout):
         return await swap_with_fallback(self.barrier, used, ref, self.routes["file"], load=load,
                                         prepare=prepare)
 
+    def _make_hello(self) -> Hello:
+        """This incarnation's Hello: its version, GPUs and the dead incarnations it resends."""
+        return Hello(producer_id=self.producer_id, incarnation=self.incarnation,
+                     policy_version=self.tracker.version, pid=os.getpid(),
+                     devices=self.devices, recovered=self.outbox.incarnations_recovered)
+
     async def _hello(self) -> None:
-        """Introduce this incarnation; returns once the learner has welcomed it (retrying while
-        the learner is not up yet)."""
-        hello = Hello(producer_id=self.producer_id, incarnation=self.incarnation,
-                      policy_version=self.tracker.version, pid=os.getpid(),
-                      devices=self.devices, recovered=self.outbox.incarnations_recovered)
-        waited = 0.0
-        while True:
-            answer = await self.endpoint.call(hello, CONTROL_TIMEOUT_S)
-            if isinstance(answer, Welcome):
-                return
-            if isinstance(answer, Reply) and answer.reason == UNEXPECTED_PRODUCER:
-                raise RuntimeError(f"the learner refused {self.producer_id}: it runs fewer "
-                                   "producers (num_producers differs between the roles?)")
-            waited += CONTROL_TIMEOUT_S
-            log.info("%s: no welcome from the learner after %.0f s (%s); saying Hello again",
-                     self.producer_id, waited, answer.reason if answer else "no answer")
+        await self.session.hello()
 
     async def _control(self, msg: ControlMessage) -> Reply | None:
-        """One control request; a learner that does not know us (it restarted, or another
-        process said Hello in our name) gets our Hello again, then the request once more."""
-        answer = await self.endpoint.call(msg, CONTROL_TIMEOUT_S)
-        if isinstance(answer, Reply) and answer.reason in (UNKNOWN_PRODUCER, STALE_INCARNATION):
-            log.warning("%s: the learner refused a %s (%s); saying Hello again",
-                        self.producer_id, type(msg).__name__, answer.reason)
-            await self._hello()
-            answer = await self.endpoint.call(msg, CONTROL_TIMEOUT_S)
-        return answer if isinstance(answer, Reply) else None
+        return await self.session.call(msg)
 
     async def _send_ready(self, purpose: str, epoch: int, version: int) -> None:
         """Tell the learner our side of a NCCL link is ready ("drop": given up). Raises if the
@@ -426,6 +457,36 @@ class Producer(GroupRollout):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._counted.wait(), 2.0)
 
+    async def _leave(self) -> None:
+        """Leave the run cleanly once asked (SIGUSR1): nothing started is lost. The learner
+        takes us out of its members when every group we started has reached it, and writes
+        them into its next checkpoint; we exit once it announces them durable (our outbox log
+        keeps any it has not, for a producer with our id to resend, if that takes too long)."""
+        await self.leave_requested.wait()
+        self.leaving = True  # share() is None from now: _admit starts nothing more
+        self._budget_changed.set()
+        log.info("%s: leaving the run: finishing %d group(s) in flight", self.producer_id,
+                 self.in_flight_groups)
+        while self.in_flight_groups or self.accepted < self.seq:
+            self._budget_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._budget_changed.wait(), 1.0)
+        answer = await self._control(Leave(producer_id=self.producer_id,
+                                           incarnation=self.incarnation, sent=self.seq))
+        if answer is None or not answer.ok:
+            raise RuntimeError(f"the learner did not take our Leave: "
+                               f"{answer.reason if answer else 'no answer'}")
+        deadline = time.monotonic() + LEAVE_DURABLE_S
+        while self.outbox.unconfirmed() and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        left = len(self.outbox.unconfirmed())
+        if left:
+            log.warning("%s: %d group(s) not yet in a learner checkpoint after %.0f s; they stay "
+                        "in %s for a producer with this id to resend", self.producer_id, left,
+                        LEAVE_DURABLE_S, self.outbox.dir)
+        raise ProducerLeft(f"left the run after {self.seq} group(s), "
+                           f"{self.seq - left} in the learner's checkpoint")
+
     async def _watch(self) -> None:
         while True:
             await self._budget_changed.wait()
@@ -439,13 +500,8 @@ class Producer(GroupRollout):
         log.info("%s: engine ready; waiting for the learner's first announce", self.producer_id)
         await self._hello()
         try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._listen())
-                tg.create_task(self._heartbeat())
-                tg.create_task(self._admit())
-                tg.create_task(self._watch())
-        except* LearnerFinished as eg:
-            log.info("%s: %s; stopping", self.producer_id, eg.exceptions[0])
+            await run_tasks(self.producer_id, [self._listen(), self._heartbeat(), self._admit(),
+                                               self._watch(), self._leave()])
         finally:
             self._summarise_failures()
             self.outbox.close()
@@ -460,44 +516,8 @@ class Producer(GroupRollout):
                     await self.engine.abort(rid)
 
 
-def weight_routes(engine: Any, cfg: RunConfig, producer_id: str,
-                  send_ready: Callable[[str, int, int], Awaitable[None]]
-                  ) -> dict[str, WeightRoute]:
-    """The producer end of each route the learner may name, by that name. Its ``file`` reads
-    snapshot files where the learner wrote them, or, with ``sync.stream_from`` set (a producer on
-    another machine), is the stream route: each file streamed into a directory of this node
-    first (``sync.routes.stream``)."""
-    s = cfg.sync
-    routes = {"file": make_route("file", engine),
-              "ipc": make_route("ipc", engine, producer_id=producer_id, send_ready=send_ready,
-                                timeout_s=s.nccl_timeout_s),
-              "nccl": make_route("nccl", engine, send_ready=send_ready,
-                                 timeout_s=s.nccl_timeout_s)}
-    if not s.stream_from:
-        return routes
-    import tempfile
-
-    from sync.stream import StreamKeys
-
-    curve = curve_keys(cfg, "producer")
-    keys = StreamKeys(curve.server_public, None, curve.client_public, curve.client_secret) \
-        if curve is not None else None
-    local = Path(tempfile.gettempdir()) / f"pipeline-grpo-stream-{producer_id}-{os.getpid()}"
-    log.info("%s: weights streamed from %s into %s", producer_id, s.stream_from, local)
-    routes["file"] = make_route("stream", engine, addr=s.stream_from, keys=keys,
-                                local_dir=local, timeout_s=s.load_timeout_s)
-    return routes
 
 
-async def engine_devices(engine: Any) -> list[str]:
-    """GPU UUID of each vLLM worker ([] on CPU, or if the engine cannot say)."""
-    try:
-        infos = await engine.collective_rpc("sync_device_info")
-    except Exception as e:  # an engine without our worker extension: weights by file
-        log.warning("cannot read the engine's GPUs (%r); weights will come by file", e)
-        return []
-    uuids = [i.get("gpu_uuid", "") for i in infos if isinstance(i, dict)]
-    return uuids if uuids and all(uuids) else []
 
 
 async def producer_main(cfg: RunConfig, index: int, model_path: str, start_cursor: int = 0,
@@ -507,8 +527,13 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
 
     from pipeline.producer.engine import build_engine
 
+    asked: list[int] = []  # SIGUSR1 while the engine starts: leave once the producer runs
+    signal.signal(signal.SIGUSR1, lambda *_: asked.append(1))
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts = PromptSource(cfg.data, index, cfg.num_producers, start_cursor=start_cursor)
+    # A producer that joins an elastic run reads the whole data until the learner's members
+    # name its shard (Producer._on_members); it starts no group before.
+    shard = (index, cfg.num_producers) if index < cfg.num_producers else (0, 1)
+    prompts = PromptSource(cfg.data, *shard, start_cursor=start_cursor)
     rewards = RewardSet(cfg.rewards.specs, on_failure=cfg.rewards.on_failure,
                         pool_workers=cfg.rewards.pool_workers)
     endpoint = ProducerEndpoint(cfg.bind_addr, curve=curve_keys(cfg, "producer"))
@@ -518,12 +543,18 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
                           lora_rank=t.lora_rank if adapters else 0,
                           max_loras=versions_in_flight(cfg.train.max_staleness),
-                          share=(index, engine_count(cfg.num_producers, cfg.eval.every,
+                          share=(index, engine_count(cfg.producer_slots, cfg.eval.every,
                                                      cfg.eval.producer)))
     failed = True
     try:
-        await Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,
-                       stop_when_learner_done).run()
+        producer = Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,
+                            stop_when_learner_done)
+        # pipeline-train scale (or kill -USR1): leave the run cleanly.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1,
+                                                      producer.leave_requested.set)
+        if asked:
+            producer.leave_requested.set()
+        await producer.run()
         failed = False
     except (asyncio.CancelledError, KeyboardInterrupt):  # stopped: the run's normal end
         failed = False
@@ -536,22 +567,3 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
         # when it runs at interpreter teardown.
         del engine
         gc.collect()
-
-
-def shutdown_engine(engine: Any, producer_id: str, failed: bool = False) -> None:
-    """Shut the engine down once its requests are aborted (``Producer.run``): the engine core
-    stops its workers before it exits, so none dies under a live core. This process is the
-    one the launcher signals (its engine's are not). A library error of the shutdown stays in
-    this process's log file, with one warning line for the console; so do vLLM's errors that
-    follow (``ENGINE_SHUTDOWN``), unless the producer ``failed``: then its traceback and the
-    engine's errors all reach the console."""
-    if failed:
-        log.info("%s: engine shutdown after a failure", producer_id)
-    else:
-        log.info("%s: %s", producer_id, ENGINE_SHUTDOWN)
-    try:
-        engine.shutdown()
-    except Exception as e:
-        log.info("%s: engine shutdown failed", producer_id, exc_info=True)
-        log.warning("%s: the engine's shutdown raised %s (traceback in this process's log "
-                    "file)", producer_id, type(e).__name__)

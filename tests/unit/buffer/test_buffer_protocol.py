@@ -14,6 +14,7 @@ from buffer.protocol import (
     Announce,
     Heartbeat,
     Hello,
+    Leave,
     ProtocolError,
     Reply,
     SyncReady,
@@ -87,6 +88,8 @@ MESSAGES = [
         },
     ),
     announce(finished=True),
+    announce(members=["p0", "p2"]),
+    Leave(producer_id="p1", incarnation="i", sent=12),
 ]
 
 

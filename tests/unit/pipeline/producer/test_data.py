@@ -112,3 +112,16 @@ def test_epochs_cover_the_shard_and_seed_minus_one_keeps_order():
     assert sorted(ids[:6]) == sorted(ids[6:]) == sorted(r["prompt_id"] for r in recs)
     ordered = PromptSource(DataConfig(path="x", seed=-1), 0, 1, records=recs)
     assert [r.prompt_id for r in itertools.islice(ordered, 6)] == [f"q{i}" for i in range(6)]
+
+
+def test_reshard_keeps_the_point_of_the_pass_over_the_data():
+    """An elastic run's producers joined or left: the new shard is read from the same fraction
+    of an epoch (no producer starts its data over), and it is the new shard's records."""
+    src = PromptSource(DataConfig(path="arithmetic:12"), 0, 2)  # 6 records
+    for _ in range(9):  # one and a half passes
+        next(src)
+    src.reshard(1, 3)  # 4 records: records 1, 4, 7, 10
+    assert src.cursor == 6  # still one and a half passes
+    next(src), next(src)  # the rest of this pass; the next one is the whole new shard
+    ids = {next(src).prompt_id for _ in range(4)}
+    assert ids == {f"arith-1234-{i}" for i in (1, 4, 7, 10)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from pipeline.procs import ENGINE_SHUTDOWN
-from pipeline.producer.loop import shutdown_engine
+from pipeline.producer.engine import shutdown_engine
 
 
 class FakeEngine:

@@ -1,0 +1,85 @@
+"""Elastic producers on a real run (launcher, vLLM CPU engines, tiny model, async): the run
+starts with one producer, a second joins at step k (`pipeline-train scale --producers 2`), the
+first leaves at step m (`pipeline-train scale --remove p0`); training goes on throughout, the
+joined producer's groups are trained, the shards follow, and nothing is lost (conservation from
+the run's own records, ``bench.soak.tally``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bench.soak import tally
+from tests.e2e.support.launcher import ENGINE_START_S, REPO, Launcher, read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def scale(run_dir, *args: str) -> str:
+    """`pipeline-train scale RUN_DIR ARGS`; asserts it was taken."""
+    out = subprocess.run([sys.executable, "-m", "pipeline.launch.cli", "scale", str(run_dir),
+                          *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def sent_by(run_dir, producer: str) -> float:
+    """Groups ``producer`` has sent, as the learner's last metrics row says."""
+    rows = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    return rows[-1].get(f"by_producer/{producer}/groups_sent", 0.0) if rows else 0.0
+
+
+def test_a_producer_joins_and_another_leaves_nothing_lost(tiny_model, tmp_path):
+    run_dir = tmp_path / "elastic"
+    la = Launcher(tiny_model, run_dir, "--mode", "async", "--max-staleness", "1",
+                  "--steps", "100000", "--num-producers", "1", "--max_producers", "2",
+                  "--train.checkpoint_every", "0")
+    try:
+        la.wait_for(lambda: la.steps_done() >= 2, ENGINE_START_S, "two steps on p0 alone")
+        # Only the launcher of a running elastic job takes a request; a bad one is one line.
+        bad = subprocess.run([sys.executable, "-m", "pipeline.launch.cli", "scale",
+                              str(run_dir), "--producers", "3"], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "max_producers (2)" in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+
+        joined_at = la.steps_done()
+        assert "for 2 producers" in scale(run_dir, "--producers", "2")
+        la.wait_for(lambda: any(c[0] == "p1" for c in la.connects()), ENGINE_START_S,
+                    "p1 to connect")
+        la.wait_for(lambda: "producer p1 joined the run: 2 producers (p0, p1)" in
+                    "\n".join(la.lines), 60, "the learner to take p1 in")
+        la.wait_for(lambda: sent_by(run_dir, "p1") >= 2, ENGINE_START_S,
+                    "groups of p1 at the learner")
+        for pid, rank in (("p0", 0), ("p1", 1)):  # the console follows the logs: wait
+            line = f"{pid}: the run has 2 producer(s) now (p0, p1); data shard {rank} of 2"
+            la.wait_for(lambda line=line: line in "\n".join(la.lines), 60, line)
+
+        left_at = la.steps_done()
+        assert "p0 to leave" in scale(run_dir, "--remove", "p0")
+        la.wait_for(lambda: "producer 0 left the run" in "\n".join(la.lines), 300,
+                    "p0 to leave")
+        target = la.steps_done() + 3
+        la.wait_for(lambda: la.steps_done() >= target, 300, "three more steps on p1 alone")
+        for line in ("p1: the run has 1 producer(s) now (p1); data shard 0 of 1",
+                     "producer p0 left the run after",
+                     "p0: left the run after"):  # its groups were in a checkpoint first
+            la.wait_for(lambda line=line: line in "\n".join(la.lines), 60, line)
+        log = "\n".join(la.lines)
+        assert "died while leaving" not in log
+    finally:
+        la.stop()  # Ctrl-C: the learner's final checkpoint, then every process stops
+    rows = read_metrics(run_dir)
+    assert joined_at < left_at < len(rows)
+    assert rows[-1]["producers_members"] == 1.0
+    assert [r["producers_members"] for r in rows[left_at:]][-1] == 1.0
+    assert max(r["producers_members"] for r in rows) == 2.0
+    # Nothing lost: every group either producer sent is trained, dropped (by reason) or held.
+    t = tally(run_dir)
+    assert t["incarnations"] == 2 and t["lost"] == 0, t
+    assert t["conservation_ok"] and t["buffer_invariant_ok"], t
+    # p0 left with every group it sent in a checkpoint: nothing of it waits in an outbox.
+    assert t["pending_in_outbox_logs"] == 0, t
+

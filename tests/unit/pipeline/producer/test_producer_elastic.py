@@ -1,0 +1,82 @@
+"""An elastic run's producer (pure control logic: no engine; the endpoint is a fake that answers
+as the learner would): its admission share and data shard follow ``Announce.members``, and on
+a leave request it starts nothing more, tells the learner, and ends once its groups are
+durable."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from producer_fakes import RecordingEndpoint
+
+from buffer.protocol import Announce, Leave
+from pipeline.config import DataConfig, load_config
+from pipeline.producer.data import PromptSource
+from pipeline.producer.loop import Producer
+from pipeline.producer.session import ProducerLeft
+
+
+def _announce(members: list[str], **kw) -> Announce:
+    return Announce(version=0, snapshot_uri="", snapshot_checksum="", learner_session="s",
+                    received={}, consumed={}, members=members, **kw)
+
+
+def _producer(tmp_path, index: int) -> Producer:
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "num_producers": 1,
+                                 "max_producers": 3, "data.path": "arithmetic:12",
+                                 "train.mode": "async", "train.batch_groups": 2,
+                                 "train.max_staleness": 1})
+    prompts = PromptSource(DataConfig(path="arithmetic:12"), 0, 1)
+    return Producer(cfg, index, None, None, RecordingEndpoint(), None, prompts)
+
+
+def test_a_joining_producer_starts_nothing_until_the_members_name_it_fake_endpoint(tmp_path):
+    p = _producer(tmp_path, 2)
+    assert p.share() is None and not p.may_start()
+
+    async def run() -> None:
+        await p._apply_announce(_announce(["p0"]))
+        assert p.share() is None and not p.may_start()
+        await p._apply_announce(_announce(["p0", "p2"]))
+        assert p.share() == (2, 1) and p.may_start()
+        assert len(p.prompts.shard) == 6  # records 1, 3, 5 ... of 12
+        await p._apply_announce(_announce(["p2"]))  # p0 left: the whole data is ours
+        assert p.share() == (1, 0) and len(p.prompts.shard) == 12
+
+    asyncio.run(run())
+
+
+def test_the_admission_share_follows_the_members_fake_endpoint(tmp_path):
+    """batch_groups 2, max_staleness 1: a budget of 4 groups, 2 each with two members."""
+    p = _producer(tmp_path, 0)
+
+    async def run() -> None:
+        await p._apply_announce(_announce(["p0", "p1"]))
+        p.in_flight_groups = 2
+        assert not p.may_start()  # its share of two producers is spent
+        await p._apply_announce(_announce(["p0"]))
+        assert p.may_start()  # alone, the whole budget is its
+
+    asyncio.run(run())
+
+
+def test_leaving_waits_for_the_groups_then_says_leave_and_ends_fake_endpoint(tmp_path):
+    p = _producer(tmp_path, 0)
+
+    async def run() -> None:
+        await p._apply_announce(_announce(["p0"]))
+        p.seq, p.accepted, p.in_flight_groups = 3, 2, 1
+        task = asyncio.create_task(p._leave())
+        p.leave_requested.set()
+        await asyncio.sleep(0.1)
+        assert p.leaving and not p.may_start()
+        assert not [m for m in p.endpoint.sent if isinstance(m, Leave)]  # a group still runs
+        p.in_flight_groups, p.accepted = 0, 3  # it ended and reached the learner
+        p._budget_changed.set()
+        with pytest.raises(ProducerLeft, match="after 3 group"):
+            await asyncio.wait_for(task, 5)
+        leave = [m for m in p.endpoint.sent if isinstance(m, Leave)]
+        assert len(leave) == 1 and leave[0].sent == 3 and leave[0].producer_id == "p0"
+
+    asyncio.run(run())
