@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.launcher_bench import bench_parser, rates, rounds, run_train
 
 
 def heldout(path: Path, n: int = 16) -> Path:
@@ -53,26 +51,15 @@ def command(mode: str, args: argparse.Namespace, run_dir: Path, data: Path) -> l
 
 
 def one_run(mode: str, args: argparse.Namespace, run_dir: Path, data: Path) -> dict:
-    t0 = time.time()
-    proc = subprocess.run(command(mode, args, run_dir, data), cwd=REPO,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          timeout=args.run_timeout)
-    total = time.time() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{mode} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if ln.strip()]
+    _, total, rows = run_train(command(mode, args, run_dir, data), run_dir, mode,
+                               timeout=args.run_timeout)
     train = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval/version" in r]
-    first, last = train[0]["ts"], train[-1]["ts"]
-    later = len(train) - 1
     behind = [r["eval/versions_behind"] for r in evals if "eval/versions_behind" in r]
     return {
         "mode": mode,
         "steps": len(train),
-        "steps_per_s": round(later / max(last - first, 1e-9), 3),
-        "samples_per_s": round(later * args.batch_groups * args.group_size
-                               / max(last - first, 1e-9), 1),
+        **rates(train, args.batch_groups * args.group_size),
         "evaluations": len(evals),
         "eval_s": round(sum(r.get("eval/seconds", 0.0) for r in evals), 1),
         "skipped": int(train[-1].get("evaluator/versions_skipped", 0)),
@@ -82,10 +69,7 @@ def one_run(mode: str, args: argparse.Namespace, run_dir: Path, data: Path) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--model", default="tiny")
+    p = bench_parser(__doc__, steps=24)
     p.add_argument("--modes", default="off,shared,dedicated")
     p.add_argument("--batch-groups", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
@@ -96,16 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="eval_bench.json")
     p.add_argument("extra", nargs="*", help="more pipeline-train flags for every run")
     args = p.parse_args(argv)
-    results = []
     with tempfile.TemporaryDirectory(prefix="eval-bench-") as tmp:
         root = Path(args.runs_dir or tmp)
         data = heldout(Path(tmp) / "heldout.jsonl", max(16, args.eval_prompts))
-        for r in range(args.repeat):
-            for mode in args.modes.split(","):
-                row = one_run(mode, args, root / f"{mode}-{r}", data)
-                results.append(row)
-                print(json.dumps(row), flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+        rounds(args.repeat, args.modes.split(","),
+               lambda mode, name: one_run(mode, args, root / name, data), args.out)
     return 0
 
 

@@ -21,9 +21,65 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def run_train(
+    cmd: list[str], run_dir: Path, label: str, timeout: float | None = None
+) -> tuple[float, float, list[dict]]:
+    """Run a `pipeline-train` command with its output dropped: its start time, its wall time and
+    the metrics rows it wrote; a failed run stops the benchmark with the tail of its stderr."""
+    t0 = time.time()
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=timeout,
+    )
+    total = time.time() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{label} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = [
+        json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()
+    ]
+    return t0, total, rows
+
+
+def rates(rows: list[dict], samples_per_step: int) -> dict:
+    """Steps and samples a second over the steps after the first (start-up excluded)."""
+    first, last = rows[0]["ts"], rows[-1]["ts"]
+    later = len(rows) - 1
+    return {
+        "steps_per_s": round(later / max(last - first, 1e-9), 3),
+        "samples_per_s": round(later * samples_per_step / max(last - first, 1e-9), 1),
+    }
+
+
+def rounds(repeat: int, variants: Sequence[str], run: Callable[[str, str], dict], out: str) -> None:
+    """Every variant once a round, alternating, so a slow spell of a shared machine hits all of
+    them; ``run(variant, run_name)`` gives a row, printed as a JSON line as it comes; all rows
+    are then written to ``out``."""
+    results = []
+    for r in range(repeat):
+        for variant in variants:
+            row = run(variant, f"{variant}-{r}")
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    Path(out).write_text(json.dumps(results, indent=1))
+
+
+def bench_parser(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The flags both `pipeline-train` benchmarks start with: run length, rounds and model."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--model", default="tiny")
+    return p
 
 
 def one_run(launcher: str, steps: int, model: str, run_dir: Path, extra: list[str]) -> dict:
@@ -67,47 +123,27 @@ def one_run(launcher: str, steps: int, model: str, run_dir: Path, extra: list[st
     ]
     if launcher == "ray":
         cmd += ["--set", "launch.stream_weights=always"]
-    t0 = time.time()
-    proc = subprocess.run(
-        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
-    total = time.time() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{launcher} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    rows = [
-        json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()
-    ]
-    first, last = rows[0]["ts"], rows[-1]["ts"]
-    later = len(rows) - 1
-    samples = sum(4 * 4 for _ in rows[1:])  # batch_groups x group_size per step
+    t0, total, rows = run_train(cmd, run_dir, launcher)
     return {
         "launcher": launcher,
         "steps": len(rows),
-        "first_step_s": round(first - t0, 1),
-        "steps_per_s": round(later / max(last - first, 1e-9), 3),
-        "samples_per_s": round(samples / max(last - first, 1e-9), 1),
+        "first_step_s": round(rows[0]["ts"] - t0, 1),
+        **rates(rows, 4 * 4),  # batch_groups x group_size per step
         "total_s": round(total, 1),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--model", default="tiny")
+    p = bench_parser(__doc__, steps=20)
     p.add_argument("--out", default="launcher_bench.json")
     p.add_argument("extra", nargs="*", help="more pipeline-train flags for both runs")
     args = p.parse_args(argv)
-    results = []
     with tempfile.TemporaryDirectory(prefix="launcher-bench-") as tmp:
-        for r in range(args.repeat):
-            for launcher in ("local", "ray"):
-                row = one_run(
-                    launcher, args.steps, args.model, Path(tmp) / f"{launcher}-{r}", args.extra
-                )
-                results.append(row)
-                print(json.dumps(row), flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+
+        def run(launcher: str, name: str) -> dict:
+            return one_run(launcher, args.steps, args.model, Path(tmp) / name, args.extra)
+
+        rounds(args.repeat, ("local", "ray"), run, args.out)
     return 0
 
 

@@ -52,12 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.trl_grpo import (
-    arithmetic_dataset_rows,
-    default_micro_batch,
-    exact_match_reward,
-)
-from bench.trl_runner import number, package_versions, run_main, serving
+from bench import trl_runner
+from bench.trl_grpo import arithmetic_dataset_rows, exact_match_reward
 
 # Response parsers whose whole text is the content: completions carry no tool calls here, and TRL
 # parses each with the tokenizer's (``tokenizer.parse_response``), which raises for a chat template
@@ -104,10 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.trl_async",
                                 description="Benchmark TRL's AsyncGRPOTrainer on our task.")
     p.add_argument("--model", required=True, help="local HF model directory (no hub)")
-    p.add_argument("--steps", type=int, default=12, help="optimiser steps")
-    p.add_argument("--batch-groups", type=int, default=16, help="prompts (GRPO groups) per step")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    p.add_argument("--max-tokens", type=int, default=256, help="max new tokens per completion")
+    trl_runner.add_batch_args(p, steps=12, batch_groups=16, max_tokens=256)
     p.add_argument("--ignore-eos", action="store_true",
                    help="fixed-length completions of exactly --max-tokens (throughput runs)")
     p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (constant)")
@@ -151,16 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the option for settings TRL would reject later or change."""
-    for name in ("steps", "batch_groups", "max_tokens", "num_prompts", "max_model_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.group_size < 2:
-        raise ValueError(f"--group-size must be >= 2 (GRPO needs a group), got {args.group_size}")
+    total = trl_runner.check_batch(args, ("steps", "batch_groups", "max_tokens", "num_prompts",
+                               "max_model_len"))
     if args.max_staleness < 0:
         raise ValueError(f"--max-staleness must be >= 0, got {args.max_staleness}")
-    total = args.batch_groups * args.group_size
-    if args.micro_batch is None:
-        args.micro_batch = default_micro_batch(total)
     if args.micro_batch < 1 or total % args.micro_batch:
         raise ValueError(f"--micro-batch {args.micro_batch} must divide batch-groups x group-size "
                          f"= {total} (a step is exactly one batch)")
@@ -169,36 +156,16 @@ def validate_args(args: argparse.Namespace) -> None:
                          f"--max-model-len {args.max_model_len}")
     if not 0.0 < args.vllm_gpu_memory_utilization <= 1.0:
         raise ValueError("--vllm-gpu-memory-utilization must be in (0, 1]")
-    if (args.server_url is None and args.trainer_gpus is not None
-            and set(args.trainer_gpus.split(",")) & set(args.server_gpus.split(","))):
-        raise ValueError(f"--trainer-gpus {args.trainer_gpus} and --server-gpus "
-                         f"{args.server_gpus} overlap: the server takes its GPUs' memory")
+    trl_runner.check_gpus_apart(args)
 
 
 def async_config_kwargs(args: argparse.Namespace, *, cuda: bool, output_dir: str,
                         server_url: str) -> dict[str, Any]:
     """AsyncGRPOConfig keyword arguments for our job (see the module docstring)."""
-    total = args.batch_groups * args.group_size
     return dict(
-        output_dir=output_dir,
-        max_steps=args.steps,
-        per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=total // args.micro_batch,
-        num_generations=args.group_size,
-        max_completion_length=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        epsilon=0.2,
-        epsilon_high=0.28,
+        trl_runner.trainer_kwargs(args, cuda=cuda, output_dir=output_dir),
         dtype="float32",           # fp32 master weights, as our learner ...
         bf16=cuda,                 # ... with bf16 autocast on GPUs
-        fp16=False,
-        use_cpu=not cuda,
         gradient_checkpointing=False,
         max_staleness=args.max_staleness,
         max_inflight_tasks=-1,     # TRL's auto: max(max_staleness, 1) x samples per step
@@ -206,14 +173,6 @@ def async_config_kwargs(args: argparse.Namespace, *, cuda: bool, output_dir: str
         token_budget=args.token_budget,
         vllm_server_base_url=server_url,
         vllm_server_timeout=args.server_timeout,
-        seed=args.seed,
-        data_seed=args.seed,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        log_completions=False,
-        dataloader_num_workers=0,
     )
 
 
@@ -453,7 +412,7 @@ def metrics_rows(step_end: dict[int, float], logs: dict[int, dict], *, train_beg
         row: dict[str, Any] = {"step": s, "ts": round(unix0 + end, 3),
                                "step_s": round(end - prev, 4)}
         for key, ours in TRL_KEYS.items():
-            v = number(log.get(key))
+            v = trl_runner.number(log.get(key))
             if v is not None:
                 row[ours] = v
         if "mfu_wall_pct" in row:
@@ -490,7 +449,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
     result.update(framework="trl-async",
                   args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()})
     try:
-        with serving(args, result, "trl-async", out_dir) as server_url:
+        with trl_runner.serving(args, result, "trl-async", out_dir) as server_url:
             import torch
             from datasets import Dataset
             from transformers import AutoTokenizer
@@ -529,18 +488,16 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         result["startup_s"] = rec.train_begin
         result["logs"] = {str(k): v for k, v in rec.logs.items()}
         result["total_wall_s"] = rec.now()
-        result["versions"] = package_versions()
+        result["versions"] = trl_runner.package_versions()
 
 
-def _summary(result: dict[str, Any], out: Path) -> str:
-    med = result.get("median_after_first_step", {})
-    return (f"[trl-async] {result.get('steps_done')} steps; median s/step {med.get('step_s')}, "
-            f"MFU wall {med.get('mfu_wall_pct')} %, fwd+bwd {med.get('mfu_fwd_bwd_pct')} % "
-            f"-> {out}")
+SUMMARY = ("[trl-async] {steps_done} steps; median s/step {median_after_first_step[step_s]}, "
+           "MFU wall {median_after_first_step[mfu_wall_pct]} %, "
+           "fwd+bwd {median_after_first_step[mfu_fwd_bwd_pct]} %")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("trl_async", build_parser(), argv, validate_args, run, _summary)
+    return trl_runner.run_main("trl_async", build_parser(), argv, validate_args, run, SUMMARY)
 
 
 if __name__ == "__main__":  # TRL's rollout worker is spawned: it re-imports this module

@@ -40,7 +40,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.trl_runner import number, package_versions, run_main, serving
+from bench.trl_runner import (
+    add_batch_args,
+    check_batch,
+    check_gpus_apart,
+    number,
+    package_versions,
+    run_main,
+    serving,
+    trainer_kwargs,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as `python bench/trl_grpo.py`: make examples/ importable
@@ -64,10 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="local HF model directory (no hub)")
     p.add_argument("--vllm-mode", choices=("colocate", "server", "none"), default="colocate",
                    help="TRL generation backend: vLLM colocated, vLLM server, or model.generate")
-    p.add_argument("--steps", type=int, default=20, help="optimiser steps")
-    p.add_argument("--batch-groups", type=int, default=8, help="prompts (GRPO groups) per step")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    p.add_argument("--max-tokens", type=int, default=64, help="max new tokens per completion")
+    add_batch_args(p, steps=20, batch_groups=8, max_tokens=64)
     p.add_argument("--ignore-eos", action="store_true",
                    help="fixed-length generations of exactly --max-tokens (throughput runs)")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (constant)")
@@ -124,15 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
 def validate_args(args: argparse.Namespace) -> None:
     """Raise ValueError with the option's name for settings TRL would reject later (or worse,
     silently change)."""
-    for name in ("steps", "batch_groups", "max_tokens", "num_prompts", "max_model_len",
-                 "server_port"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.group_size < 2:
-        raise ValueError(f"--group-size must be >= 2 (GRPO needs a group), got {args.group_size}")
-    total = args.batch_groups * args.group_size
-    if args.micro_batch is None:
-        args.micro_batch = default_micro_batch(total)
+    total = check_batch(args, ("steps", "batch_groups", "max_tokens", "num_prompts",
+                               "max_model_len", "server_port"))
     if args.micro_batch < 1:
         raise ValueError(f"--micro-batch must be >= 1, got {args.micro_batch}")
     if total % args.micro_batch:
@@ -147,16 +146,8 @@ def validate_args(args: argparse.Namespace) -> None:
                          f"--max-model-len {args.max_model_len}")
     if args.vllm_enable_sleep_mode and args.vllm_mode != "colocate":
         raise ValueError("--vllm-enable-sleep-mode applies to --vllm-mode colocate only")
-    if (args.vllm_mode == "server" and args.server_url is None and args.trainer_gpus is not None
-            and set(args.trainer_gpus.split(",")) & set(args.server_gpus.split(","))):
-        raise ValueError(f"--trainer-gpus {args.trainer_gpus} and --server-gpus "
-                         f"{args.server_gpus} overlap: the server takes its GPUs' memory")
-
-
-def default_micro_batch(total: int, cap: int = 16) -> int:
-    """The largest divisor of ``total`` that is <= ``cap`` (TRL needs micro x accumulation steps
-    = the generation batch exactly)."""
-    return max(d for d in range(1, min(cap, total) + 1) if total % d == 0)
+    if args.vllm_mode == "server":
+        check_gpus_apart(args)
 
 
 def grpo_config_kwargs(args: argparse.Namespace, *, cuda: bool, output_dir: str,
@@ -167,7 +158,6 @@ def grpo_config_kwargs(args: argparse.Namespace, *, cuda: bool, output_dir: str,
     per_device_train_batch_size x gradient_accumulation_steps (steps_per_generation defaults to
     the latter), num_iterations 1, so every step is on-policy and weights sync every step.
     """
-    total = args.batch_groups * args.group_size
     bf16 = (args.dtype == "bf16") if args.dtype else cuda
     gen_kwargs: dict[str, Any] = {}
     if args.ignore_eos:
@@ -176,39 +166,15 @@ def grpo_config_kwargs(args: argparse.Namespace, *, cuda: bool, output_dir: str,
         gen_kwargs = ({"ignore_eos": True} if args.vllm_mode != "none"
                       else {"min_new_tokens": args.max_tokens})
     kw: dict[str, Any] = dict(
-        output_dir=output_dir,
-        max_steps=args.steps,
-        per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=total // args.micro_batch,
-        num_generations=args.group_size,
-        max_completion_length=args.max_tokens,
+        trainer_kwargs(args, cuda=cuda, output_dir=output_dir),
         num_iterations=1,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
         beta=0.0,
-        epsilon=0.2,
-        epsilon_high=0.28,
         loss_type="dapo",          # token mean over the whole step's batch = our agg token_mean
         scale_rewards="group",
-        temperature=args.temperature,
-        top_p=args.top_p,
         generation_kwargs=gen_kwargs or None,
         bf16=bf16,
-        fp16=False,
-        use_cpu=not cuda,
         model_init_kwargs={"dtype": "float32"},
-        seed=args.seed,
-        data_seed=args.seed,
-        logging_steps=1,
         logging_first_step=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        log_completions=False,
-        dataloader_num_workers=0,
         use_vllm=args.vllm_mode != "none",
     )
     if args.vllm_mode == "colocate":
@@ -477,15 +443,13 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _summary(result: dict[str, Any], out: Path) -> str:
-    thr = result.get("throughput", {})
-    return (f"[trl-bench] {result.get('steps_done')} steps in {result.get('train_wall_s')} s; "
-            f"{thr.get('trained_samples_per_s')} samples/s, "
-            f"{thr.get('completion_tokens_per_s')} tok/s -> {out}")
+SUMMARY = ("[trl-bench] {steps_done} steps in {train_wall_s} s; "
+           "{throughput[trained_samples_per_s]} samples/s, "
+           "{throughput[completion_tokens_per_s]} tok/s")
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main("trl_grpo", build_parser(), argv, validate_args, run, _summary)
+    return run_main("trl_grpo", build_parser(), argv, validate_args, run, SUMMARY)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""What the TRL peer scripts (bench.trl_grpo, bench.trl_async) share: the entry point that checks
-the arguments, runs, and always writes the result JSON (an error included); the `trl vllm-serve`
-server a run starts and always stops; the reading of TRL's logged values.
+"""What the TRL peer scripts (bench.trl_grpo, bench.trl_async) share: the job's flags, their checks
+and the trainer settings both take from our learner; the entry point that checks the arguments,
+runs, and always writes the result JSON (an error included); the `trl vllm-serve` server a run
+starts and always stops; the reading of TRL's logged values.
 """
 
 from __future__ import annotations
@@ -30,12 +31,85 @@ def number(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def add_batch_args(p: argparse.ArgumentParser, *, steps: int, batch_groups: int,
+                   max_tokens: int) -> None:
+    """The job's shape in our trainer's flag names: both peers are asked for the same run."""
+    p.add_argument("--steps", type=int, default=steps, help="optimiser steps")
+    p.add_argument("--batch-groups", type=int, default=batch_groups,
+                   help="prompts (GRPO groups) per step")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="max new tokens per completion")
+
+
+def default_micro_batch(total: int, cap: int = 16) -> int:
+    """The largest divisor of ``total`` that is <= ``cap`` (TRL needs micro x accumulation steps
+    = the generation batch exactly)."""
+    return max(d for d in range(1, min(cap, total) + 1) if total % d == 0)
+
+
+def check_batch(args: argparse.Namespace, positive: tuple[str, ...]) -> int:
+    """Raise ValueError naming the option for a count TRL would reject later; fill in the default
+    ``--micro-batch``; return the samples a step trains on."""
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.group_size < 2:
+        raise ValueError(f"--group-size must be >= 2 (GRPO needs a group), got {args.group_size}")
+    total = args.batch_groups * args.group_size
+    if args.micro_batch is None:
+        args.micro_batch = default_micro_batch(total)
+    return total
+
+
+def check_gpus_apart(args: argparse.Namespace) -> None:
+    """A server this script starts must not share a GPU with the trainer."""
+    if (args.server_url is None and args.trainer_gpus is not None
+            and set(args.trainer_gpus.split(",")) & set(args.server_gpus.split(","))):
+        raise ValueError(f"--trainer-gpus {args.trainer_gpus} and --server-gpus "
+                         f"{args.server_gpus} overlap: the server takes its GPUs' memory")
+
+
+def trainer_kwargs(args: argparse.Namespace, *, cuda: bool, output_dir: str) -> dict[str, Any]:
+    """The GRPOConfig/AsyncGRPOConfig settings both peers take from our learner: one optimiser step
+    per batch_groups x group_size samples in micro-batches of ``--micro-batch``, AdamW at a constant
+    ``--lr``, grad-norm clip 1.0, PPO clip 0.2/0.28, a log every step and nothing saved."""
+    total = args.batch_groups * args.group_size
+    return dict(
+        output_dir=output_dir,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=total // args.micro_batch,
+        num_generations=args.group_size,
+        max_completion_length=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        fp16=False,
+        use_cpu=not cuda,
+        seed=args.seed,
+        data_seed=args.seed,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        log_completions=False,
+        dataloader_num_workers=0,
+    )
+
+
 def run_main(name: str, parser: argparse.ArgumentParser, argv: list[str] | None,
              validate: Callable[[argparse.Namespace], None],
-             run: Callable[[argparse.Namespace, dict[str, Any]], Any],
-             summary: Callable[[dict[str, Any], Path], str]) -> int:
+             run: Callable[[argparse.Namespace, dict[str, Any]], Any], summary: str) -> int:
     """Parse, validate (a ValueError is one line and exit 2), pin the trainer's GPUs before torch
-    is imported (it reads CUDA_VISIBLE_DEVICES once), run, and write ``--out`` whatever happens."""
+    is imported (it reads CUDA_VISIBLE_DEVICES once), run, and write ``--out`` whatever happens;
+    then print ``summary`` filled from the result (complete: ``run`` returned)."""
     args = parser.parse_args(argv)
     try:
         validate(args)
@@ -57,7 +131,7 @@ def run_main(name: str, parser: argparse.ArgumentParser, argv: list[str] | None,
     finally:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(summary(result, args.out), flush=True)
+    print(f"{summary.format_map(result)} -> {args.out}", flush=True)
     return 0
 
 

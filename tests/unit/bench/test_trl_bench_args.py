@@ -14,13 +14,12 @@ from bench.trl_grpo import (
     Recorder,
     arithmetic_dataset_rows,
     build_parser,
-    default_micro_batch,
     exact_match_reward,
     grpo_config_kwargs,
     summarize,
     validate_args,
 )
-from bench.trl_runner import server_command
+from bench.trl_runner import default_micro_batch, server_command
 
 
 def _args(*extra: str):

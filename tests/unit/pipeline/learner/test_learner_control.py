@@ -12,12 +12,12 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from learner_fakes import Running, hello, make_learner
 
 from buffer import protocol
-from buffer.protocol import Ack, Heartbeat, Hello, Reply, SyncReady, Welcome
+from buffer.protocol import Ack, Heartbeat, Reply, SyncReady, Welcome
 from buffer.schema import Completion, RolloutGroup
-from buffer.transport import LearnerEndpoint, ProducerEndpoint
-from pipeline.config import load_config
+from buffer.transport import ProducerEndpoint
 from pipeline.learner.loop import Learner
 
 CAPACITY = 2
@@ -45,45 +45,19 @@ def make_group(seq: int, incarnation: str | None = "p0-1", producer_id: str = "p
     )
 
 
-def hello(producer_id: str = "p0", incarnation: str = "p0-1") -> Hello:
-    return Hello(producer_id=producer_id, incarnation=incarnation, policy_version=0, pid=1)
-
-
-class Running:
-    """A Learner whose receive and control loops run on real sockets (no training)."""
-
-    def __init__(self, learner: Learner):
-        self.learner = learner
-        self.tasks: list[asyncio.Task] = []
-
-    async def __aenter__(self) -> Running:
-        lr = self.learner
-        lr.endpoint = LearnerEndpoint(lr.cfg.bind_addr)
-        self.tasks = [asyncio.create_task(lr._receive()), asyncio.create_task(lr._control())]
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        self.learner.endpoint.close()
-
-
 @pytest.fixture(scope="module")
 def learner_factory(tiny_model):
     def make(tmp_path, **overrides) -> Learner:
-        cfg = load_config(
-            overrides={
-                "run_dir": str(tmp_path),
-                "model.path": str(tiny_model),
-                "num_producers": 1,
+        return make_learner(
+            tmp_path,
+            tiny_model,
+            **{
                 "train.batch_groups": CAPACITY,
                 "buffer_capacity": CAPACITY,
                 "generation.group_size": 2,
                 **overrides,
-            }
+            },
         )
-        return Learner(cfg, str(tiny_model))
 
     return make
 

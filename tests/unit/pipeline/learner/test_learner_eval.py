@@ -6,47 +6,30 @@ from __future__ import annotations
 import asyncio
 import json
 
+from learner_fakes import Running, hello, make_learner
+
 from buffer.protocol import EvalResult, Hello, Reply, Welcome
 from buffer.transport import ProducerEndpoint
 from pipeline.config import load_config
-from pipeline.learner.loop import Learner
 
 STATS = {"eval/reward_mean": 0.25, "eval/pass@4": 0.5, "eval/exact_match": 0.25}
 
 
 def test_eval_result_is_logged_with_its_version_and_never_buffered(tiny_model, tmp_path):
-    cfg = load_config(
-        overrides={
-            "run_dir": str(tmp_path),
-            "model.path": str(tiny_model),
-            "num_producers": 1,
-            "progress": False,
-            "tensorboard": False,
-            "eval.data": "arithmetic:8",
-            "eval.every": 2,
-        }
-    )
-    learner = Learner(cfg, str(tiny_model))
+    learner = make_learner(tmp_path, tiny_model, **{"eval.data": "arithmetic:8", "eval.every": 2})
 
     async def main():
-        from buffer.transport import LearnerEndpoint
-
-        learner.endpoint = LearnerEndpoint(cfg.bind_addr)
-        task = asyncio.create_task(learner._control())
-        ep = ProducerEndpoint(cfg.bind_addr)
-        try:
-            forged = EvalResult(producer_id="p0", incarnation="p0-x", version=1, stats=STATS)
-            answer = await ep.call(forged, 5)
-            assert isinstance(answer, Reply) and not answer.ok  # no Hello yet
-            hello = Hello(producer_id="p0", incarnation="p0-1", policy_version=0, pid=1)
-            assert isinstance(await ep.call(hello, 5), Welcome)
-            msg = EvalResult(producer_id="p0", incarnation="p0-1", version=2, stats=STATS)
-            assert await ep.call(msg, 5) == Reply(ok=True)
-        finally:
-            ep.close()
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            learner.endpoint.close()
+        async with Running(learner):
+            ep = ProducerEndpoint(learner.cfg.bind_addr)
+            try:
+                forged = EvalResult(producer_id="p0", incarnation="p0-x", version=1, stats=STATS)
+                answer = await ep.call(forged, 5)
+                assert isinstance(answer, Reply) and not answer.ok  # no Hello yet
+                assert isinstance(await ep.call(hello(), 5), Welcome)
+                msg = EvalResult(producer_id="p0", incarnation="p0-1", version=2, stats=STATS)
+                assert await ep.call(msg, 5) == Reply(ok=True)
+            finally:
+                ep.close()
 
     asyncio.run(main())
     learner.metrics.close()
@@ -67,53 +50,35 @@ def test_a_dedicated_evaluator_is_welcomed_but_is_no_producer(tiny_model, tmp_pa
     from buffer.schema import Completion, RolloutGroup
     from pipeline.schedule import EVALUATOR_ID
 
-    cfg = load_config(
-        overrides={
-            "run_dir": str(tmp_path),
-            "model.path": str(tiny_model),
-            "num_producers": 1,
-            "progress": False,
-            "tensorboard": False,
-            "eval.data": "arithmetic:8",
-            "eval.every": 1,
-            "eval.producer": "dedicated",
-        }
-    )
-    learner = Learner(cfg, str(tiny_model))
+    learner = make_learner(tmp_path, tiny_model, **{"eval.data": "arithmetic:8", "eval.every": 1,
+                                                    "eval.producer": "dedicated"})
     inc = f"{EVALUATOR_ID}-1"
 
     async def main():
-        from buffer.transport import LearnerEndpoint
-
-        learner.endpoint = LearnerEndpoint(cfg.bind_addr)
-        tasks = [asyncio.create_task(learner._control()),
-                 asyncio.create_task(learner._receive())]
-        ep = ProducerEndpoint(cfg.bind_addr)
-        try:
-            hello = Hello(producer_id=EVALUATOR_ID, incarnation=inc, policy_version=0, pid=7)
-            assert isinstance(await ep.call(hello, 5), Welcome)
-            beat = Heartbeat(producer_id=EVALUATOR_ID, incarnation=inc, policy_version=3,
-                             stats={"evaluations": 2.0, "versions_skipped": 1.0})
-            assert await ep.call(beat, 5) == Reply(ok=True)
-            msg = EvalResult(producer_id=EVALUATOR_ID, incarnation=inc, version=3, stats=STATS)
-            assert await ep.call(msg, 5) == Reply(ok=True)
-            comp = Completion(token_ids=np.arange(3, dtype=np.int32),
-                              logprobs=np.full(3, -1.0, dtype=np.float32),
-                              version_segments=[(0, 0)], reward=1.0)
-            await ep.send(RolloutGroup(group_id="g0", producer_id=EVALUATOR_ID, prompt_id="q",
-                                       prompt_token_ids=np.arange(4, dtype=np.int32),
-                                       completions=[comp] * cfg.generation.group_size,
-                                       metadata={"incarnation": inc, "seq": 0}))
-            for _ in range(100):
-                if learner.buffer.stats.rejected:
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            ep.close()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            learner.endpoint.close()
+        async with Running(learner):
+            ep = ProducerEndpoint(learner.cfg.bind_addr)
+            try:
+                assert isinstance(await ep.call(hello(EVALUATOR_ID, inc), 5), Welcome)
+                beat = Heartbeat(producer_id=EVALUATOR_ID, incarnation=inc, policy_version=3,
+                                 stats={"evaluations": 2.0, "versions_skipped": 1.0})
+                assert await ep.call(beat, 5) == Reply(ok=True)
+                msg = EvalResult(producer_id=EVALUATOR_ID, incarnation=inc, version=3,
+                                 stats=STATS)
+                assert await ep.call(msg, 5) == Reply(ok=True)
+                comp = Completion(token_ids=np.arange(3, dtype=np.int32),
+                                  logprobs=np.full(3, -1.0, dtype=np.float32),
+                                  version_segments=[(0, 0)], reward=1.0)
+                await ep.send(RolloutGroup(group_id="g0", producer_id=EVALUATOR_ID,
+                                           prompt_id="q",
+                                           prompt_token_ids=np.arange(4, dtype=np.int32),
+                                           completions=[comp] * learner.cfg.generation.group_size,
+                                           metadata={"incarnation": inc, "seq": 0}))
+                for _ in range(100):
+                    if learner.buffer.stats.rejected:
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                ep.close()
 
     asyncio.run(main())
     learner.metrics.close()
@@ -127,13 +92,9 @@ def test_a_dedicated_evaluator_is_welcomed_but_is_no_producer(tiny_model, tmp_pa
 
 
 def test_a_shared_run_refuses_an_evaluator_and_logs_no_evaluator_keys(tiny_model, tmp_path):
-    cfg = load_config(overrides={"run_dir": str(tmp_path), "model.path": str(tiny_model),
-                                 "progress": False, "eval.data": "arithmetic:8",
-                                 "eval.every": 1})
-    learner = Learner(cfg, str(tiny_model))
+    learner = make_learner(tmp_path, tiny_model, **{"eval.data": "arithmetic:8", "eval.every": 1})
     learner.metrics.close()
-    hello = Hello(producer_id="eval", incarnation="eval-1", policy_version=0, pid=7)
-    assert learner._answer(hello) == Reply(ok=False, reason="unexpected_producer")
+    assert learner._answer(hello("eval", "eval-1")) == Reply(ok=False, reason="unexpected_producer")
     assert learner.evals.step_metrics() == {}
 
 
