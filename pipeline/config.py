@@ -638,9 +638,6 @@ class RunConfig:
         check(self.max_producers == 0 or self.max_producers >= self.num_producers,
               "max_producers", f"must be 0 (no elastic producers) or at least num_producers "
               f"({self.num_producers}), got {self.max_producers}")
-        check(self.max_producers <= self.num_producers or self.launch.backend != "ray",
-              "max_producers", "elastic producers run under the local launcher (and "
-              "--role producer by hand); --launcher ray starts a fixed num_producers")
         if self.train.mode == "sync":
             check(self.train.batch_groups % self.num_producers == 0, "train.batch_groups",
                   f"sync mode needs batch_groups ({self.train.batch_groups}) divisible by "

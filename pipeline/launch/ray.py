@@ -45,8 +45,10 @@ from pipeline.launch.ray_actors import (
 )
 from pipeline.launch.ray_cluster import connect, forwarded_env, import_ray, start_private_node
 from pipeline.launch.ray_placement import bundle, place
+from pipeline.launch.ray_producers import ProducerWatch, dead_for_good
+from pipeline.launch.scale import LAUNCHER_FILE, ScaleWatch, plan, record_launcher
 from pipeline.options import ConfigError, to_dict
-from pipeline.schedule import engine_count, evaluator_index
+from pipeline.schedule import evaluator_index
 
 log = logging.getLogger("pipeline")
 
@@ -168,12 +170,19 @@ class _Driver:
         self.pgs: list[Any] = []
         self.learner: Any = None
         self.producers: dict[int, Any] = {}
-        self.watched: _Producers | None = None
+        self.watched: ProducerWatch | None = None
         self.mirror: _Mirror | None = None
         self.reward_actors: list[Any] = []
         ev = cfg.eval
-        self.engines = engine_count(cfg.producer_slots, ev.every, ev.producer)
         self.evaluator = evaluator_index(cfg.producer_slots, ev.every, ev.producer)
+        # The engines started now: the producers, then the dedicated evaluator (its index
+        # follows every producer index an elastic run may add: RunConfig.producer_slots).
+        self.starting = [*range(cfg.num_producers), *([] if self.evaluator is None
+                                                      else [self.evaluator])]
+        self.scale: ScaleWatch | None = ScaleWatch(self.run_dir) \
+            if cfg.producer_slots > cfg.num_producers else None
+        self.actor_opts: Any = None  # (pg, bundle, restarts) -> actor options, once started
+        self.producer_args: tuple = ()
 
     def place(self) -> None:
         """Reserve the learner's bundle (all its ranks on one node) and the producers'."""
@@ -187,7 +196,7 @@ class _Driver:
             place(
                 ray,
                 "producer",
-                [pb] * self.engines,
+                [pb] * len(self.starting),
                 lc.producer_strategy,
                 lc.producer_labels,
                 lc.ray_timeout_s,
@@ -239,14 +248,42 @@ class _Driver:
                                        lc.learner_resources, max_learner_restarts))
             .remote(self.cfg_dict, self.model_path, keys, self.resume, driver_node)
         )
-        for i in range(self.engines):  # the producers, then the dedicated evaluator if any
-            self.producers[i] = (
-                ray.remote(ProducerActor)
-                .options(**opts(self.pgs[1], i, lc.producer_num_cpus, lc.producer_num_gpus,
-                                lc.producer_resources, max_producer_restarts))
-                .remote(self.cfg_dict, self.model_path, i, producer_keys, self.learner,
-                        driver_node, self.resume)
-            )
+        self.actor_opts = lambda pg, b: opts(pg, b, lc.producer_num_cpus, lc.producer_num_gpus,
+                                             lc.producer_resources, max_producer_restarts)
+        self.producer_args = (producer_keys, self.learner, driver_node)
+        for b, i in enumerate(self.starting):  # the producers, then the dedicated evaluator
+            self.producers[i] = self._producer(self.pgs[1], b, i, self.resume)
+
+    def _producer(self, pg: Any, bundle: int, i: int, resume: bool) -> Any:
+        """Producer (or evaluator) actor ``i`` in bundle ``bundle`` of placement group ``pg``."""
+        keys, learner, driver_node = self.producer_args
+        return (self.ray.remote(ProducerActor).options(**self.actor_opts(pg, bundle))
+                .remote(self.cfg_dict, self.model_path, i, keys, learner, driver_node, resume))
+
+    def apply_scale(self) -> None:
+        """A new ``pipeline-train scale`` request (``pipeline.launch.scale``): a joining
+        producer gets a placement group of its own; one that leaves is told through its actor
+        (SIGUSR1 to its child) and not restarted."""
+        req = self.scale.poll() if self.scale is not None else None
+        if req is None or self.watched is None:
+            return
+        todo = plan(req, self.watched.running(), self.cfg.producer_slots)
+        if todo.problem:
+            log.error("scale: %s", todo.problem)
+        lc = self.cfg.launch
+        for i in todo.start:
+            log.info("scale: starting producer %d; it joins the run once its engine is up", i)
+            pg = place(self.ray, f"producer-{i}", [bundle(lc.producer_num_cpus,
+                       lc.producer_num_gpus, lc.producer_resources)], lc.producer_strategy,
+                       lc.producer_labels, lc.ray_timeout_s)
+            self.pgs.append(pg)
+            self.producers[i] = actor = self._producer(pg, 0, i, False)
+            self.watched.add(i, actor, self.ray.get(actor.info.remote()))
+        for i in todo.leave:
+            log.info("scale: producer %d leaves the run once the groups it started are in the "
+                     "learner's checkpoint", i)
+            self.watched.leaving.add(i)
+            self.producers[i].leave.remote()
 
     def report_placement(self) -> dict[str, Any]:
         """Log where the learner and each producer run, write run_dir/placement.json, and set up
@@ -280,7 +317,7 @@ class _Driver:
                 info["pid"],
             )
         self.mirror = None if ep["same_dir"] else _Mirror(ray, self.learner, self.run_dir)
-        self.watched = _Producers(ray, producers, infos, self.evaluator)
+        self.watched = ProducerWatch(ray, producers, infos, self.evaluator)
         return ep
 
     def _name(self, i: int) -> str:
@@ -290,8 +327,12 @@ class _Driver:
         """Until the learner's child exits (``_watch``); ``movable``: Ray may restart the
         learner on another node (its checkpoints are on a shared run_dir)."""
         assert self.watched is not None
+        if self.scale is not None:
+            record_launcher(self.run_dir)
+            log.info("ray: elastic, up to %d producers: pipeline-train scale %s --producers N",
+                     self.cfg.producer_slots, self.run_dir)
         return _watch(self.ray, self.learner, self.watched, self.mirror, learner_ep["pid"],
-                      learner_ep["node_id"], movable)
+                      learner_ep["node_id"], movable, self.apply_scale)
 
     def teardown(self) -> None:
         """Stop what was started, producers whose node is gone not waited for."""
@@ -299,6 +340,8 @@ class _Driver:
         gone = watched.lost | watched.dead if watched is not None else set()
         _teardown(self.ray, self.learner, self.producers, self.pgs, self.run_dir, self.mirror,
                   gone)
+        if self.scale is not None:
+            (self.run_dir / LAUNCHER_FILE).unlink(missing_ok=True)
         if self.reward_actors:
             from pipeline.producer.rewards.ray_replicas import stop_replicas
 
@@ -339,119 +382,15 @@ class _Mirror:
             log.info("left on the learner's node: %d large file(s), e.g. %s", len(left), left[0])
 
 
-DEAD_CONFIRM = 3  # failed calls in a row before an actor counts as dead for good
-
-
-def _dead(ray: Any, call: Any, tries: int = DEAD_CONFIRM) -> bool:
-    """Whether an actor whose call just failed with RayActorError is dead for good: a call in
-    flight when the actor's process dies fails even when Ray restarts the actor, so the call is
-    repeated; one that is answered (or queued for the restarted actor) means it lives."""
-    for _ in range(tries):
-        time.sleep(1.0)
-        try:
-            ray.get(call(), timeout=5)
-            return False
-        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
-            return False
-        except ray.exceptions.RayError:
-            continue
-    return True
-
-
-class _Producers:
-    """The driver's view of the producer actors: one poll in flight each (never blocking the
-    loop on an actor that waits for a node), restarts and lost nodes reported on the console."""
-
-    def __init__(self, ray: Any, actors: dict[int, Any], infos: list[dict],
-                 evaluator: int | None = None):
-        """``evaluator``: the dedicated evaluator's index among ``actors`` (None: none)."""
-        self.ray, self.actors, self.evaluator = ray, actors, evaluator
-        self.pid = {i: info["pid"] for i, info in zip(actors, infos, strict=True)}
-        self.node = {i: info["node_id"] for i, info in zip(actors, infos, strict=True)}
-        self.ip = {i: info["ip"] for i, info in zip(actors, infos, strict=True)}
-        self.calls: dict[int, Any] = {}
-        self.lost: set[int] = set()  # node gone; Ray restarts it when a node fits its bundle
-        self.dead: set[int] = set()  # for good
-        self.nodes_checked = 0.0
-
-    def _lost(self, i: int) -> None:
-        """Producer ``i``'s node left the cluster: said once, whichever check sees it first."""
-        self.lost.add(i)
-        log.error(
-            "producer %d lost: its node %s (%s) left the cluster; the run goes on with %d "
-            "producer(s); Ray restarts it where its bundle fits, if restarts are left "
-            "(--max-producer-restarts)",
-            i,
-            self.node[i][:12],
-            self.ip[i],
-            len(set(self.actors) - self.lost - self.dead - {self.evaluator}),
-        )
-
-    def check(self) -> bool:
-        """False when the run must stop (a producer died for good other than by node loss, or
-        no producer is left)."""
-        ray = self.ray
-        if time.monotonic() - self.nodes_checked > 1.0:
-            self.nodes_checked = time.monotonic()
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            for i in sorted(set(self.actors) - self.lost - self.dead):
-                if self.node[i] not in alive:
-                    self._lost(i)
-        for i, actor in self.actors.items():
-            if i in self.dead:
-                continue
-            ref = self.calls.get(i) or self.calls.setdefault(i, actor.poll.remote())
-            done, _ = ray.wait([ref], timeout=0)
-            if not done:
-                continue
-            del self.calls[i]
-            try:
-                st = ray.get(ref)
-            except ray.exceptions.ActorUnavailableError:
-                continue
-            except ray.exceptions.RayError as e:  # the actor died (or Ray's OOM killer)
-                if i not in self.lost and not _dead(ray, actor.poll.remote):
-                    continue
-                self.dead.add(i)
-                if i == self.evaluator:
-                    log.error("the evaluator died and Ray will not restart it; training goes on "
-                              "without evaluation: %s", str(e).splitlines()[0])
-                    continue
-                left = len(set(self.actors) - self.dead - {self.evaluator})  # producers
-                alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-                if i not in self.lost and self.node[i] not in alive:
-                    self._lost(i)  # its death was seen before the node check saw the node go
-                if i in self.lost and left:
-                    log.error("producer %d is gone for good with its node; %d left", i, left)
-                    continue
-                log.error(
-                    "producer %d died and Ray will not restart it (launch restarts exhausted): %s",
-                    i,
-                    str(e).splitlines()[0],
-                )
-                return False
-            if st["pid"] != self.pid[i]:
-                log.warning(
-                    "producer %d restarted by Ray (pid %s -> %s) on node %s (%s)",
-                    i,
-                    self.pid[i],
-                    st["pid"],
-                    st["node_id"][:12],
-                    st["ip"],
-                )
-                self.pid[i], self.node[i], self.ip[i] = st["pid"], st["node_id"], st["ip"]
-                self.lost.discard(i)
-        return True
-
-
 def _watch(
     ray: Any,
     learner: Any,
-    producers: _Producers,
+    producers: ProducerWatch,
     mirror: _Mirror | None,
     learner_pid: int,
     learner_node: str,
     learner_movable: bool,
+    tick: Any = None,
 ) -> int:
     """Until the learner's child exits: mirror metrics, report restarts and lost producers, fail
     when Ray gives up on an actor or the learner's node (with its checkpoints) is gone."""
@@ -474,7 +413,7 @@ def _watch(
         except ray.exceptions.GetTimeoutError:
             continue
         except ray.exceptions.RayError as e:  # the actor died (or Ray's OOM killer)
-            if not _dead(ray, learner.poll.remote):
+            if not dead_for_good(ray, learner.poll.remote):
                 continue
             log.error(
                 "the learner actor died and Ray will not restart it: %s", str(e).splitlines()[0]
@@ -497,6 +436,8 @@ def _watch(
             return 1 if st["exit"] else 0
         if not producers.check():
             return 1
+        if tick is not None:  # pipeline-train scale requests (elastic runs)
+            tick()
         time.sleep(0.5)
 
 

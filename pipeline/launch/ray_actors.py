@@ -437,6 +437,11 @@ class ProducerActor(RoleActor):
         )
         threading.Thread(target=self._record_segments, name="shm-record", daemon=True).start()
 
+    def leave(self) -> None:
+        """Leave an elastic run cleanly (``pipeline-train scale``): SIGUSR1 to the producer
+        alone; it exits with code 0 once its groups are in the learner's checkpoint."""
+        self._kill(signal.SIGUSR1, group=False)
+
     def _reclaim_shm(self, index: int, resume: bool) -> set[str]:
         """Reclaim what a killed engine of an earlier incarnation (or a killed run) left in this
         node's /dev/shm, against the segments that existed before the first incarnation started

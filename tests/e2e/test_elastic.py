@@ -1,5 +1,5 @@
-"""Elastic producers on a real run (launcher, vLLM CPU engines, tiny model, async): the run
-starts with one producer, a second joins at step k (`pipeline-train scale --producers 2`), the
+"""Elastic producers on a real run (the local launcher, and the Ray launcher on a private Ray
+node; vLLM CPU engines, tiny model, async): the run starts with one producer, a second joins at step k (`pipeline-train scale --producers 2`), the
 first leaves at step m (`pipeline-train scale --remove p0`); training goes on throughout, the
 joined producer's groups are trained, the shards follow, and nothing is lost (conservation from
 the run's own records, ``bench.soak.tally``)."""
@@ -34,11 +34,12 @@ def sent_by(run_dir, producer: str) -> float:
     return rows[-1].get(f"by_producer/{producer}/groups_sent", 0.0) if rows else 0.0
 
 
-def test_a_producer_joins_and_another_leaves_nothing_lost(tiny_model, tmp_path):
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_a_producer_joins_and_another_leaves_nothing_lost(tiny_model, tmp_path, launcher):
     run_dir = tmp_path / "elastic"
     la = Launcher(tiny_model, run_dir, "--mode", "async", "--max-staleness", "1",
                   "--steps", "100000", "--num-producers", "1", "--max_producers", "2",
-                  "--train.checkpoint_every", "0")
+                  "--train.checkpoint_every", "0", "--launcher", launcher)
     try:
         la.wait_for(lambda: la.steps_done() >= 2, ENGINE_START_S, "two steps on p0 alone")
         # Only the launcher of a running elastic job takes a request; a bad one is one line.
