@@ -1,8 +1,8 @@
 """Elastic producers on a real run (the local launcher, and the Ray launcher on a private Ray
-node; vLLM CPU engines, tiny model, async): the run starts with one producer, a second joins at step k (`pipeline-train scale --producers 2`), the
-first leaves at step m (`pipeline-train scale --remove p0`); training goes on throughout, the
-joined producer's groups are trained, the shards follow, and nothing is lost (conservation from
-the run's own records, ``bench.soak.tally``)."""
+node; vLLM CPU engines, tiny model, async): the run starts with one producer, a second joins at
+step k (`pipeline-train scale --producers 2`), the first leaves at step m (`pipeline-train scale
+--remove p0`); training goes on throughout, the joined producer's groups are trained, the shards
+follow, and nothing is lost (conservation from the run's own records, ``bench.soak.tally``)."""
 
 from __future__ import annotations
 
