@@ -6,6 +6,7 @@ follow, and nothing is lost (conservation from the run's own records, ``bench.so
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -21,11 +22,18 @@ pytestmark = pytest.mark.slow
 
 
 def scale(run_dir, *args: str) -> str:
-    """`pipeline-train scale RUN_DIR ARGS`; asserts it was taken."""
-    out = subprocess.run([sys.executable, "-m", "pipeline.launch.cli", "scale", str(run_dir),
-                          *args], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+    """`pipeline-train scale RUN_DIR ARGS`; asserts it was taken (and where it hung, if so)."""
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "pipeline.launch.cli",
+                             "scale", str(run_dir), *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+        out, err = proc.communicate()
+        raise AssertionError(f"pipeline-train scale {' '.join(args)} hung:\n{err}") from None
+    assert proc.returncode == 0, err
+    return out
 
 
 def sent_by(run_dir, producer: str) -> float:
