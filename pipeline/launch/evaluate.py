@@ -198,7 +198,7 @@ def main(argv: list[str]) -> int:
             cfg = config_for(ckpt, args.config, args.set)
             if not cfg.eval.data:
                 raise ConfigError("eval.data: name the held-out prompts (--set eval.data=FILE)")
-            from pipeline.launch.local import prepare
+            from pipeline.launch.preflight import prepare
             from pipeline.producer.evaluate import eval_records
 
             model_path = prepare(cfg, role="producer")

@@ -27,9 +27,10 @@ from typing import Any
 import yaml
 
 from pipeline.config import RunConfig, flatten, load_config
-from pipeline.keys import curve_keys
 from pipeline.launch.console import LogFollower, log_to_run_dir, resource_tracker_to
 from pipeline.launch.placement import learner_gpu_env, producer_gpu_env
+from pipeline.launch.preflight import prepare
+from pipeline.launch.run_dir import set_aside_previous_run, waiting_groups_line
 from pipeline.launch.scale import LAUNCHER_FILE, ScaleWatch, plan, record_launcher
 from pipeline.launch.shm import (
     forget_record,
@@ -54,135 +55,14 @@ from pipeline.schedule import evaluator_index
 log = logging.getLogger("pipeline")
 
 
-def prepare(cfg: RunConfig, role: str = "all") -> str:
-    """Fail fast, before any process starts: model, data and rewards must all resolve."""
-    from pipeline.models import resolve_model
-    from pipeline.producer.data import check_data
-    from pipeline.producer.rewards.loading import validate_specs
-
-    try:
-        model_path = str(resolve_model(cfg.model.path, Path(cfg.model.cache_dir)))
-    except ValueError as e:
-        raise ConfigError(f"model.path: {e}") from None
-    check_data(cfg.data, model_path)
-    if role == "all" and cfg.launch.backend == "local":  # Ray places the processes itself
-        from pipeline.memory import MemoryPlanError, check_memory_plan
-
-        try:
-            check_memory_plan(cfg, model_path)
-        except MemoryPlanError as e:
-            raise ConfigError(f"launch.memory_check: {e}") from None
-    if role in ("all", "producer"):
-        check_installed_vllm(cfg.engine.allow_untested_vllm)
-        from pipeline.producer.engine import EngineSetupError, check_extra
-
-        try:
-            check_extra(cfg.engine.extra)
-        except EngineSetupError as e:
-            raise ConfigError(str(e)) from None
-    if role in ("all", "learner"):
-        check_trackers(cfg.report_to)
-    try:
-        validate_specs(cfg.rewards.specs)
-    except (ImportError, ValueError, AttributeError, TypeError) as e:
-        raise ConfigError(f"rewards.specs: {e}") from None
-    if cfg.episode.fn and role in ("all", "producer"):
-        from pipeline.producer.episode import load_episode
-
-        try:
-            load_episode(cfg.episode.fn)
-        except ValueError as e:
-            raise ConfigError(f"episode.fn: {e}") from None
-    from buffer.transport import check_bind_addr
-
-    # Keys are made here, before any child starts, so a single-host run's producers find them.
-    curve = curve_keys(cfg, "learner" if role in ("all", "learner") else "producer")
-    if role in ("all", "learner"):  # producers connect; only the learner binds
-        # The learner would refuse them only after the producers' engines had started.
-        for option, addr in (("addr", cfg.bind_addr), ("sync.serve_stream", cfg.sync.serve_stream)):
-            try:
-                if addr:
-                    check_bind_addr(addr, curve, cfg.insecure)
-            except ValueError as e:
-                raise ConfigError(f"{option}: {e}") from None
-    return model_path
 
 
-def check_installed_vllm(allow_untested: bool) -> None:
-    """Refuse a vLLM known to break, or an untested one without the flag, before any engine
-    starts (one line, exit 2); warn once for an allowed untested one."""
-    from pipeline.producer.vllm_version import (
-        VllmVersionError,
-        check_vllm_version,
-        installed_vllm_version,
-    )
-
-    version = installed_vllm_version()
-    if version is None:
-        return  # the producer reports a missing vLLM itself
-    try:
-        warning = check_vllm_version(version, allow_untested)
-    except VllmVersionError as e:
-        raise ConfigError(f"engine.allow_untested_vllm: {e}") from None
-    if warning:
-        log.warning("%s", warning)
 
 
-def check_trackers(report_to: list[str]) -> None:
-    """Every tracker named in report_to is installed (checked without importing it)."""
-    from pipeline.learner import trackers
-
-    missing = trackers.missing_packages(report_to)
-    if missing:
-        raise ConfigError(f"report_to: {', '.join(missing)} named but not installed "
-                          f"(pip install {' '.join(missing)}, or pip install -e .[trackers])")
 
 
-def set_aside_previous_run(run_dir: Path) -> Path | None:
-    """A fresh run (no --resume) in a run_dir that holds an earlier run's metrics or
-    checkpoints renames that run_dir to ``<run_dir>.prev-<time>`` first: appending to its
-    metrics would mix two runs in one curve, and ``--resume`` would later pick its checkpoints.
-    Nothing is deleted."""
-    if not ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
-        return None
-    dest = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
-    n = 1
-    while dest.exists():
-        dest = dest.with_name(f"{dest.name.split('~')[0]}~{n}")
-        n += 1
-    run_dir.rename(dest)
-    log.warning("%s held an earlier run; moved it to %s (use --resume to continue a run)",
-                run_dir, dest)
-    return dest
 
 
-def waiting_groups_line(run_dir: Path, max_staleness: int) -> str | None:
-    """One line for the end of a run when producers' outboxes (``run_dir/producers/*.wal``)
-    hold groups that the learner's last checkpoint lacks: generated but never delivered (a
-    producer restarted late, whose successor was still starting its engine when the learner
-    finished; groups in flight at the end). ``--resume`` resends them; None when there are none.
-    """
-    import json
-
-    from buffer.ledger import GroupLedger
-    from buffer.staleness import is_trainable
-    from pipeline.learner.checkpoint import latest_checkpoint
-    from pipeline.producer.outbox import undelivered
-
-    ckpt = latest_checkpoint(run_dir)
-    state = json.loads((ckpt / "state.json").read_text()) if ckpt is not None else {}
-    waiting = undelivered(run_dir / "producers", GroupLedger.from_dict(state.get("ledger") or {}))
-    if not waiting:
-        return None
-    version = int(state.get("version", 0))
-    total = sum(len(v) for v in waiting.values())
-    fresh = sum(is_trainable(v, version, max_staleness) for vs in waiting.values() for v in vs)
-    where = ", ".join(f"{name}: {len(vs)}" for name, vs in waiting.items())
-    stale = (f" (the other {total - fresh}: dropped, older than train.max_staleness allows)"
-             if fresh < total else "")
-    return (f"pipeline-train: {total} group(s) generated but not delivered wait in "
-            f"{run_dir / 'producers'}/ ({where}); --resume with a larger --steps trains "
-            f"{'them' if fresh == total else f'{fresh} of them'}{stale}")
 
 
 def _die_with_parent() -> None:

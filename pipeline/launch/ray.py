@@ -136,7 +136,8 @@ def _prepare(ray: Any, cfg: RunConfig, resume: bool) -> tuple[Any, str, float]:
     """Check the run (model, data, rewards) while the private node starts, set run_dir up
     (absolute, an earlier run set aside, its config written), connect. Returns the private node
     (or None), the model's path and when connecting began; the node is stopped on failure."""
-    from pipeline.launch.local import prepare, set_aside_previous_run
+    from pipeline.launch.preflight import prepare
+    from pipeline.launch.run_dir import set_aside_previous_run
 
     node = start_private_node(cfg)
     try:

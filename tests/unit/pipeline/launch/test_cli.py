@@ -72,7 +72,7 @@ def test_bad_config_fails_fast_with_one_message(tiny_model, tmp_path, extra, nam
 def test_bind_check_only_for_the_learner_and_lifted_by_insecure(tiny_model, tmp_path):
     """A producer connects to a remote learner; only the binding side is checked."""
     from pipeline.config import load_config
-    from pipeline.launch.local import prepare
+    from pipeline.launch.preflight import prepare
     from pipeline.options import ConfigError
 
     cfg = load_config(overrides={"model.path": str(tiny_model), "data.path": "arithmetic:10",
@@ -90,7 +90,7 @@ def test_bind_check_only_for_the_learner_and_lifted_by_insecure(tiny_model, tmp_
 def test_curve_keys_lift_the_bind_check_and_a_producer_without_them_is_refused(tiny_model,
                                                                                tmp_path):
     from pipeline.config import load_config
-    from pipeline.launch.local import prepare
+    from pipeline.launch.preflight import prepare
     from pipeline.options import ConfigError
 
     keys = tmp_path / "keys"

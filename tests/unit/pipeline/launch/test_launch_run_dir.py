@@ -1,4 +1,4 @@
-"""pipeline.launch.local: a fresh run never appends to an earlier one (set_aside_previous_run);
+"""pipeline.launch.run_dir: a fresh run never appends to an earlier one (set_aside_previous_run);
 the end of a run names the groups its producers' outboxes still hold (waiting_groups_line)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 
 from buffer.ledger import GroupLedger
 from buffer.schema import Completion, RolloutGroup
-from pipeline.launch.local import set_aside_previous_run, waiting_groups_line
+from pipeline.launch.run_dir import set_aside_previous_run, waiting_groups_line
 from pipeline.producer.outbox import Outbox
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from pipeline.config import load_config
-from pipeline.launch import local
+from pipeline.launch import preflight
 from pipeline.learner import trackers as trackers_mod
 from pipeline.learner.metrics import MetricsLogger
 from pipeline.learner.trackers import Trackers, flat_config, missing_packages, numeric
@@ -96,7 +96,7 @@ def test_missing_package_is_one_config_error(monkeypatch):
     assert missing_packages(["tensorboard", "wandb", "mlflow"]) == ["wandb"]
     monkeypatch.setattr(trackers_mod, "missing_packages", lambda names: ["wandb"])
     with pytest.raises(ConfigError, match=r"^report_to: wandb named but not installed"):
-        local.check_trackers(["tensorboard", "wandb"])
+        preflight.check_trackers(["tensorboard", "wandb"])
 
 
 class _FakeTracker:

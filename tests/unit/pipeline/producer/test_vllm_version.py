@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from pipeline.launch import local
+from pipeline.launch import preflight
 from pipeline.launch.cli import parse
 from pipeline.options import ConfigError
 from pipeline.producer import vllm_version
@@ -108,13 +108,13 @@ def test_launcher_preflight_refuses_and_warns_once(monkeypatch, caplog):
         match=r"^engine\.allow_untested_vllm: vLLM 0\.33\.0 is "
         r"untested .*--allow-untested-vllm",
     ):
-        local.check_installed_vllm(False)
+        preflight.check_installed_vllm(False)
     with caplog.at_level(logging.WARNING, logger="pipeline"):
-        local.check_installed_vllm(True)
+        preflight.check_installed_vllm(True)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "0.33.0 is untested" in warnings[0]
     monkeypatch.setattr(vllm_version, "installed_vllm_version", lambda: "0.7.2")
     with pytest.raises(ConfigError, match="not supported"):
-        local.check_installed_vllm(True)
+        preflight.check_installed_vllm(True)
     monkeypatch.setattr(vllm_version, "installed_vllm_version", lambda: None)
-    local.check_installed_vllm(False)  # no vLLM here: the producer reports that itself
+    preflight.check_installed_vllm(False)  # no vLLM here: the producer reports that itself

@@ -1,0 +1,98 @@
+"""What ``pipeline-train`` checks before any process starts (every launcher and the eval
+subcommand): model, data, rewards, episode function, vLLM and tracker versions, the memory plan
+and the bind addresses. A problem is a ``ConfigError``: one line naming the option, exit 2."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from pipeline.config import RunConfig
+from pipeline.keys import curve_keys
+from pipeline.options import ConfigError
+
+log = logging.getLogger("pipeline")
+
+
+def prepare(cfg: RunConfig, role: str = "all") -> str:
+    """Fail fast, before any process starts: model, data and rewards must all resolve."""
+    from pipeline.models import resolve_model
+    from pipeline.producer.data import check_data
+    from pipeline.producer.rewards.loading import validate_specs
+
+    try:
+        model_path = str(resolve_model(cfg.model.path, Path(cfg.model.cache_dir)))
+    except ValueError as e:
+        raise ConfigError(f"model.path: {e}") from None
+    check_data(cfg.data, model_path)
+    if role == "all" and cfg.launch.backend == "local":  # Ray places the processes itself
+        from pipeline.memory import MemoryPlanError, check_memory_plan
+
+        try:
+            check_memory_plan(cfg, model_path)
+        except MemoryPlanError as e:
+            raise ConfigError(f"launch.memory_check: {e}") from None
+    if role in ("all", "producer"):
+        check_installed_vllm(cfg.engine.allow_untested_vllm)
+        from pipeline.producer.engine import EngineSetupError, check_extra
+
+        try:
+            check_extra(cfg.engine.extra)
+        except EngineSetupError as e:
+            raise ConfigError(str(e)) from None
+    if role in ("all", "learner"):
+        check_trackers(cfg.report_to)
+    try:
+        validate_specs(cfg.rewards.specs)
+    except (ImportError, ValueError, AttributeError, TypeError) as e:
+        raise ConfigError(f"rewards.specs: {e}") from None
+    if cfg.episode.fn and role in ("all", "producer"):
+        from pipeline.producer.episode import load_episode
+
+        try:
+            load_episode(cfg.episode.fn)
+        except ValueError as e:
+            raise ConfigError(f"episode.fn: {e}") from None
+    from buffer.transport import check_bind_addr
+
+    # Keys are made here, before any child starts, so a single-host run's producers find them.
+    curve = curve_keys(cfg, "learner" if role in ("all", "learner") else "producer")
+    if role in ("all", "learner"):  # producers connect; only the learner binds
+        # The learner would refuse them only after the producers' engines had started.
+        for option, addr in (("addr", cfg.bind_addr), ("sync.serve_stream", cfg.sync.serve_stream)):
+            try:
+                if addr:
+                    check_bind_addr(addr, curve, cfg.insecure)
+            except ValueError as e:
+                raise ConfigError(f"{option}: {e}") from None
+    return model_path
+
+
+def check_installed_vllm(allow_untested: bool) -> None:
+    """Refuse a vLLM known to break, or an untested one without the flag, before any engine
+    starts (one line, exit 2); warn once for an allowed untested one."""
+    from pipeline.producer.vllm_version import (
+        VllmVersionError,
+        check_vllm_version,
+        installed_vllm_version,
+    )
+
+    version = installed_vllm_version()
+    if version is None:
+        return  # the producer reports a missing vLLM itself
+    try:
+        warning = check_vllm_version(version, allow_untested)
+    except VllmVersionError as e:
+        raise ConfigError(f"engine.allow_untested_vllm: {e}") from None
+    if warning:
+        log.warning("%s", warning)
+
+
+def check_trackers(report_to: list[str]) -> None:
+    """Every tracker named in report_to is installed (checked without importing it)."""
+    from pipeline.learner import trackers
+
+    missing = trackers.missing_packages(report_to)
+    if missing:
+        raise ConfigError(f"report_to: {', '.join(missing)} named but not installed "
+                          f"(pip install {' '.join(missing)}, or pip install -e .[trackers])")
