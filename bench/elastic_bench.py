@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=30.0, help="seconds measured each side")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="", help="write the figures here (JSON)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="more pipeline-train options, e.g. producer_gpus=['0','1'] on GPUs")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="elastic-bench-"))
     model = args.model
@@ -69,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
            "--num-producers", "1", "--max_producers", "2", "--batch-groups", "4",
            "--group-size", "8", "--max-tokens", str(args.max_tokens), "--mode", "async",
            "--max-staleness", "1", "--steps", "1000000", "--run-dir", str(run_dir),
-           "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
-           "--tensorboard", "false", "--progress", "false", "--train.checkpoint_every", "0"]
+           "--engine.max_model_len", str(max(256, args.max_tokens + 128)),
+           "--engine.cpu_kvcache_space_gib", "1",
+           "--tensorboard", "false", "--progress", "false", "--train.checkpoint_every", "0",
+           *(x for kv in args.set for x in ("--set", kv))]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait(lambda: len(rows(run_dir)) >= 5, 900, "the first steps")
