@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from buffer.staleness import admission_budget
 from pipeline import options
+from pipeline.config_launch import LaunchConfig
+from pipeline.config_rewards import RewardSpec
 from pipeline.options import check, enforce, opt
 
 log = logging.getLogger(__name__)
@@ -26,63 +27,6 @@ log = logging.getLogger(__name__)
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 _GPU_LIST = re.compile(r"\d+(,\d+)*")
 _TCP_ADDR = re.compile(r"tcp://[^:/\s]+:\d+")
-
-Executor = Literal["inline", "thread", "process", "ray"]
-RAY_ONLY = ("num_replicas", "num_cpus", "num_gpus", "max_restarts")
-RewardStyle = Literal["auto", "native", "trl"]
-
-
-@dataclass
-class RewardSpec:
-    """One reward of the config: what to call, how to weigh it and how to run it."""
-
-    fn: str | Callable[..., Any]
-    """Import path ``package.module:attr`` or ``path/to/file.py:attr`` (or, from Python, the
-    function/class itself; for ``executor="process"`` it must then be importable by reference)."""
-    weight: float | None = None
-    """Multiplier in the weighted sum; None takes the ``@reward`` default, else 1.0."""
-    name: str | None = None
-    """Name in logs, stats and the breakdown; None takes the ``@reward`` default, else the attr."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Constructor keyword arguments when ``fn`` is a class (ignored for functions)."""
-    batched: bool | None = None
-    """Scorer takes lists for the whole group; None takes the ``@reward`` default, else False."""
-    timeout_s: float = opt(30.0, gt=0)
-    """Per-call time limit; a call past it counts as a failure (timeout)."""
-    executor: Executor = "inline"
-    """inline: on the event loop (async or fast sync rewards); thread: blocking sync rewards;
-    process: CPU-heavy rewards in a spawn ProcessPoolExecutor; ray: a reward class (e.g. a
-    learned reward model) as Ray actors shared by all producers of the run (needs
-    ``--launcher ray``, or ``--ray-address`` with the local launcher)."""
-    max_concurrency: int | None = opt(None, ge=1)
-    """Upper bound on this reward's concurrent calls (None: unbounded)."""
-    rate_per_s: float | None = opt(None, gt=0)
-    """Upper bound on this reward's call starts per second, for remote (HTTP) rewards."""
-    style: RewardStyle = "auto"
-    """Calling convention. native: ``r(prompt, completion, **meta)`` (or the batched form);
-    trl: TRL GRPOTrainer's ``f(completions, **kwargs) -> list[float | None]``, one call per
-    group with ``prompts``, ``completion_ids`` and the dataset's columns as lists; auto: trl
-    when the signature names ``completions``/``completion_ids`` and not ``completion``/``metas``
-    (and ``batched`` is not set), else native."""
-    num_replicas: int | None = opt(None, ge=1)
-    """executor ray: actors serving this reward, shared by every producer (None: 1)."""
-    num_cpus: float | None = opt(None, ge=0)
-    """executor ray: CPUs each replica reserves on the cluster (None: 1)."""
-    num_gpus: float | None = opt(None, ge=0)
-    """executor ray: GPUs each replica reserves, e.g. 1 for a learned reward model (None: 0)."""
-    max_restarts: int | None = opt(None, ge=-1)
-    """executor ray: how often Ray restarts a replica that dies (-1: without limit; None: 3)."""
-
-    def __post_init__(self) -> None:
-        enforce(self)  # named relative to its list entry, which options.build puts in front
-        for name in RAY_ONLY:
-            check(getattr(self, name) is None or self.executor == "ray", name,
-                  f"applies only to executor: ray (this reward's executor is {self.executor})")
-        check(not isinstance(self.fn, str) or ":" in self.fn, "fn",
-              f"must look like 'package.module:attr' or 'path/to/file.py:attr', got {self.fn!r}")
-        check(self.style != "trl" or not self.batched, "batched",
-              "style trl is already one call per group; leave batched unset")
-
 
 @dataclass(frozen=True)
 class LossConfig:
@@ -459,74 +403,6 @@ class TrainConfig:
               "train.accelerate_config", f"file {self.accelerate_config!r} does not exist")
         if self.mode == "sync":
             self.max_staleness = 0  # sync mode is on-policy by definition
-
-
-def _check_resources(value: dict, option: str) -> None:
-    check(all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-             for v in value.values()), option,
-          f"must map resource names to positive amounts, e.g. {{learner_node: 1}}, got {value!r}")
-
-
-def _check_labels(value: dict, option: str) -> None:
-    check(all(isinstance(v, str) for v in value.values()), option,
-          f"must map node label names to values (Ray label selector syntax, e.g. "
-          f"{{ray.io/accelerator-type: H100}} or {{zone: !us-east-1a}}), got {value!r}")
-
-
-@dataclass
-class LaunchConfig:
-    """Where the processes run. The same YAML runs under both launchers; only the ``ray``
-    launcher reads the placement options."""
-
-    backend: Literal["local", "ray"] = "local"
-    """local: learner and producers as processes of this machine; ray: as Ray actors placed on a
-    Ray cluster (pip install .[ray])"""
-    ray_address: str = ""
-    """ray: 'auto' (the cluster this node belongs to), HOST:PORT of a running cluster's head, or
-    '' to start a private single-node Ray instance for this run"""
-    ray_object_store_mb: int = opt(512, ge=64)
-    """ray, private instance: object store size (MB)"""
-    ray_timeout_s: float = opt(20.0, gt=0)
-    """ray: max wait to connect to the cluster, and for the placement groups; then one error
-    naming what is missing"""
-    learner_num_cpus: float = opt(1.0, ge=0)
-    """ray: CPUs reserved for the learner"""
-    learner_num_gpus: float = opt(0.0, ge=0)
-    """ray: GPUs reserved for the learner (all its ranks run on that one node)"""
-    learner_resources: dict[str, Any] = opt({})
-    """ray: custom resources of the learner's bundle, e.g. {trainer_node: 1}"""
-    learner_labels: dict[str, Any] = opt({})
-    """ray: node label selector for the learner"""
-    producer_num_cpus: float = opt(1.0, ge=0)
-    """ray: CPUs reserved for each producer"""
-    producer_num_gpus: float = opt(0.0, ge=0)
-    """ray: GPUs reserved for each producer (its engine's tensor_parallel_size on GPU clusters)"""
-    producer_resources: dict[str, Any] = opt({})
-    """ray: custom resources of each producer's bundle"""
-    producer_labels: dict[str, Any] = opt({})
-    """ray: node label selector for every producer"""
-    producer_strategy: Literal["SPREAD", "STRICT_SPREAD", "PACK"] = "SPREAD"
-    """ray: placement of the producers' bundles: SPREAD (over nodes, best effort), STRICT_SPREAD
-    (one per node), PACK"""
-    memory_check: bool = True
-    """local: before anything starts, refuse (one line naming the options) a plan whose learner
-    state + engine share cannot fit a GPU (pipeline.memory); false tries anyway"""
-    stream_weights: Literal["auto", "always", "never"] = "auto"
-    """ray: how producers get snapshot files: auto streams them to producers on another node than
-    the learner (sync.stream_from), always streams to every producer, never reads the
-    learner's snapshot_dir (set it to a shared path)"""
-    shared_run_dir: bool = False
-    """ray: run_dir is the same directory on every node (a network filesystem): actors write
-    there directly instead of a node-local directory mirrored to the driver"""
-
-    def __post_init__(self) -> None:
-        enforce(self, "launch")
-        addr = self.ray_address
-        check(addr in ("", "auto") or re.fullmatch(r"(ray://)?[^:\s/]+:\d+", addr) is not None,
-              "launch.ray_address", f"must be auto or HOST:PORT, got {addr!r}")
-        for side in ("learner", "producer"):
-            _check_resources(getattr(self, f"{side}_resources"), f"launch.{side}_resources")
-            _check_labels(getattr(self, f"{side}_labels"), f"launch.{side}_labels")
 
 
 @dataclass
