@@ -50,7 +50,7 @@ from buffer.protocol import (
     Reply,
     SyncReady,
 )
-from buffer.staleness import may_admit, versions_in_flight
+from buffer.staleness import may_admit, producer_budget, versions_in_flight
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
 from pipeline.keys import curve_keys
@@ -177,6 +177,14 @@ class Producer(GroupRollout):
         if self.leaving or self.producer_id not in self.members:
             return None
         return len(self.members), self.members.index(self.producer_id)
+
+    @property
+    def budget(self) -> int:
+        """Our share of the admission budget now, before the engine's lag shrinks it (0 while
+        we are not a member)."""
+        share = self.share()
+        t = self.cfg.train
+        return producer_budget(t.batch_groups, t.max_staleness, *share) if share else 0
 
     def _on_members(self, members: list[str]) -> None:
         """Producers joined or left: our admission share, data shard and drop cap follow."""

@@ -54,9 +54,9 @@ def test_the_admission_share_follows_the_members_fake_endpoint(tmp_path):
     async def run() -> None:
         await p._apply_announce(_announce(["p0", "p1"]))
         p.in_flight_groups = 2
-        assert not p.may_start()  # its share of two producers is spent
+        assert p.budget == 2 and not p.may_start()  # its share of two producers is spent
         await p._apply_announce(_announce(["p0"]))
-        assert p.may_start()  # alone, the whole budget is its
+        assert p.budget == 4 and p.may_start()  # alone, the whole budget is its
 
     asyncio.run(run())
 
