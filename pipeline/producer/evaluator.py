@@ -21,7 +21,6 @@ version and then evaluates it, so no swap can start during an evaluation.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import time
@@ -30,11 +29,11 @@ from typing import Any
 from buffer.protocol import Announce, EvalResult, Heartbeat, Hello
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
-from pipeline.keys import curve_keys
 from pipeline.producer.adapters import AdapterSet
-from pipeline.producer.engine import shutdown_engine, weight_routes
+from pipeline.producer.engine import weight_routes
 from pipeline.producer.episode import load_episode
 from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
+from pipeline.producer.process import engine_process
 from pipeline.producer.rewards.runner import RewardSet
 from pipeline.producer.session import LearnerFinished, LearnerSession, run_tasks
 from pipeline.schedule import EVALUATOR_ID, is_due, last_version, skipped
@@ -186,31 +185,6 @@ async def evaluator_main(cfg: RunConfig, index: int, model_path: str, engines: i
                          stop_when_learner_done: bool = False) -> None:
     """Entry point of the evaluator process: engine ``index`` of the ``engines`` on its machine
     (its cores on a CPU machine are its own, ``pipeline.producer.engine.cpu_cores``)."""
-    from transformers import AutoTokenizer
-
-    from buffer.staleness import versions_in_flight
-    from pipeline.producer.engine import build_engine
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    rewards = RewardSet(cfg.rewards.specs, on_failure=cfg.rewards.on_failure,
-                        pool_workers=cfg.rewards.pool_workers)
-    endpoint = ProducerEndpoint(cfg.bind_addr, curve=curve_keys(cfg, "producer"))
-    t = cfg.train
-    adapters = adapter_sync_plan(cfg.sync.lora_adapters, t.lora_rank,
-                                 list(t.lora_target_modules))[0]
-    engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
-                          lora_rank=t.lora_rank if adapters else 0,
-                          max_loras=versions_in_flight(t.max_staleness), share=(index, engines))
-    failed = True
-    try:
-        await Evaluator(cfg, engine, tokenizer, endpoint, rewards, stop_when_learner_done).run()
-        failed = False
-    except (asyncio.CancelledError, KeyboardInterrupt):  # stopped: the run's normal end
-        failed = False
-        raise
-    finally:
-        endpoint.close()
-        rewards.close()
-        shutdown_engine(engine, EVALUATOR_ID, failed)
-        del engine
-        gc.collect()
+    async with engine_process(cfg, index, model_path, (index, engines), EVALUATOR_ID) as parts:
+        await Evaluator(cfg, parts.engine, parts.tokenizer, parts.endpoint, parts.rewards,
+                        stop_when_learner_done).run()

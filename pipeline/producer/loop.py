@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -50,22 +49,21 @@ from buffer.protocol import (
     Reply,
     SyncReady,
 )
-from buffer.staleness import may_admit, producer_budget, versions_in_flight
+from buffer.staleness import may_admit, producer_budget
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
-from pipeline.keys import curve_keys
 from pipeline.producer.adapters import AdapterSet
 from pipeline.producer.data import PromptSource, render_prompt
 from pipeline.producer.engine import (
     engine_devices,
     engine_progress,
-    shutdown_engine,
     weight_routes,
 )
 from pipeline.producer.episode import FailureLog, load_episode
 from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
 from pipeline.producer.group import GroupRollout
 from pipeline.producer.outbox import Outbox
+from pipeline.producer.process import engine_process
 from pipeline.producer.rewards.call import rate_limiter
 from pipeline.producer.rewards.runner import RewardSet
 from pipeline.producer.sampling import DropCap, extra_cap
@@ -524,54 +522,22 @@ class Producer(GroupRollout):
                     await self.engine.abort(rid)
 
 
-
-
-
-
 async def producer_main(cfg: RunConfig, index: int, model_path: str, start_cursor: int = 0,
                         stop_when_learner_done: bool = False) -> None:
     """Entry point of a producer process (called under ``if __name__ == '__main__'``)."""
-    from transformers import AutoTokenizer
-
-    from pipeline.producer.engine import build_engine
-
     asked: list[int] = []  # SIGUSR1 while the engine starts: leave once the producer runs
     signal.signal(signal.SIGUSR1, lambda *_: asked.append(1))
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
     # A producer that joins an elastic run reads the whole data until the learner's members
     # name its shard (Producer._on_members); it starts no group before.
     shard = (index, cfg.num_producers) if index < cfg.num_producers else (0, 1)
     prompts = PromptSource(cfg.data, *shard, start_cursor=start_cursor)
-    rewards = RewardSet(cfg.rewards.specs, on_failure=cfg.rewards.on_failure,
-                        pool_workers=cfg.rewards.pool_workers)
-    endpoint = ProducerEndpoint(cfg.bind_addr, curve=curve_keys(cfg, "producer"))
-    t = cfg.train
-    adapters = adapter_sync_plan(cfg.sync.lora_adapters, t.lora_rank,
-                                 list(t.lora_target_modules))[0]
-    engine = build_engine(cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
-                          lora_rank=t.lora_rank if adapters else 0,
-                          max_loras=versions_in_flight(cfg.train.max_staleness),
-                          share=(index, engine_count(cfg.producer_slots, cfg.eval.every,
-                                                     cfg.eval.producer)))
-    failed = True
-    try:
-        producer = Producer(cfg, index, engine, tokenizer, endpoint, rewards, prompts,
-                            stop_when_learner_done)
+    engines = engine_count(cfg.producer_slots, cfg.eval.every, cfg.eval.producer)
+    async with engine_process(cfg, index, model_path, (index, engines), f"p{index}") as parts:
+        producer = Producer(cfg, index, parts.engine, parts.tokenizer, parts.endpoint,
+                            parts.rewards, prompts, stop_when_learner_done)
         # pipeline-train scale (or kill -USR1): leave the run cleanly.
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1,
                                                       producer.leave_requested.set)
         if asked:
             producer.leave_requested.set()
         await producer.run()
-        failed = False
-    except (asyncio.CancelledError, KeyboardInterrupt):  # stopped: the run's normal end
-        failed = False
-        raise
-    finally:
-        endpoint.close()
-        rewards.close()
-        shutdown_engine(engine, f"p{index}", failed)
-        # Collect the engine now: AsyncLLM.__del__ calls shutdown() again, which fails noisily
-        # when it runs at interpreter teardown.
-        del engine
-        gc.collect()
