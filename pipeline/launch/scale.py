@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.launch.args import OneLineParser
+from pipeline.owner import owner_alive, owner_tag
 
 SCALE_FILE = "scale.json"
 LAUNCHER_FILE = "launcher.json"
@@ -82,20 +83,12 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def record_launcher(run_dir: Path) -> Path:
-    """Say which process launches this run (``pipeline-train scale`` writes to it)."""
+    """Say which process launches this run (``pipeline-train scale`` writes to it): its owner
+    tag (pid and start time, ``pipeline.owner``), so a reused pid is not taken for it."""
     path = Path(run_dir) / LAUNCHER_FILE
-    path.write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename}))
+    path.write_text(json.dumps({"pid": os.getpid(), "owner": owner_tag(),
+                                "host": os.uname().nodename}))
     return path
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def build_parser() -> OneLineParser:
@@ -134,8 +127,9 @@ def main(argv: list[str]) -> int:
         return fail(f"{run_dir} was not started elastic: start it with --max_producers above "
                     f"--num-producers")
     launcher = _read(run_dir / LAUNCHER_FILE)
-    pid = launcher.get("pid")
-    if type(pid) is not int or launcher.get("host") != os.uname().nodename or not _alive(pid):
+    pid, owner = launcher.get("pid"), launcher.get("owner")
+    if type(pid) is not int or type(owner) is not str or \
+            launcher.get("host") != os.uname().nodename or not owner_alive(owner):
         return fail(f"no launcher of {run_dir} runs on this machine ({LAUNCHER_FILE})")
     if args.producers is not None:
         if not 1 <= args.producers <= slots:

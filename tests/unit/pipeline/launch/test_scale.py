@@ -79,9 +79,12 @@ def test_command_errors_are_one_line_exit_2(tmp_path, capsys):
     _one_line_error(capsys, [str(fixed), "--producers", "2"], "was not started elastic")
     run = _run_dir(tmp_path)
     _one_line_error(capsys, [str(run), "--producers", "2"], "no launcher of")
-    dead = {"pid": 2**22 + 12345, "host": os.uname().nodename}
+    dead = {"pid": 2**22 + 12345, "owner": str(2**22 + 12345), "host": os.uname().nodename}
     (run / LAUNCHER_FILE).write_text(json.dumps(dead))
     _one_line_error(capsys, [str(run), "--producers", "2"], "no launcher of")  # a dead one
+    reused = {"pid": os.getpid(), "owner": f"{os.getpid()}-1", "host": os.uname().nodename}
+    (run / LAUNCHER_FILE).write_text(json.dumps(reused))  # its pid now another process's
+    _one_line_error(capsys, [str(run), "--producers", "2"], "no launcher of")
     record_launcher(run)  # this test process stands for a live launcher
     _one_line_error(capsys, [str(run), "--producers", "4"], "1 .. max_producers (3)")
     _one_line_error(capsys, [str(run)], "one of the arguments --producers --remove")
