@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
-exec .venv/bin/pytest -p no:cacheprovider "$@"
+# --durations=25: every run shows where the time goes (the budget: tests/time_budget.py).
+exec .venv/bin/pytest -p no:cacheprovider --durations=25 "$@"

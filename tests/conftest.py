@@ -60,3 +60,49 @@ def assert_no_process_left(tag: str) -> None:
 
     _gone, alive = psutil.wait_procs([p for p in psutil.process_iter() if tagged(p)], timeout=10)
     assert not alive, f"processes left behind: {[(p.pid, p.name()) for p in alive]}"
+
+
+# ---- the suite's time budget (tests/time_budget.py) ----------------------------------------
+
+def pytest_addoption(parser):
+    parser.addoption("--no-time-budget", action="store_true",
+                     help="report tests over their time budget without failing the run")
+
+
+_TOOK: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _TOOK[report.nodeid] = _TOOK.get(report.nodeid, 0.0) + report.duration
+
+
+def _budget_report(config) -> list[str]:
+    import time_budget
+
+    lines = [f"{o.nodeid}: {o.took_s:.1f} s, budget {o.budget_s:.0f} s"
+             for o in time_budget.overruns(_TOOK)]
+    if config.getoption("-k") or config.getoption("-m") or config.args != ["tests"]:
+        return lines  # a partial run: stale OVER entries cannot be told from deselected ones
+    collected = getattr(config, "_budget_collected", set())
+    lines += [f"{name}: listed in tests/time_budget.py OVER but no such test"
+              for name in time_budget.stale_entries(collected)]
+    return lines
+
+
+def pytest_collection_finish(session):
+    session.config._budget_collected = {item.nodeid for item in session.items}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    lines = _budget_report(session.config)
+    session.config._budget_lines = lines
+    if lines and exitstatus == 0 and not session.config.getoption("--no-time-budget"):
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lines = getattr(config, "_budget_lines", [])
+    if lines:
+        terminalreporter.section("time budget (tests/time_budget.py)", red=True)
+        for line in lines:
+            terminalreporter.write_line(line)

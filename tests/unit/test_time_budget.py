@@ -1,0 +1,34 @@
+"""The suite's time budget (tests/time_budget.py): which tests are over it."""
+
+from __future__ import annotations
+
+import time_budget
+
+
+def test_default_budgets_by_folder_and_listed_exceptions(monkeypatch):
+    monkeypatch.setattr(time_budget, "OVER", {"tests/e2e/test_a.py::test_big": (200.0, "why")})
+    assert time_budget.budget_for("tests/unit/x/test_b.py::test_c") == time_budget.UNIT_S
+    assert time_budget.budget_for("tests/e2e/test_a.py::test_other") == time_budget.E2E_S
+    assert time_budget.budget_for("tests/e2e/test_a.py::test_big[sync-2]") == 200.0
+
+
+def test_overruns_are_the_tests_over_their_budget_slowest_first(monkeypatch):
+    monkeypatch.setattr(time_budget, "OVER", {"tests/e2e/test_a.py::test_big": (200.0, "why")})
+    took = {"tests/unit/test_u.py::test_fast": 0.2, "tests/unit/test_u.py::test_slow": 6.0,
+            "tests/e2e/test_a.py::test_big": 150.0, "tests/e2e/test_a.py::test_run": 120.0}
+    over = time_budget.overruns(took)
+    assert [(o.nodeid, o.budget_s) for o in over] == [
+        ("tests/e2e/test_a.py::test_run", time_budget.E2E_S),
+        ("tests/unit/test_u.py::test_slow", time_budget.UNIT_S)]
+
+
+def test_a_listed_test_that_no_longer_exists_is_reported(monkeypatch):
+    monkeypatch.setattr(time_budget, "OVER", {"tests/e2e/test_a.py::test_gone": (200.0, "why"),
+                                              "tests/e2e/test_a.py::test_big": (200.0, "why")})
+    assert time_budget.stale_entries({"tests/e2e/test_a.py::test_big[p]"}) == [
+        "tests/e2e/test_a.py::test_gone"]
+
+
+def test_every_listed_budget_gives_its_reason():
+    for name, (budget, reason) in time_budget.OVER.items():
+        assert budget > time_budget.E2E_S and len(reason) > 10, name
