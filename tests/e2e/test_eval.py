@@ -113,8 +113,11 @@ def test_a_dedicated_evaluator_in_sync_mode(tiny_model, tmp_path):
         assert r["eval/prompts"] == 3.0 and r["eval/pass@2"] == 1.0
         assert r["eval/versions_behind"] >= 0
     assert "eval v3: reward" in proc.stdout + proc.stderr
+    # Every row reports the evaluator's liveness; its value is not asserted: the evaluator's
+    # engine may come up only after all 4 steps trained (sync mode does not wait for it), and
+    # its evaluation of v3 above is what shows it was alive. The figure's arithmetic is unit-
+    # tested (tests/unit/pipeline/learner/test_learner_eval.py).
     assert all("evaluator_alive" in r for r in train)
-    assert max(r["evaluator_alive"] for r in train) == 1.0
     logs = run_dir / "logs"
     assert "eval v3" in (logs / "evaluator.log").read_text()
     assert "eval v" not in (logs / "producer-0.log").read_text()  # producer 0 never paused
