@@ -467,7 +467,7 @@ class _Supervisor:
             return
         running = [i for i, p in self.producers.items() if p.is_alive()
                    and not is_evaluator(self.cfg_dict, i) and i not in self.leaving]
-        todo = plan(req, running, self.cfg.producer_slots)
+        todo = plan(req, running, self.cfg.producer_slots, sorted(self.leaving))
         if todo.problem:
             log.error("scale: %s", todo.problem)
         for i in todo.start:

@@ -268,7 +268,8 @@ class _Driver:
         req = self.scale.poll() if self.scale is not None else None
         if req is None or self.watched is None:
             return
-        todo = plan(req, self.watched.running(), self.cfg.producer_slots)
+        todo = plan(req, self.watched.running(), self.cfg.producer_slots,
+                    sorted(self.watched.leaving))
         if todo.problem:
             log.error("scale: %s", todo.problem)
         lc = self.cfg.launch

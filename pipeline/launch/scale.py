@@ -35,10 +35,13 @@ class ScalePlan:
     problem: str = ""
 
 
-def plan(request: dict[str, Any], running: list[int], slots: int) -> ScalePlan:
+def plan(request: dict[str, Any], running: list[int], slots: int,
+         leaving: list[int] | tuple[int, ...] = ()) -> ScalePlan:
     """The plan for ``request`` ({"producers": N} or {"remove": "pK"}), given the training
-    producers running now (not those already leaving) and the run's ``slots``
-    (``max_producers``). New producers take the lowest free indices; ``producers`` below the
+    producers running now (not those already leaving), those still ``leaving`` (asked to, not
+    yet exited) and the run's ``slots`` (``max_producers``). New producers take the lowest
+    free indices; an index still leaving is not free: a second process with its id would
+    refuse the first's incarnation and be refused in turn, for good. ``producers`` below the
     count now asks the highest indices to leave. At least one producer always stays."""
     running = sorted(running)
     if "remove" in request:
@@ -54,8 +57,13 @@ def plan(request: dict[str, Any], running: list[int], slots: int) -> ScalePlan:
     if type(n) is not int or not 1 <= n <= slots:
         return ScalePlan(problem=f"--producers must be 1 .. max_producers ({slots}), got {n!r}")
     if n > len(running):
-        free = [i for i in range(slots) if i not in running]
-        return ScalePlan(start=free[:n - len(running)])
+        free = [i for i in range(slots) if i not in running and i not in leaving]
+        start = free[:n - len(running)]
+        if len(start) == n - len(running):
+            return ScalePlan(start=start)
+        busy = ", ".join(f"p{i}" for i in sorted(leaving))
+        return ScalePlan(start=start, problem=f"{busy} is still leaving; {len(start)} "
+                                              f"producer(s) started, ask again once it has left")
     return ScalePlan(leave=running[n:] if n < len(running) else [])
 
 

@@ -100,3 +100,12 @@ def test_a_request_is_written_for_the_launcher(tmp_path, capsys):
     assert main([str(run), "--remove", "p0"]) == 0
     assert watch.poll()["remove"] == "p0"
     assert not list(run.glob(".scale*"))  # written whole, by rename
+
+
+def test_an_index_still_leaving_is_not_given_to_a_new_producer():
+    """p1 asked to leave and still running: a second p1 would fight the first over its id."""
+    p = plan({"producers": 2}, [0], 2, leaving=[1])
+    assert p.start == [] and "p1 is still leaving" in p.problem
+    assert plan({"producers": 2}, [0], 4, leaving=[1]).start == [2]
+    p = plan({"producers": 4}, [0], 4, leaving=[1])  # two fit, the third waits for p1
+    assert p.start == [2, 3] and "p1 is still leaving" in p.problem
