@@ -203,6 +203,13 @@ class Announce(_Message, tag="announce"):
     """The version the learner's training is heading to: ``version`` of its newest weights, plus
     one while it trains on a batch it has taken (a group started now is trained at this version
     or later, so producers on an older one wait rather than generate a group too stale)."""
+    last_step: Count = 0
+    """The run's final step (``train.steps``): with ``steps_taken``, the groups the run still
+    trains on (``buffer.staleness.groups_to_go``), beyond which producers start none; 0: not
+    told, no limit."""
+    steps_taken: Count = 0
+    """Batches the learner has taken: its steps done, plus the one it trains on now (those
+    groups have left the buffer, so ``consumed`` counts them)."""
     members: Annotated[list[Name], Meta(max_length=4096)] = []
     """The producers of the run now, by id in index order: each producer's admission share and
     data shard are its rank among them (``num_producers`` ids from the start; elastic runs

@@ -5,8 +5,9 @@ A group's staleness at train time is ``learner_version - policy_version``; ``max
 on-policy. The rule is enforced twice, and both sides ask this module:
 
 - producers admit a new group only while it can still be trained in time (``may_admit``, from
-  the budget of ``admission_budget`` shared out by ``producer_budget``), so no generation is
-  spent on a group the buffer must drop;
+  the budget of ``admission_budget`` shared out by ``producer_budget``), and only while the run
+  still needs it (``groups_to_go``: the batches of the steps the learner has not taken), so no
+  generation is spent on a group the buffer must drop or that no step will train;
 - the buffer drops, at consume time, every group that ``is_trainable`` refuses (the guarantee).
 
 The versions kept follow from the same window: ``oldest_trainable`` for the buffer,
@@ -52,15 +53,39 @@ def admission_budget(batch_groups: int, max_staleness: int) -> int:
     return (max_staleness + 1) * batch_groups
 
 
-def producer_budget(batch_groups: int, max_staleness: int, num_producers: int, index: int) -> int:
-    """Producer ``index``'s share of the admission budget (shares differ by at most one)."""
-    total = admission_budget(batch_groups, max_staleness)
+def share(total: int, num_producers: int, index: int) -> int:
+    """Producer ``index``'s share of ``total`` groups: shares differ by at most one, sum to
+    ``total``, and each grows with ``total`` (so two limits shared out alike leave, summed, the
+    smaller of the two totals)."""
     return total // num_producers + (1 if index < total % num_producers else 0)
 
 
+def producer_budget(batch_groups: int, max_staleness: int, num_producers: int, index: int) -> int:
+    """Producer ``index``'s share of the admission budget (shares differ by at most one)."""
+    return share(admission_budget(batch_groups, max_staleness), num_producers, index)
+
+
+def groups_to_go(last_step: int, steps_taken: int, batch_groups: int) -> int | None:
+    """Groups the run still trains on: the batches of the steps the learner has not taken
+    (``Announce.last_step`` and ``steps_taken``). None while no last step is told (no limit).
+
+    Groups started beyond it would be generated and never trained: they would wait in the
+    producers' outboxes at the end of the run.
+    """
+    if not last_step:
+        return None
+    return max(last_step - steps_taken, 0) * batch_groups
+
+
 def may_admit(outstanding: int, batch_groups: int, max_staleness: int, num_producers: int,
-              index: int, engine_version: int, learner_heading_to: int) -> bool:
+              index: int, engine_version: int, learner_heading_to: int,
+              to_go: int | None = None) -> bool:
     """Whether producer ``index`` may start one more group now.
+
+    ``outstanding``: the producer's groups generating, in transit or in the learner's buffer;
+    ``to_go``: ``groups_to_go`` (None: no limit), shared out as the budget is, so the producers
+    together never start more than the remaining steps train, and never fewer while the
+    learner waits (the smaller of the two totals is shared out in full).
 
     The learner trains the next batch at ``learner_heading_to`` (its version, plus one while it
     trains on a batch it has taken), the one after at +1, and so on. A group started on
@@ -72,4 +97,7 @@ def may_admit(outstanding: int, batch_groups: int, max_staleness: int, num_produ
     lag = max(learner_heading_to - engine_version, 0)
     if lag > max_staleness:
         return False
-    return outstanding < producer_budget(batch_groups, max_staleness - lag, num_producers, index)
+    budget = producer_budget(batch_groups, max_staleness - lag, num_producers, index)
+    if to_go is not None:
+        budget = min(budget, share(to_go, num_producers, index))
+    return outstanding < budget

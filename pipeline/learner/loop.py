@@ -110,6 +110,7 @@ class Learner:
                                      on_written=self._on_written)
         self._acks_tracked = 0  # newest version whose acks are being collected
         self._heading_to = 0  # version the step under way will publish (Announce.heading_to)
+        self._steps_taken = self.state.step  # batches taken (Announce.steps_taken)
         self.producers: dict[str, ProducerInfo] = {}
         self.acks: dict[int, dict[str, Ack]] = {}
         self.last_sync: dict[str, float] = {}
@@ -301,6 +302,7 @@ class Learner:
                         accepted={k: st.accepted for k, st in self.ledger.streams.items()},
                         routes=routes, transfer=transfer,
                         heading_to=max(self._heading_to, self.state.version),
+                        last_step=self.cfg.train.steps, steps_taken=self._steps_taken,
                         members=list(self.members), finished=finished)
 
     async def _announce(self) -> None:
@@ -374,6 +376,7 @@ class Learner:
                                    f"{t.batch_timeout_s:.0f}s (producers alive: {alive or 'none'}"
                                    f"): {e}") from None
             wait_s = time.monotonic() - t0
+            self._steps_taken = st.step + 1  # the batch left the buffer: no more groups for it
             if (st.step + 1) % self.cfg.sync.sync_every == 0 and st.step + 1 < t.steps:
                 # This step publishes v+1: producers still on v stop starting groups (they
                 # would be too stale), and learn it together with the batch's consumption.
@@ -383,6 +386,7 @@ class Learner:
             self._heading_to = st.version if m is None or m["skipped_nonfinite"] else \
                 self._heading_to
             if m is None:
+                self._steps_taken = st.step  # the batch was dropped: its step needs another
                 continue
             st.step += 1
             if m["skipped_nonfinite"]:

@@ -122,7 +122,7 @@ class PolicyTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         # One fused kernel for the whole update on a GPU (DeepSpeed keeps its own partitions).
         fused = cuda and self.deepspeed is None
-        optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
+        optimizer = torch.optim.AdamW(params, lr=t.optimizer_lr, weight_decay=t.weight_decay,
                                       fused=fused or None)
         warm = max(t.warmup_steps, 0)
         # The scheduler stays outside accelerate: it steps once per optimiser step, not per rank.

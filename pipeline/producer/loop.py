@@ -3,8 +3,9 @@
 Three coroutines under one TaskGroup (an error in any stops the producer):
 - ``_admit``: starts a group whenever the admission budget allows (``buffer.staleness.may_admit``:
   in-flight + sent-but-not-yet-consumed groups <= this producer's share of
-  (max_staleness + 1 - the engine's lag behind the learner) x batch_groups), so no
-  generation is spent on a group that would be too stale to train. The group itself (generate,
+  (max_staleness + 1 - the engine's lag behind the learner) x batch_groups, and of the groups
+  the learner's remaining steps train), so no generation is spent on a group that would be too
+  stale to train or that comes after the run's last step. The group itself (generate,
   score, send or drop) is ``pipeline.producer.group``'s. With ``generation.dynamic_sampling`` a
   scored group whose rewards are all equal is dropped before it is sent (counted; at most a cap
   per learner step, ``pipeline.producer.sampling``) and its slot goes to a new admission,
@@ -49,7 +50,7 @@ from buffer.protocol import (
     Reply,
     SyncReady,
 )
-from buffer.staleness import may_admit, producer_budget
+from buffer.staleness import groups_to_go, may_admit, producer_budget
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
 from pipeline.producer.adapters import AdapterSet
@@ -151,6 +152,7 @@ class Producer(GroupRollout):
         self._engine_lock = asyncio.Lock()  # sleep, wake and swap never interleave
         self._asleep = False
         self.learner_heading_to = 0  # Announce.heading_to: see buffer.staleness.may_admit
+        self.learner_to_go: int | None = None  # groups the run still trains on (Announce)
         # generation.dynamic_sampling: uninformative groups dropped, at most a cap per learner
         # step (pipeline.producer.sampling); the step is told by the groups the learner took.
         g = cfg.generation
@@ -202,7 +204,7 @@ class Producer(GroupRollout):
         share = self.share()
         return self._synced.is_set() and share is not None and may_admit(
             self.outstanding(), self.cfg.train.batch_groups, self.cfg.train.max_staleness,
-            *share, self.tracker.version, self.learner_heading_to)
+            *share, self.tracker.version, self.learner_heading_to, self.learner_to_go)
 
     def outstanding(self) -> int:
         """Groups generating, in transit, or waiting in the learner's buffer."""
@@ -324,6 +326,8 @@ class Producer(GroupRollout):
         if ann.members and ann.members != self.members:
             self._on_members(list(ann.members))
         self.learner_heading_to = ann.heading_to
+        self.learner_to_go = groups_to_go(ann.last_step, ann.steps_taken,
+                                          self.cfg.train.batch_groups)
         self.learner_consumed = sum(ann.consumed.values())
         self.held = max(ann.received.get(pid, 0) - ann.consumed.get(pid, 0), 0)
         self.accepted = ann.accepted.get(self.incarnation, 0)

@@ -89,6 +89,7 @@ MESSAGES = [
     ),
     announce(finished=True),
     announce(members=["p0", "p2"]),
+    announce(last_step=40, steps_taken=39),
     Leave(producer_id="p1", incarnation="i", sent=12),
 ]
 
@@ -102,7 +103,7 @@ def test_round_trip(msg):
 def test_defaults_are_not_written():
     raw = _raw(announce())
     assert raw["kind"] == "announce"
-    assert not {"routes", "transfer", "finished", "cursors"} & raw.keys()
+    assert not {"routes", "transfer", "finished", "cursors", "last_step"} & raw.keys()
     assert "devices" not in _raw(hello())
 
 
@@ -130,6 +131,7 @@ def test_defaults_are_not_written():
             "Expected `float`",
         ),
         (announce(), "received", {"p": 1.5}, "Expected `int`, got `float`"),
+        (announce(), "last_step", -1, "Expected `int` >= 0"),
         (announce(), "consumed", None, "Expected `object`, got `None`"),
         (announce(), "routes", {"p0": "carrier-pigeon"}, "Invalid enum value"),
         (announce(), "transfer", {"x": [math.nan]}, "must be finite"),

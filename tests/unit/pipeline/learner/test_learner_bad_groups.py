@@ -105,8 +105,30 @@ def test_a_batch_that_raises_in_the_trainer_is_dropped_and_the_run_goes_on_check
     learner = Learner(_cfg(tiny_model, tmp_path, steps=2), str(tiny_model))
     real = learner.limits
     learner.limits = lambda: RunLimits(**{**real().__dict__, "vocab_size": 10**9})
+    # What the announce tells producers of the run's end (Announce.last_step, steps_taken)
+    # when the learner waits for a batch and while it trains one: a dropped batch's step
+    # still needs its groups.
+    seen = []
+    get_batch, train_batch = learner.buffer.get_batch, learner._train_batch
+
+    def told(when: str) -> None:
+        a = learner.announcement()
+        seen.append((when, learner.state.step, a.steps_taken, a.last_step))
+
+    async def waiting(*args, **kw):
+        told("wait")
+        return await get_batch(*args, **kw)
+
+    async def training(*args, **kw):
+        told("train")
+        return await train_batch(*args, **kw)
+
+    learner.buffer.get_batch, learner._train_batch = waiting, training
     goods = [group(f"ok{i}", seed=i) for i in range(5)]
     asyncio.run(_run(learner, [bad("token_out_of_vocab"), *goods]))
+    assert seen == [("wait", 0, 0, 2), ("train", 0, 1, 2), ("wait", 0, 0, 2),
+                    ("train", 0, 1, 2), ("wait", 1, 1, 2), ("train", 1, 2, 2)]
+    assert learner.announcement().steps_taken == 2
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["dropped_batches"] == 1 and rows[-1]["dropped_batch_groups"] == 2

@@ -80,3 +80,24 @@ def test_leaving_waits_for_the_groups_then_says_leave_and_ends_fake_endpoint(tmp
         assert len(leave) == 1 and leave[0].sent == 3 and leave[0].producer_id == "p0"
 
     asyncio.run(run())
+
+
+def test_admission_stops_once_the_groups_out_cover_the_last_step_fake_endpoint(tmp_path):
+    """batch_groups 2, max_staleness 1: the budget is 4 groups, but once the learner has taken
+    9 batches of 10 the run trains 2 more; in-flight groups count against them."""
+    p = _producer(tmp_path, 0)
+
+    async def run() -> None:
+        await p._apply_announce(_announce(["p0"], last_step=10, steps_taken=8))
+        p.in_flight_groups = 3
+        assert p.learner_to_go == 4 and p.may_start()
+        p.in_flight_groups = 2
+        await p._apply_announce(_announce(["p0"], last_step=10, steps_taken=9))
+        assert p.learner_to_go == 2 and not p.may_start()
+        p.in_flight_groups = 1
+        assert p.may_start()
+        await p._apply_announce(_announce(["p0"], last_step=10, steps_taken=10))
+        p.in_flight_groups = 0
+        assert not p.may_start()  # the learner took its last batch
+
+    asyncio.run(run())
