@@ -339,7 +339,7 @@ class TrainConfig:
     max_staleness: int = opt(1, ge=0)
     """max learner_version - policy_version trained on (async)"""
     lr: float = opt(1e-5, gt=0)
-    """AdamW learning rate"""
+    """AdamW learning rate of a full fine-tune (LoRA runs use train.lora_lr)"""
     weight_decay: float = opt(0.0, ge=0)
     """AdamW weight decay"""
     warmup_steps: int = opt(0, ge=0)
@@ -381,6 +381,9 @@ class TrainConfig:
     """module names LoRA adapts"""
     lora_dropout: float = opt(0.0, ge=0, lt=1)
     """LoRA dropout"""
+    lora_lr: float = opt(5e-4, gt=0)
+    """AdamW learning rate when train.lora_rank > 0, in place of train.lr: an adapter's low-rank
+    update, its B starting at zero, needs about 10x a full fine-tune's step (docs/lora.md)"""
     learner_processes: int = opt(1, ge=1)
     """learner processes; > 1 starts the learner with `accelerate launch --num_processes N` (DDP;
     rank 0 does all I/O)"""
@@ -403,6 +406,11 @@ class TrainConfig:
               "train.accelerate_config", f"file {self.accelerate_config!r} does not exist")
         if self.mode == "sync":
             self.max_staleness = 0  # sync mode is on-policy by definition
+
+    @property
+    def optimizer_lr(self) -> float:
+        """The learning rate the optimiser runs with: train.lora_lr for LoRA, else train.lr."""
+        return self.lora_lr if self.lora_rank else self.lr
 
 
 @dataclass
