@@ -21,10 +21,13 @@ children left ("leaked semaphore objects") stay in that file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -37,6 +40,7 @@ from pipeline.procs import (
     LOGS_DIR,
     log_file,
     setup_logging,
+    to_log_file,
 )
 
 _LEVELS = {
@@ -180,6 +184,47 @@ class LogFollower:
         return sum(f.hidden_warnings for f in self._filters.values())
 
 
+@contextlib.contextmanager
+def console_to_log(path: Path, verbose: bool = False, every_s: float = 0.2) -> Iterator[None]:
+    """Run a block with this process's output in ``path``, and the console showing what a run's
+    console shows (``LineFilter``): for a command that starts an engine in its own process
+    (``pipeline-train eval``), whose INFO lines and library warnings would flood the console.
+
+    File descriptors 1 and 2 point at ``path`` for the block, so the engine processes started in
+    it write there too; a thread copies the filtered lines to the console meanwhile. After the
+    block the console is back, with the count of hidden warnings."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = os.dup(1), os.dup(2)
+    out, err = os.fdopen(os.dup(saved[0]), "w"), os.fdopen(os.dup(saved[1]), "w")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    follower = LogFollower(path.parent, verbose, out=out, err=err, only=(path.name,))
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.wait(every_s):
+            follower.pump()
+
+    to_log_file(path)
+    thread = threading.Thread(target=follow, name="console-follower", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        follower.pump(final=True)
+        out.close()
+        err.close()
+
+
 def launcher_logging(verbose: bool) -> None:
     """The launcher's records: stderr from WARNING up (all with ``verbose``); once the run
     directory is known, ``log_to_run_dir`` adds its file."""
@@ -224,5 +269,5 @@ def log_to_run_dir(run_dir: Path) -> logging.Handler:
     return handler
 
 
-__all__ = ["LOGS_DIR", "LineFilter", "LogFollower", "launcher_logging", "log_to_run_dir",
-           "resource_tracker_to"]
+__all__ = ["LOGS_DIR", "LineFilter", "LogFollower", "console_to_log", "launcher_logging",
+           "log_to_run_dir", "resource_tracker_to"]

@@ -6,8 +6,10 @@ DeepSpeed ZeRO-2/3 consolidated: ``pipeline.launch.checkpoint_weights``), checke
 model, and go into one vLLM engine as a snapshot (the producers' load path); the ``eval.*``
 options of the run's config (or ``--config``/``--set``) choose prompts, samples and threshold.
 A checkpoint that cannot be read, or holds another model's weights, exits 2 with one line before
-any engine starts. A checkpoint holds the weights after its step: for the final one, newer than
-the last version the producers ran.
+any engine starts. The engine's output goes to ``run_dir/logs/eval.log`` and the console shows
+what a training run's shows (``console_to_log``: errors and this project's warnings; all with
+``--verbose``), then the figures on stdout. A checkpoint holds the weights after its step: for
+the final one, newer than the last version the producers ran.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--out", metavar="FILE", help="write the figures as JSON here (default: DIR/eval.json)"
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every line of the engine's log (run_dir/logs/eval.log) here",
     )
     return p
 
@@ -212,8 +219,13 @@ def main(argv: list[str]) -> int:
             print(f"pipeline-train eval: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
         print(f"checkpoint {ckpt} (step {state.step}, version {state.version}): {kind}")
+        from pipeline.launch.console import console_to_log
+        from pipeline.procs import log_file, setup_logging
+
+        setup_logging()  # our records in the format the console's filter reads
         try:
-            stats = asyncio.run(_evaluate(cfg, model_path, ref))
+            with console_to_log(log_file(ckpt.parent.parent, "eval"), args.verbose):
+                stats = asyncio.run(_evaluate(cfg, model_path, ref))
         finally:
             if reward_cluster is not None:
                 reward_cluster.stop()

@@ -77,6 +77,10 @@ def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
     assert result["step"] == 4 and result["version"] == 3
     assert result["eval/prompts"] == 3.0 and result["eval/pass@3"] == 1.0
     assert "reward_mean" in proc.stdout and str(out) in proc.stdout
+    # As quiet as training: the engine's INFO lines are in the run's logs/eval.log only.
+    shown = (proc.stdout + proc.stderr).splitlines()
+    assert not [x for x in shown if "INFO" in x], shown
+    assert "INFO" in (run_dir / "logs" / "eval.log").read_text()
 
     bad = pipeline_train("eval", "--checkpoint", str(run_dir),
                          "--set", "eval.data=" + str(tmp_path / "missing.jsonl"),

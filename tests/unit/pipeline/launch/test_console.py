@@ -271,3 +271,37 @@ def test_the_resource_trackers_exit_warnings_go_to_the_log_not_the_console(tmp_p
         text = launcher_log.read_text()
         assert "leaked semaphore" in text and "leaked shared_memory" in text, text
         assert "No such file or directory" in text, text
+
+
+def _noisy_block(path: Path, verbose: bool) -> None:
+    """What `pipeline-train eval` runs under console_to_log: vLLM's INFO lines and a library
+    warning from this process and from a child it starts, and one error."""
+    from pipeline.launch.console import console_to_log
+
+    with console_to_log(path, verbose, every_s=0.01):
+        os.write(1, (VLLM.format(level="INFO", msg="engine config dump") + "\n").encode())
+        subprocess.run([sys.executable, "-c", "import sys; print(sys.argv[1], file=sys.stderr)",
+                        VLLM.format(level="WARNING", msg="OpenMP binding")], check=True)
+        os.write(2, (VLLM.format(level="ERROR", msg="engine core died") + "\n").encode())
+    print("eval: reward_mean 0.5")
+
+
+def test_console_to_log_keeps_the_engines_lines_in_the_file_and_shows_errors(tmp_path, capfd):
+    path = tmp_path / "logs" / "eval.log"
+    _noisy_block(path, verbose=False)
+    out, err = capfd.readouterr()
+    assert out == "eval: reward_mean 0.5\n"
+    assert err.splitlines() == [
+        VLLM.format(level="ERROR", msg="engine core died"),
+        f"pipeline-train: 1 warnings of vLLM and other libraries are in {path.parent}/ "
+        "(--verbose shows them)"]
+    logged = path.read_text()
+    assert "engine config dump" in logged and "OpenMP binding" in logged  # the child's too
+
+
+def test_console_to_log_verbose_shows_every_line(tmp_path, capfd):
+    _noisy_block(tmp_path / "eval.log", verbose=True)
+    out, err = capfd.readouterr()
+    assert out == "eval: reward_mean 0.5\n"
+    assert [x.split("] ", 1)[1] for x in err.splitlines()] == [
+        "engine config dump", "OpenMP binding", "engine core died"]
