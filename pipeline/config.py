@@ -365,7 +365,14 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     """GRPO loss"""
     checkpoint_every: int = opt(0, ge=0)
-    """save a checkpoint every k steps (0: only at the end/stop)"""
+    """save a checkpoint every k steps (0: only at the end/stop); one that comes due while the
+    previous one is still being written is skipped (metric checkpoints_skipped)"""
+    keep_checkpoints: int = opt(2, ge=1)
+    """checkpoints kept in run_dir/checkpoints; free space for this many + 1 (the one being
+    written) is checked before the run starts"""
+    on_checkpoint_error: Literal["continue", "stop"] = "continue"
+    """a checkpoint write that fails (full disk, I/O error): continue (one line, the previous
+    checkpoint kept, metric checkpoint_failures) or stop the learner"""
     batch_timeout_s: float = opt(600.0, gt=0)
     """learner gives up waiting for a batch after this long"""
     seed: int = 0
@@ -390,6 +397,11 @@ class TrainConfig:
     accelerate_config: str = ""
     """accelerate config file for the learner (e.g. DeepSpeed ZeRO-2/3, CPU offload); set:
     `accelerate launch --config_file FILE` even with one process"""
+    fsdp2: bool = False
+    """shard weights, gradients and AdamW state over the learner processes with FSDP2 (torch
+    fully_shard, one group per decoder layer): fp32 master weights, bf16 compute when
+    model.dtype is bfloat16, fp32 gradient reduction; 16 bytes a parameter over the ranks. Needs
+    learner_processes >= 2; not with LoRA or a train.accelerate_config"""
 
     def __post_init__(self) -> None:
         enforce(self, "train")
@@ -404,6 +416,13 @@ class TrainConfig:
             self.freeze_layers = 0
         check(not self.accelerate_config or Path(self.accelerate_config).is_file(),
               "train.accelerate_config", f"file {self.accelerate_config!r} does not exist")
+        if self.fsdp2:
+            check(self.learner_processes >= 2, "train.fsdp2",
+                  "shards over the learner processes: set train.learner_processes >= 2")
+            check(not self.accelerate_config, "train.fsdp2",
+                  "runs under the plain multi-process launcher: unset train.accelerate_config "
+                  "(DeepSpeed and FSDP2 are two ways to shard; pick one)")
+            check(not self.lora_rank, "train.fsdp2", "not with LoRA (train.lora_rank > 0)")
         if self.mode == "sync":
             self.max_staleness = 0  # sync mode is on-policy by definition
 

@@ -1,6 +1,7 @@
 """What ``pipeline-train`` checks before any process starts (every launcher and the eval
-subcommand): model, data, rewards, episode function, vLLM and tracker versions, the memory plan
-and the bind addresses. A problem is a ``ConfigError``: one line naming the option, exit 2."""
+subcommand): model, data, rewards, episode function, vLLM and tracker versions, the memory plan,
+free disk for the checkpoints and the bind addresses. A problem is a ``ConfigError``: one line
+naming the option, exit 2."""
 
 from __future__ import annotations
 
@@ -42,6 +43,11 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
             raise ConfigError(str(e)) from None
     if role in ("all", "learner"):
         check_trackers(cfg.report_to)
+        from pipeline.learner.disk import check_run_space
+
+        short = check_run_space(cfg, model_path)  # before a full disk ends the run mid-way
+        if short:
+            raise ConfigError(short)
     try:
         validate_specs(cfg.rewards.specs)
     except (ImportError, ValueError, AttributeError, TypeError) as e:

@@ -62,6 +62,7 @@ from pipeline.learner.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
+from pipeline.learner.disk import disk_free
 from pipeline.learner.evaluations import Evaluations
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
 from pipeline.learner.producers import Members, ProducerInfo
@@ -132,7 +133,13 @@ class Learner:
             self.counters.setdefault(k, 0)
         self.ledger = GroupLedger.from_dict(self.state.ledger)
         self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
-        self.checkpoints = CheckpointWriter(self.run_dir)
+        self.checkpoints = CheckpointWriter(self.run_dir, keep=cfg.train.keep_checkpoints)
+        # Staging buffers for the checkpoints' copy to host, allocated (pinned) before the
+        # first step; each optimiser step waits for a copy still in flight.
+        nbytes, count, cuda = self.trainer.checkpoint_plan()
+        if nbytes:
+            self.checkpoints.prepare(nbytes, count, pin=cuda)
+        self.trainer.before_update = self.checkpoints.fence
         self._write_s_reported = 0  # background checkpoint writes whose time a row has shown
         # The learner's end of the weight routes: route per producer, GPU copies, captures.
         self.routes = LearnerRoutes(cfg, self.trainer, self.producers, self.counters)
@@ -430,12 +437,15 @@ class Learner:
             last_end = now
             if st.first_reward is None:
                 st.first_reward = m["reward_mean"]
-            self.checkpoints.raise_if_failed()  # a background write failed: stop, as a save would
             ce = t.checkpoint_every
             soon, self._checkpoint_soon = self._checkpoint_soon, False
             if ce or soon:  # the stall lands in the next step's step_s, as the snapshot copy's
-                m["checkpoint_stall_s"] = await self.checkpoint() \
+                stall = await self.checkpoint() \
                     if (soon or st.step % ce == 0) and st.step < t.steps else 0.0
+                if stall is None:  # skipped: a write is in flight; a leaver's retried next step
+                    self._checkpoint_soon = soon
+                m["checkpoint_stall_s"] = stall or 0.0
+            self._checkpoint_failed()
             m.update(self._take_checkpoint_write())
             self.metrics.log(st.step, m)
         await self.evals.await_last(st.version)
@@ -477,19 +487,18 @@ class Learner:
         out, self.last_sync = self.last_sync, {}
         return out
 
-    async def checkpoint(self, final: bool = False) -> float:
-        """Save a checkpoint; returns the seconds training was stopped for it.
+    async def checkpoint(self, final: bool = False) -> float | None:
+        """Save a checkpoint; returns the seconds training was stopped for it, or None if it
+        was skipped (the previous one is still being written: ``checkpoints_skipped``).
 
-        Training stops only while the trainer's state is copied to host memory (and for a
-        previous checkpoint still being written); the write runs in the background
-        (``CheckpointWriter``). Under DeepSpeed the ranks write their partitions before this
-        returns. ``durable`` advances only once the write is complete. ``final``: the process
-        exits next, so wait for the write too, and write even if an earlier one failed."""
+        Training stops only while the copy of the trainer's state to host memory is started;
+        the copy overlaps the next step up to its optimiser step, and the write runs in the
+        background (``CheckpointWriter``). Under DeepSpeed the ranks write their partitions
+        before this returns. ``durable`` advances only once the write is complete. ``final``:
+        the process exits next, so wait for a write in flight first and for this one after."""
         if final:
-            try:
-                await self.checkpoints.wait()
-            except Exception as e:  # logged when it failed; the final one may still succeed
-                log.error("an earlier checkpoint failed (%s); writing the final one", e)
+            await self.checkpoints.wait()
+            self._checkpoint_failed(final=True)
         self.state.counters = dict(self.counters)
         self.state.ledger = self.ledger.to_dict()
         # Buffer and ledger are captured together, before any await, so they agree exactly;
@@ -502,34 +511,56 @@ class Learner:
             self.durable = prefixes  # producers may now forget these groups
             log.info("checkpoint saved: %s", path)
 
-        shards = self.trainer.save_shards if self.trainer.deepspeed is not None else None
+        shards = self.trainer.save_shards if self.trainer.has_shards else None
         stall = await self.checkpoints.save(state, self.trainer.state, buf, durable,
                                             shards=shards)
         if final:
             await self.checkpoints.wait()
         return stall
 
+    def _checkpoint_failed(self, final: bool = False) -> None:
+        """A failed checkpoint write in one line (its partial directory is gone and the
+        previous checkpoint kept, ``save_checkpoint``); with train.on_checkpoint_error stop (and
+        not at the end, when the final checkpoint is still to be tried) it stops the learner."""
+        e = self.checkpoints.take_error()
+        if e is None:
+            return
+        if self.cfg.train.on_checkpoint_error == "stop" and not final:
+            log.error("%s; stopping the learner (train.on_checkpoint_error: stop)", e)
+            raise e
+        log.error("%s; training goes on (train.on_checkpoint_error: continue)", e)
+
     def _take_checkpoint_write(self) -> dict[str, float]:
-        """``checkpoint_write_s`` of a write completed since the last row, reported once."""
+        """Checkpoint counters and free disk; ``checkpoint_write_s`` (and its GB/s) of a
+        write completed since the last row, reported once."""
         c = self.checkpoints
+        m = {"checkpoints_skipped": float(c.skipped), "checkpoint_failures": float(c.failures),
+             "checkpoint_disk_free_gb": disk_free(self.run_dir) / 1e9}
         if c.completed == self._write_s_reported or c.write_s is None:
-            return {}
+            return m
         self._write_s_reported = c.completed
-        return {"checkpoint_write_s": c.write_s}
+        m["checkpoint_write_s"] = c.write_s
+        if c.write_bytes:
+            m["checkpoint_write_gbps"] = c.write_bytes / 1e9 / max(c.write_s, 1e-9)
+        return m
 
     async def _final_checkpoint(self) -> None:
         """The checkpoint at the end (or stop) of the run, written before the process exits;
         its times in one console line (no metrics row: the last row is the last step's)."""
         t0 = time.monotonic()
+        c = self.checkpoints
         try:
             stall = await self.checkpoint(final=True)
         except Exception as e:
             log.error("final checkpoint at step %d failed: %s", self.state.step, e)
             return
+        error = c.take_error()
+        if error is not None:
+            log.error("final checkpoint failed: %s", error)
+            return
         total = time.monotonic() - t0
-        c = self.checkpoints
-        print(f"final checkpoint {c.written}: {total:.1f} s ({stall:.1f} s copying the state, "
-              f"{c.write_s or 0.0:.1f} s writing)", file=ConsoleStream(), flush=True)
+        print(f"final checkpoint {c.written}: {total:.1f} s ({stall or 0.0:.1f} s starting the "
+              f"copy, {c.write_s or 0.0:.1f} s writing)", file=ConsoleStream(), flush=True)
 
     async def run(self) -> None:
         log.info("learner pid %d, session %s, step %d, version %d", os.getpid(), self.session,

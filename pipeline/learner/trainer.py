@@ -23,6 +23,11 @@ number of micro-batches (ZeRO-2/3 communicate in each backward, ZeRO-3 in each f
 engine's ``step()`` clips with ``train.grad_clip`` and skips a step whose gradient norm is not
 finite. Snapshots gather ZeRO-3 partitions onto rank 0; checkpoints hold every rank's optimiser
 (and ZeRO-3 parameter) partition through DeepSpeed's checkpoint API (``save_shards``).
+
+Under FSDP2 (``train.fsdp2``, ``pipeline.learner.fsdp``) the policy is sharded by
+``fully_shard`` instead of prepared by the accelerator; as under ZeRO-3 every rank runs the same
+number of micro-batches, snapshots gather the shards (a collective) and ``save_shards`` writes
+every rank's weights and AdamW state (torch.distributed.checkpoint).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +46,7 @@ import torch
 from buffer.schema import RolloutGroup
 from pipeline.config import RunConfig
 from pipeline.learner import distributed as D
+from pipeline.learner import fsdp
 from pipeline.learner.attention import register as register_varlen
 from pipeline.learner.batching import PackedBatch, pack_groups, plan_micro_batches
 from pipeline.learner.build import (
@@ -50,7 +56,12 @@ from pipeline.learner.build import (
     make_accelerator,
     reference_model,
 )
-from pipeline.learner.checkpoint import DEEPSPEED_DIR, DEEPSPEED_TAG, CheckpointError
+from pipeline.learner.checkpoint import (
+    DEEPSPEED_DIR,
+    DEEPSPEED_TAG,
+    CheckpointError,
+    tensor_bytes,
+)
 from pipeline.learner.flops import ModelShape, peak_flops
 from pipeline.learner.logprobs import Policy, device_batch, micro_batch_logprobs
 from pipeline.learner.lora import merge_lora
@@ -84,7 +95,14 @@ class PolicyTrainer:
         self.zero_stage = 0
         if self.deepspeed is not None:
             self.zero_stage = configure_deepspeed(self.deepspeed.deepspeed_config, t, self.world)
+        self.fsdp2 = t.fsdp2
+        if self.fsdp2 and (self.deepspeed is not None or not D.is_distributed()):
+            raise ValueError("train.fsdp2 needs a multi-process learner without DeepSpeed "
+                             "(train.learner_processes >= 2, no train.accelerate_config)")
         self._lock = threading.Lock()  # a command and its collectives are never interleaved
+        # Called before each optimiser step changes the parameters: a checkpoint's copy of them
+        # may still be in flight (CheckpointWriter.fence).
+        self.before_update: Callable[[], None] | None = None
         self._released = False
         # fp32 master weights; bf16 autocast on GPUs (CPU autocast is slower than fp32 here);
         # DeepSpeed with bf16 keeps bf16 weights and fp32 masters in the optimiser partitions.
@@ -104,8 +122,12 @@ class PolicyTrainer:
         self.ref_model = None
         if t.loss.kl_coef > 0:
             self.ref_model = reference_model(
-                model_path, self.attn, t.logprob_chunk, self.device,
+                model_path, self.attn, t.logprob_chunk,
+                torch.device("cpu") if self.fsdp2 else self.device,
                 self.deepspeed.deepspeed_config if self.zero_stage == 3 else None)
+            if self.fsdp2:  # as large as the policy: sharded like it (onto the device)
+                self.ref_model = fsdp.shard(self.ref_model, self.ref_model.model, self.device,
+                                            self._bf16, reshard_root=True)
         self.snapshot_dtype = getattr(torch, cfg.model.dtype)
         tied = getattr(self.model.config, "tie_word_embeddings", False)
         self._skip = {"lm_head.weight"} if tied else set()
@@ -115,12 +137,32 @@ class PolicyTrainer:
         if self.device.type == "cuda":
             self._peak = peak_flops(torch.cuda.get_device_name(self.device))
 
+    @property
+    def sharded(self) -> bool:
+        """Weights are sharded over the ranks (ZeRO-3 or FSDP2): reading them is a collective."""
+        return self.zero_stage == 3 or self.fsdp2
+
+    @property
+    def has_shards(self) -> bool:
+        """Checkpoints need every rank's files (``save_shards``): DeepSpeed or FSDP2."""
+        return self.deepspeed is not None or self.fsdp2
+
+    @property
+    def _bf16(self) -> bool:
+        return self.cfg.model.dtype == "bfloat16"
+
     def _build_optimizer(self, cuda: bool) -> None:
         """AdamW over the trainable parameters, its warm-up scheduler, and the model and
-        optimiser prepared by the accelerator (``self.policy``: the logprob forward)."""
+        optimiser prepared by the accelerator (``self.policy``: the logprob forward); under
+        FSDP2 the policy is sharded first and the optimiser holds the shards."""
         t = self.cfg.train
+        if self.fsdp2:
+            # fully_shard moves the model to the mesh's device, layer by layer.
+            self.policy = fsdp.shard(Policy(self.model, t.logprob_chunk), self.model,
+                                     self.device, self._bf16)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        # One fused kernel for the whole update on a GPU (DeepSpeed keeps its own partitions).
+        # One fused kernel for the whole update on a GPU (DeepSpeed keeps its own partitions;
+        # fused AdamW takes FSDP2's sharded parameters as they are).
         fused = cuda and self.deepspeed is None
         optimizer = torch.optim.AdamW(params, lr=t.optimizer_lr, weight_decay=t.weight_decay,
                                       fused=fused or None)
@@ -128,6 +170,9 @@ class PolicyTrainer:
         # The scheduler stays outside accelerate: it steps once per optimiser step, not per rank.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        if self.fsdp2:
+            self.optimizer = optimizer
+            return
         self.policy, self.optimizer = self.accelerator.prepare(
             Policy(self.model, t.logprob_chunk), optimizer)
 
@@ -181,9 +226,9 @@ class PolicyTrainer:
     def accumulate_gradients(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """Forward/backward only: leaves the (rank-averaged) gradients of the batch loss in
         ``.grad`` (for tests and debugging); returns the loss metrics. Not under DeepSpeed,
-        whose gradients live in ZeRO partitions until its ``step()``."""
-        if self.deepspeed is not None:
-            raise NotImplementedError("accumulate_gradients under DeepSpeed")
+        whose gradients live in ZeRO partitions until its ``step()``, nor FSDP2 (sharded)."""
+        if self.deepspeed is not None or self.fsdp2:
+            raise NotImplementedError("accumulate_gradients under DeepSpeed or FSDP2")
         with self._lock:
             self._lead("grads", groups)
             return self._accumulate(groups)[1]
@@ -198,10 +243,10 @@ class PolicyTrainer:
     def _micro_batches(self, pb: PackedBatch) -> list[tuple[list[int], float]]:
         """This rank's micro-batches as (rows, weight of its loss). A rank without rows still
         runs one zero-weighted backward: DDP/ZeRO reductions are collectives that every rank
-        must enter; under DeepSpeed every rank runs as many as the busiest one (ZeRO-2/3
-        communicate in every backward, ZeRO-3 also in every forward)."""
+        must enter; under DeepSpeed and FSDP2 every rank runs as many as the busiest one
+        (ZeRO-2/3 and FSDP2 communicate in every backward, ZeRO-3 and FSDP2 in every forward)."""
         chunks = [(rows, 1.0) for rows in self._plan(pb, self.rank)] or [([0], 0.0)]
-        if self.deepspeed is not None:
+        if self.deepspeed is not None or self.fsdp2:
             most = max(len(self._plan(pb, r)) for r in range(self.world))
             chunks += [([0], 0.0)] * (most - len(chunks))
         return chunks
@@ -231,7 +276,9 @@ class PolicyTrainer:
                 last = ci == len(chunks) - 1
                 if ds:
                     self.policy.set_gradient_accumulation_boundary(last)
-                sync = contextlib.nullcontext() if last or ds else \
+                # FSDP2 reduce-scatters every micro-batch's gradients (as ZeRO does):
+                # skipping it would hold full fp32 gradients until the last one.
+                sync = contextlib.nullcontext() if last or ds or self.fsdp2 else \
                     self.accelerator.no_sync(self.policy)
                 with sync:
                     lp, ref = micro_batch_logprobs(self.policy, self.ref_model, b, attention)
@@ -255,6 +302,8 @@ class PolicyTrainer:
         averages over ranks; the loss is a sum over the global batch, so undo the 1/world."""
         if self.deepspeed is not None:  # not accelerator.backward: under DeepSpeed it steps
             self.policy.backward(loss * (keep * self.world))
+        elif self.fsdp2:  # reduce-scatter averages over ranks, as DDP's all-reduce
+            (loss * (keep * self.world)).backward()
         else:
             self.accelerator.backward(loss * (keep * self.world))
 
@@ -262,6 +311,8 @@ class PolicyTrainer:
         """Clip and apply the accumulated gradients unless any rank's loss or the gradient norm
         is not finite; returns (applied, gradient norm)."""
         grad_norm = math.nan
+        if self.before_update is not None:
+            self.before_update()
         if self.deepspeed is not None:
             finite = D.all_true(finite, self.device)
             # Clips (train.grad_clip) and skips an update whose gradient norm is not finite.
@@ -275,8 +326,12 @@ class PolicyTrainer:
         if finite or self.world > 1:
             clip = self.cfg.train.grad_clip
             params = [p for p in self.policy.parameters() if p.requires_grad]
-            grad_norm = float(self.accelerator.clip_grad_norm_(
-                params, clip if clip > 0 else float("inf")))
+            clip = clip if clip > 0 else float("inf")
+            if self.fsdp2:  # the norm over every rank's shards (a DTensor)
+                norm = torch.nn.utils.clip_grad_norm_(params, clip)
+                grad_norm = float(fsdp.full_tensor(norm))
+            else:
+                grad_norm = float(self.accelerator.clip_grad_norm_(params, clip))
             finite = finite and math.isfinite(grad_norm)
         finite = D.all_true(finite, self.device)
         if finite:
@@ -308,11 +363,16 @@ class PolicyTrainer:
 
     # -------------------------------------------------------------- weights
     def _model_state(self) -> dict[str, torch.Tensor]:
-        """The full (unwrapped) model state dict on rank 0, {} on the others. Under ZeRO-3 a
-        collective: each layer's partitions are gathered in turn and copied to rank 0's CPU."""
-        if self.rank != 0 and self.zero_stage != 3:
+        """The full (unwrapped) model state dict on rank 0, {} on the others. Under ZeRO-3 and
+        FSDP2 a collective: the shards are gathered in turn and copied to rank 0's CPU."""
+        if self.rank != 0 and not self.sharded:
             return {}
-        sd = self.accelerator.get_state_dict(self.policy) or {}
+        if self.fsdp2:
+            sd = fsdp.full_state(self.policy)
+        else:
+            sd = self.accelerator.get_state_dict(self.policy) or {}
+        if self.rank != 0:
+            return {}
         return {k.removeprefix("model."): v for k, v in sd.items()}
 
     def snapshot_tensors(self) -> dict[str, torch.Tensor]:
@@ -369,7 +429,7 @@ class PolicyTrainer:
         the generator to its end even when its own copy fails, or the other ranks wait for
         ever. Yields nothing on ranks other than 0."""
         with self._lock:
-            if self.zero_stage == 3:
+            if self.sharded:
                 self._lead("buckets", bucket_bytes)
             yield from self._snapshot_buckets(bucket_bytes)
 
@@ -386,7 +446,12 @@ class PolicyTrainer:
 
                 gather = deepspeed.zero.GatheredParameters(group, modifier_rank=None)
             with gather:
-                if self.rank == 0:
+                if self.fsdp2:  # one all-gather per parameter, every rank in turn
+                    full = [fsdp.full_tensor(p.detach()) for p in group]
+                    if self.rank == 0:
+                        yield dict(zip(names, full, strict=True))
+                    del full
+                elif self.rank == 0:
                     yield {n: p.detach() for n, p in zip(names, group, strict=True)}
 
     # -------------------------------------------------------------- checkpoint state
@@ -399,19 +464,40 @@ class PolicyTrainer:
         common = {"scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()}
         if self.deepspeed is not None:  # model and optimiser: every rank's, in save_shards()
             return {"deepspeed_zero_stage": self.zero_stage, **common}
+        if self.fsdp2:  # likewise: every rank's shards, in save_shards()
+            return {"fsdp2_ranks": self.world, **common}
         return {"model": self._model_state(), "optimizer": self.optimizer.state_dict(), **common}
+
+    def checkpoint_plan(self) -> tuple[int, int, bool]:
+        """(bytes, tensors, on a GPU) of ``state()``'s tensors once the optimiser has stepped:
+        the model state, and AdamW's two moments and step count per trainable parameter (its
+        state is still empty before the first step, when the staging buffers are allocated).
+        (0, 0, False) under DeepSpeed, whose ranks write their partitions themselves."""
+        if self.deepspeed is not None:
+            return 0, 0, False
+        nbytes, count, cuda = tensor_bytes(self.model.state_dict())
+        for p in self.model.parameters():
+            if p.requires_grad:
+                nbytes += 2 * p.numel() * p.element_size() + 8
+                count += 3
+        return nbytes, count, cuda
 
     def save_shards(self, directory: Path) -> None:
         """Under DeepSpeed, every rank writes its partitions (optimiser state, and ZeRO-3
-        parameters) into ``directory``/deepspeed: a collective; returns once all are written.
+        parameters) into ``directory``/deepspeed; under FSDP2 its shards of the weights and
+        the AdamW state into ``directory``/fsdp: a collective; returns once all are written.
         Nothing to do otherwise (``state()`` holds everything)."""
-        if self.deepspeed is None:
+        if not self.has_shards:
             return
         with self._lock:
             self._lead("save", str(directory))
             self._save_shards(str(directory))
 
     def _save_shards(self, directory: str) -> None:
+        if self.fsdp2:
+            fsdp.save(self.policy, self.optimizer, Path(directory))
+            D.barrier()
+            return
         self.policy.save_checkpoint(str(Path(directory) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
                                     client_state={}, save_latest=False)
         D.barrier()  # every rank's files are complete before rank 0 renames the directory
@@ -429,7 +515,17 @@ class PolicyTrainer:
             raise CheckpointError(
                 f"checkpoint {directory} was written {'with' if written_by_ds else 'without'} "
                 f"DeepSpeed; resume it with the same train.accelerate_config")
-        if self.deepspeed is not None:
+        written_ranks = state.get("fsdp2_ranks")
+        if (written_ranks is not None) != self.fsdp2 or written_ranks not in (None, self.world):
+            raise CheckpointError(
+                f"checkpoint {directory} was written with "
+                f"{f'train.fsdp2 over {written_ranks} ranks' if written_ranks else 'no FSDP2'}; "
+                f"resume it with the same train.fsdp2 and train.learner_processes")
+        if self.fsdp2:
+            if directory is None:
+                raise CheckpointError("an FSDP2 checkpoint needs its directory to load")
+            fsdp.load(self.policy, self.optimizer, Path(directory))
+        elif self.deepspeed is not None:
             if directory is None:
                 raise CheckpointError("a DeepSpeed checkpoint needs its directory to load")
             loaded, _ = self.policy.load_checkpoint(
