@@ -225,6 +225,13 @@ def console_to_log(path: Path, verbose: bool = False, every_s: float = 0.2) -> I
         err.close()
 
 
+def tell(logger: logging.Logger, message: str) -> None:
+    """A launcher event the user watches for (a producer joins or leaves an elastic run): on
+    the console's stdout, as a restart's line is on stderr, and in ``launcher.log``."""
+    logger.info("%s", message)
+    print(f"pipeline-train: {message}", flush=True)
+
+
 def launcher_logging(verbose: bool) -> None:
     """The launcher's records: stderr from WARNING up (all with ``verbose``); once the run
     directory is known, ``log_to_run_dir`` adds its file."""
@@ -270,4 +277,4 @@ def log_to_run_dir(run_dir: Path) -> logging.Handler:
 
 
 __all__ = ["LOGS_DIR", "LineFilter", "LogFollower", "console_to_log", "launcher_logging",
-           "log_to_run_dir", "resource_tracker_to"]
+           "log_to_run_dir", "resource_tracker_to", "tell"]

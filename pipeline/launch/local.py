@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from pipeline.config import RunConfig, flatten, load_config
-from pipeline.launch.console import LogFollower, log_to_run_dir, resource_tracker_to
+from pipeline.launch.console import LogFollower, log_to_run_dir, resource_tracker_to, tell
 from pipeline.launch.placement import learner_gpu_env, producer_gpu_env
 from pipeline.launch.preflight import prepare
 from pipeline.launch.run_dir import set_aside_previous_run, waiting_groups_line
@@ -471,11 +471,11 @@ class _Supervisor:
         if todo.problem:
             log.error("scale: %s", todo.problem)
         for i in todo.start:
-            log.info("scale: starting producer %d; it joins the run once its engine is up", i)
+            tell(log, f"scale: starting producer {i}; it joins the run once its engine is up")
             self._start_producer(i)
         for i in todo.leave:
-            log.info("scale: producer %d leaves the run once the groups it started are in the "
-                     "learner's checkpoint", i)
+            tell(log, f"scale: producer {i} leaves the run once the groups it started are in "
+                 "the learner's checkpoint")
             self.ask_to_leave(i)
 
     def ask_to_leave(self, i: int) -> None:
@@ -489,7 +489,7 @@ class _Supervisor:
         self.leaving.discard(i)
         del self.producers[i]
         if p.exitcode == 0:
-            log.info("producer %d left the run", i)
+            tell(log, f"producer {i} left the run")
         else:
             log.error("producer %d died while leaving (exit %s); groups of it that no "
                       "checkpoint holds stay in its outbox log (run_dir/producers/)", i,

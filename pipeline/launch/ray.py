@@ -36,6 +36,7 @@ from typing import Any
 import yaml
 
 from pipeline.config import RunConfig
+from pipeline.launch.console import tell
 from pipeline.launch.ray_actors import (
     KEY_FILES,
     PRODUCER_KEY_FILES,
@@ -274,7 +275,7 @@ class _Driver:
             log.error("scale: %s", todo.problem)
         lc = self.cfg.launch
         for i in todo.start:
-            log.info("scale: starting producer %d; it joins the run once its engine is up", i)
+            tell(log, f"scale: starting producer {i}; it joins the run once its engine is up")
             pg = place(self.ray, f"producer-{i}", [bundle(lc.producer_num_cpus,
                        lc.producer_num_gpus, lc.producer_resources)], lc.producer_strategy,
                        lc.producer_labels, lc.ray_timeout_s)
@@ -282,8 +283,8 @@ class _Driver:
             self.producers[i] = actor = self._producer(pg, 0, i, False)
             self.watched.add(i, actor, self.ray.get(actor.info.remote()))
         for i in todo.leave:
-            log.info("scale: producer %d leaves the run once the groups it started are in the "
-                     "learner's checkpoint", i)
+            tell(log, f"scale: producer {i} leaves the run once the groups it started are in "
+                 "the learner's checkpoint")
             self.watched.leaving.add(i)
             self.producers[i].leave.remote()
 

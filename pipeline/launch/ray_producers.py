@@ -8,6 +8,8 @@ import logging
 import time
 from typing import Any
 
+from pipeline.launch.console import tell
+
 log = logging.getLogger(__name__)
 
 
@@ -118,7 +120,7 @@ class ProducerWatch:
                 self.leaving.discard(i)
                 self.left.add(i)
                 if st["exit"] == 0:
-                    log.info("producer %d left the run", i)
+                    tell(log, f"producer {i} left the run")
                 else:
                     log.error("producer %d died while leaving (exit %s); groups of it that no "
                               "checkpoint holds stay in its outbox log", i, st["exit"])

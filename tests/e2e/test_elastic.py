@@ -73,6 +73,11 @@ def test_a_producer_joins_and_another_leaves_nothing_lost(tiny_model, tmp_path, 
         assert "p0 to leave" in scale(run_dir, "--remove", "p0")
         la.wait_for(lambda: "producer 0 left the run" in "\n".join(la.lines), 300,
                     "p0 to leave")
+        # Both are console lines (stdout), not only launcher records shown by --verbose.
+        for line in ("pipeline-train: scale: starting producer 1;",
+                     "pipeline-train: scale: producer 0 leaves the run",
+                     "pipeline-train: producer 0 left the run"):
+            la.wait_for(lambda line=line: line in "\n".join(la._out), 60, f"{line} on stdout")
         target = la.steps_done() + 3
         la.wait_for(lambda: la.steps_done() >= target, 300, "three more steps on p1 alone")
         for line in ("p1: the run has 1 producer(s) now (p1); data shard 0 of 1",

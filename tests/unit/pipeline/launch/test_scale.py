@@ -109,3 +109,43 @@ def test_an_index_still_leaving_is_not_given_to_a_new_producer():
     assert plan({"producers": 2}, [0], 4, leaving=[1]).start == [2]
     p = plan({"producers": 4}, [0], 4, leaving=[1])  # two fit, the third waits for p1
     assert p.start == [2, 3] and "p1 is still leaving" in p.problem
+
+
+class _FakeProcess:
+    """Stands for a running producer process (the supervisor only asks these)."""
+
+    def __init__(self, exitcode: int | None = None):
+        self.exitcode, self.pid = exitcode, 2**22 + 7
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+
+def test_joins_and_leaves_show_on_the_console_fake_processes(tmp_path, capsys):
+    """The local supervisor applies a scale request: the join and the leave are console lines
+    (stdout), as `pipeline-train scale` promises, not only launcher.log records."""
+    from pipeline.config import load_config
+    from pipeline.launch.console import LogFollower
+    from pipeline.launch.local import _Supervisor
+
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "num_producers": 1,
+                                 "max_producers": 2, "data.path": "arithmetic:10"})
+    (tmp_path / "logs").mkdir()
+    sup = _Supervisor(cfg, "all", "model", False, 0, set(), LogFollower(tmp_path / "logs"), 0, 0)
+    sup.producers = {0: _FakeProcess()}
+    started, asked = [], []
+    sup._start_producer = lambda i: (started.append(i), sup.producers.update({i: _FakeProcess()}))
+    sup.ask_to_leave = lambda i: (asked.append(i), sup.leaving.add(i))
+    sup._bury = lambda p: None
+
+    (tmp_path / SCALE_FILE).write_text(json.dumps({"producers": 2, "id": "a"}))
+    sup._scale()
+    (tmp_path / SCALE_FILE).write_text(json.dumps({"remove": "p1", "id": "b"}))
+    sup._scale()
+    sup._left(1, _FakeProcess(exitcode=0))
+    assert started == [1] and asked == [1]
+    assert capsys.readouterr().out.splitlines() == [
+        "pipeline-train: scale: starting producer 1; it joins the run once its engine is up",
+        "pipeline-train: scale: producer 1 leaves the run once the groups it started are in "
+        "the learner's checkpoint",
+        "pipeline-train: producer 1 left the run"]
