@@ -91,21 +91,29 @@ def plan_shards(specs: list[tuple[str, tuple[int, ...], str]], shard_bytes: int 
     return shards
 
 
-def write_model(out_dir: Path, spec: dict[str, Any], *, device: str | None = None,
-                seed: int = 0, shard_bytes: int = SHARD_BYTES) -> int:
-    """config.json, generation_config.json and the bf16 safetensors shards (+ index) of a
-    random-init Qwen2 of shape ``spec`` into ``out_dir``; returns the parameter count."""
-    import torch
-    from safetensors.torch import save_file
+def write_config(out_dir: Path, spec: dict[str, Any]) -> Any:
+    """config.json and generation_config.json of a Qwen2 of shape ``spec`` (no weights: what
+    a benchmark that draws its weights on the GPU needs, with ``copy_tokenizer``)."""
     from transformers import GenerationConfig, Qwen2Config
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out_dir.mkdir(parents=True, exist_ok=True)
     config = Qwen2Config(**spec, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config.architectures = ["Qwen2ForCausalLM"]
     config.dtype = "bfloat16"
     config.save_pretrained(out_dir)
     GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0).save_pretrained(out_dir)
+    return config
+
+
+def write_model(out_dir: Path, spec: dict[str, Any], *, device: str | None = None,
+                seed: int = 0, shard_bytes: int = SHARD_BYTES) -> int:
+    """config.json, generation_config.json and the bf16 safetensors shards (+ index) of a
+    random-init Qwen2 of shape ``spec`` into ``out_dir``; returns the parameter count."""
+    import torch
+    from safetensors.torch import save_file
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = write_config(out_dir, spec)
     specs = tensor_specs(spec)
     shapes = {name: (shape, init) for name, shape, init in specs}
     gen = torch.Generator(device=device).manual_seed(seed)

@@ -1,24 +1,38 @@
 """Learner-only throughput: PolicyTrainer optimiser steps on synthetic GRPO batches, no engine.
 
     python -m bench.learner_bench --size 3b --variants legacy,rows,packed --out runs/learner
+    python -m bench.learner_bench --size 7b --processes 2 --variants zero3-rows4,fsdp2-rows4
 
-Each variant is one set of ``train.*`` options (VARIANTS) run in a fresh process (its own CUDA
-memory; an out-of-memory variant is reported, not fatal) on the same batch: BATCH prompts x G
-completions of PROMPT + completion tokens (``--lengths fixed``: every completion MAX tokens, as
-the throughput benchmarks' ignore_eos; ``variable``: uniform in [MAX/8, MAX], as real GRPO).
-Timed: ``--steps`` optimiser steps after one warm-up; reported per variant: seconds per step,
-learner tokens/s (prompt and completion tokens through the forward), model TFLOP/s and MFU
+Each variant is one set of ``train.*`` options run in a fresh process (its own CUDA memory; an
+out-of-memory variant is reported, not fatal) on the same batch: BATCH prompts x G completions of
+PROMPT + completion tokens (``--lengths fixed``: every completion MAX tokens, as the throughput
+benchmarks' ignore_eos; ``variable``: uniform in [MAX/8, MAX], as real GRPO). Timed: ``--steps``
+optimiser steps after one warm-up; reported per variant: seconds per step, learner tokens/s
+(prompt and completion tokens through the forward), model TFLOP/s and MFU
 (pipeline.learner.flops, the same count for every variant) and peak GPU memory.
 
-``legacy`` runs the same steps with another checkout's ``pipeline`` package (``--legacy-root``,
-e.g. ``git archive <commit> pipeline buffer sync | tar -x -C .legacy``): before vs after in one
-run, on the same GPU.
+One process (VARIANTS): the model is read from disk. ``legacy`` runs the same steps with another
+checkout's ``pipeline`` package (``--legacy-root``, e.g. ``git archive <commit> pipeline buffer
+sync | tar -x -C .legacy``): before vs after in one run, on the same GPU.
+
+``--processes N`` (DIST_VARIANTS): each variant is a fresh process group of N ranks started by
+``accelerate launch``, the learner's own launcher (a ZeRO-3 accelerate config, or torchrun with
+``train.fsdp2``); rank 0 drives the steps and the others ``follow()``, as in a run. The weights
+are drawn at random on each rank's device from the model's config.json (no weights are read:
+a 7B learner starts in seconds, and a step's cost does not depend on the values). MFU is over the
+N GPUs' peak; peak memory is each rank's (reserved by the allocator, over the warm-up and the
+timed steps). ``--budget`` shares one device call among the variants in the order given: a
+variant that cannot get ``--min-variant-s`` is reported as not run. On CPU (gloo, DeepSpeed's CPU
+accelerator) ``--size tiny`` checks the whole path in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +52,42 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 BASE = {"data.path": "arithmetic:10", "train.lr": 1e-6,
         "rewards.specs": [{"fn": "pipeline.tasks.rewards:exact_match"}]}
+
+# --processes N: how the learner is sharded ("zero3": examples/accelerate/zero3.yaml; "fsdp2":
+# train.fsdp2), DeepSpeed's bf16 mode or not ("bf16": False runs fp32 weights under autocast),
+# the train.* options and ZeRO settings over DeepSpeed's defaults ("zero").
+CKPT = {"train.gradient_checkpointing": True}
+ZERO_BUCKETS = {"stage3_prefetch_bucket_size": 500_000_000,
+                "stage3_max_live_parameters": 2_000_000_000,
+                "stage3_param_persistence_threshold": 1_000_000,
+                "reduce_bucket_size": 500_000_000}
+
+
+def _packed(tokens: int, ckpt: bool = True) -> dict[str, Any]:
+    return {"train.packing": True, "train.micro_batch_tokens": tokens, **(CKPT if ckpt else {})}
+
+
+DIST_VARIANTS: dict[str, dict[str, Any]] = {
+    # The 7B colocated-2 run of BENCHMARKS.md: ZeRO-3 in DeepSpeed's bf16 mode, 4 rows a
+    # micro-batch, DeepSpeed's default prefetch and bucket sizes.
+    "zero3-rows4": {"shard": "zero3", "train": {"train.micro_batch": 4}},
+    "zero3-fp32-rows4": {"shard": "zero3", "bf16": False, "train": {"train.micro_batch": 4}},
+    "zero3-packed-4k": {"shard": "zero3", "train": _packed(4096, ckpt=False)},
+    "zero3-packed-4k-ckpt": {"shard": "zero3", "train": _packed(4096)},
+    "zero3-packed-16k-ckpt": {"shard": "zero3", "train": _packed(16384)},
+    "zero3-packed-16k-ckpt-buckets": {"shard": "zero3", "train": _packed(16384),
+                                      "zero": ZERO_BUCKETS},
+    "zero3-packed-32k-ckpt": {"shard": "zero3", "train": _packed(32768)},
+    "fsdp2-rows4": {"shard": "fsdp2", "train": {"train.micro_batch": 4}},
+    "fsdp2-packed-4k": {"shard": "fsdp2", "train": _packed(4096, ckpt=False)},
+    "fsdp2-packed-4k-ckpt": {"shard": "fsdp2", "train": _packed(4096)},
+    "fsdp2-packed-16k-ckpt": {"shard": "fsdp2", "train": _packed(16384)},
+    "fsdp2-packed-32k-ckpt": {"shard": "fsdp2", "train": _packed(32768)},
+}
+# The order a 7B call runs them in when it cannot run them all (run_gpu.sh learner7b).
+DIST_DEFAULT = ("zero3-rows4,zero3-packed-16k-ckpt,fsdp2-packed-16k-ckpt,"
+                "zero3-packed-16k-ckpt-buckets,fsdp2-packed-32k-ckpt,fsdp2-packed-4k,fsdp2-rows4,"
+                "zero3-fp32-rows4")
 
 
 def synthetic_groups(n_groups: int, group_size: int, prompt: int, max_tokens: int,
@@ -123,10 +173,231 @@ def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
     return r
 
 
+def random_weights(device: str) -> None:
+    """``from_pretrained`` of this process builds the model from its config.json with random
+    weights drawn on ``device`` (under ZeRO-3's zero3_init_flag, transformers' zero.Init
+    partitions them as they are drawn)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def from_pretrained(path: str, dtype: Any = torch.float32, **kwargs: Any) -> Any:
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path),
+                                                    dtype=dtype, **kwargs)
+
+    AutoModelForCausalLM.from_pretrained = from_pretrained
+
+
+def dist_child(args: argparse.Namespace) -> None:
+    """One rank of a --processes variant: rank 0 times the steps and prints one RESULT line;
+    every rank writes its peak memory to RUN_DIR/rank<r>.json."""
+    import torch
+
+    import pipeline.learner.trainer as trainer_mod
+    from pipeline.config import load_config
+    from pipeline.learner import distributed as D
+
+    t_start = time.monotonic()
+    spec = DIST_VARIANTS[args.variant]
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    random_weights(f"cuda:{local}" if cuda else "cpu")
+    zero = spec.get("zero") or {}
+    if zero:  # ZeRO settings over DeepSpeed's defaults, before the engine is built
+        configure = trainer_mod.configure_deepspeed
+
+        def configure_with(c: dict, t: Any, world: int) -> int:
+            c.setdefault("zero_optimization", {}).update(zero)
+            return configure(c, t, world)
+
+        trainer_mod.configure_deepspeed = configure_with
+    over = {**BASE, "model.path": args.model, "run_dir": args.run_dir,
+            "generation.group_size": args.group_size, "model.dtype": "bfloat16",
+            "train.learner_processes": D.world_size(),
+            "train.fsdp2": spec["shard"] == "fsdp2", **spec["train"]}
+    cfg = load_config(overrides=over)
+    trainer = trainer_mod.PolicyTrainer(cfg, args.model)
+    init_s = time.monotonic() - t_start
+    if cuda:
+        torch.cuda.empty_cache()  # FSDP2 drew the full model before sharding it
+        torch.cuda.reset_peak_memory_stats()
+    if D.is_main():
+        groups = synthetic_groups(args.batch, args.group_size, args.prompt, args.max_tokens,
+                                  args.lengths, trainer.vocab_size)
+        try:
+            trainer.step(groups, 0)
+            times, metrics = [], {}
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                metrics = trainer.step(groups, 0)
+                times.append(time.perf_counter() - t0)  # step() synchronises the GPU
+                if metrics["skipped_nonfinite"]:
+                    raise RuntimeError("a step was skipped as non-finite")
+        finally:
+            trainer.release_followers()
+        print("RESULT " + json.dumps({"step_s": times, "init_s": init_s,
+                                      "loss": metrics.get("loss/loss"),
+                                      "grad_norm": metrics.get("grad_norm")}), flush=True)
+    else:
+        step = trainer._step
+
+        def step_or_die(*a: Any) -> Any:
+            # follow() logs a failed step and waits for the next command, which would leave
+            # rank 0 waiting in a collective for ever: end the process group instead.
+            try:
+                return step(*a)
+            except BaseException as e:
+                print(f"rank {D.rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                os._exit(3)
+
+        trainer._step = step_or_die
+        trainer.follow()
+    gb = 1e9
+    peak = {"alloc_gb": torch.cuda.max_memory_allocated() / gb if cuda else 0.0,
+            "reserved_gb": torch.cuda.max_memory_reserved() / gb if cuda else 0.0,
+            "init_s": init_s}
+    (Path(args.run_dir) / f"rank{D.rank()}.json").write_text(json.dumps(peak))
+    D.barrier()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_flags(name: str, out: Path, cuda: bool) -> list[str]:
+    """``accelerate launch`` flags of a --processes variant: ZeRO-3 through an accelerate
+    config (examples/accelerate/zero3.yaml, bf16 as the variant says), FSDP2 as
+    pipeline-train starts a multi-process learner without one (torchrun, one rank a GPU)."""
+    import yaml
+
+    spec = DIST_VARIANTS[name]
+    if spec["shard"] == "fsdp2":
+        return ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    root = Path(__file__).resolve().parents[1]
+    conf = yaml.safe_load((root / "examples/accelerate/zero3.yaml").read_text())
+    conf["mixed_precision"] = "bf16" if spec.get("bf16", True) else "no"
+    conf["use_cpu"] = False
+    path = out / f"{name}.accelerate.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    return ["--config_file", str(path)]
+
+
+def measure_dist(args: argparse.Namespace, name: str, timeout: float) -> dict[str, Any]:
+    """One --processes variant in a process group of its own; killed as a group at
+    ``timeout``."""
+    import numpy as np
+    import torch
+
+    run_dir = args.out / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for f in run_dir.glob("rank*.json"):
+        f.unlink()
+    cuda = torch.cuda.is_available()
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
+           str(args.processes), "--num_machines", "1", "--main_process_port", str(_free_port()),
+           *launch_flags(name, args.out, cuda), "-m", "bench.learner_bench", "--child",
+           "--variant", name, "--model", args.model, "--run-dir", str(run_dir),
+           *[f"--{k}={getattr(args, k.replace('-', '_'))}" for k in
+             ("batch", "group-size", "prompt", "max-tokens", "lengths", "steps")]]
+    env = dict(os.environ)
+    if not cuda:
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    log_path = args.out / f"{name}.log"
+    t0 = time.monotonic()
+    with log_path.open("w") as log_f:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log_f, text=True, env=env,
+                             start_new_session=True)
+        try:
+            stdout, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            stdout, _ = p.communicate()
+            stdout += f"\n[learner_bench] killed after {timeout:.0f} s\n"
+        log_f.write(stdout)
+    wall = time.monotonic() - t0
+    text = log_path.read_text()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    if p.returncode or not lines:
+        oom = "out of memory" in text or "OutOfMemoryError" in text
+        why = "out of memory" if oom else f"over {timeout:.0f} s" if "killed after" in text \
+            else next((ln for ln in reversed(text.splitlines()) if "Error" in ln), "failed")
+        return {"variant": name, "error": why[:160], "wall_s": wall}
+    r = json.loads(lines[-1].removeprefix("RESULT "))
+    ranks = sorted(run_dir.glob("rank*.json"), key=lambda f: int(f.stem[4:]))
+    r.update(variant=name, wall_s=wall, step_s_mean=float(np.mean(r["step_s"])),
+             peaks=[json.loads(f.read_text()) for f in ranks])
+    return r
+
+
+def dist_table(args: argparse.Namespace, rows: list[dict], device: str, total_tokens: int
+               ) -> str:
+    head = (f"Learner alone, {args.size} over {args.processes} x {device}: {args.batch} prompts "
+            f"x {args.group_size}, prompt {args.prompt} + completion {args.lengths} <= "
+            f"{args.max_tokens} tokens ({total_tokens} tokens a step), {args.steps} timed steps "
+            f"after 1 warm-up, random-init weights")
+    out = [head, "", "| variant | sharding | train.* options | s/step | tokens/s | tokens/s per "
+           "GPU | MFU | peak GB reserved per rank | start s | wall s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    base = next((r for r in rows if "step_s_mean" in r), None)
+    for r in rows:
+        spec = DIST_VARIANTS[r["variant"]]
+        shard = {"zero3": "ZeRO-3, " + ("bf16 weights" if spec.get("bf16", True)
+                                         else "fp32 weights + autocast"),
+                 "fsdp2": "FSDP2, bf16 compute"}[spec["shard"]]
+        if spec.get("zero"):
+            shard += ", " + ", ".join(f"{k.removeprefix('stage3_')}={v:.0e}"
+                                      for k, v in spec["zero"].items())
+        opts = ", ".join(f"{k.removeprefix('train.')}={v}" for k, v in spec["train"].items())
+        if "error" in r:
+            out.append(f"| {r['variant']} | {shard} | {opts} | {r['error']} | | | | | | "
+                       f"{r.get('wall_s', 0):.0f} |")
+            continue
+        speed = f" ({base['step_s_mean'] / r['step_s_mean']:.2f}x)" if base else ""
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"
+        peaks = " / ".join(f"{p['reserved_gb']:.1f}" for p in r["peaks"]) or "?"
+        out.append(f"| {r['variant']} | {shard} | {opts} | {r['step_s_mean']:.2f}{speed} | "
+                   f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / args.processes:,.0f} | "
+                   f"{mfu} | {peaks} | {r['init_s']:.0f} | {r['wall_s']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def prepare_model(size: str, processes: int) -> str:
+    """The model directory of ``--size``: a directory as given; ``tiny`` the test model; a
+    bench.gpu_model size with its weights (one process reads them) or, for --processes, its
+    config and tokenizer only (the ranks draw the weights)."""
+    if Path(size).is_dir():
+        return str(Path(size).resolve())
+    if size == "tiny":
+        from pipeline.models import build_tiny_model
+
+        return str(build_tiny_model(Path("/tmp/bench-models/tiny")))
+    if processes > 1:
+        from bench.gpu_model import SIZES, copy_tokenizer, write_config
+
+        path = Path(f"/tmp/bench-models/{size}-config")
+        if not (path / "tokenizer.json").is_file():
+            write_config(path, SIZES[size])
+            copy_tokenizer(path)
+        return str(path)
+    path = Path(f"/tmp/bench-models/{size}")
+    if not (path / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "bench.gpu_model", str(path), "--size", size],
+                       check=True)
+    return str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="3b", help="bench.gpu_model size, or a model directory")
-    p.add_argument("--variants", default="legacy,rows,packed-16k")
+    p.add_argument("--size", default="3b",
+                   help="bench.gpu_model size, 'tiny' (the test model), or a model directory")
+    p.add_argument("--processes", type=int, default=1,
+                   help="learner ranks per variant (> 1: DIST_VARIANTS, one GPU each)")
+    p.add_argument("--variants", default=None, help="comma-separated; default: "
+                   "legacy,rows,packed-16k (one process) or DIST_DEFAULT (--processes)")
     p.add_argument("--batch", type=int, default=16, help="prompts (groups) per step")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt", type=int, default=40, help="prompt tokens")
@@ -135,15 +406,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--legacy-root", default=".legacy")
     p.add_argument("--variant-timeout", type=float, default=240)
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds for all variants together (0: no limit); each variant gets "
+                   "at most what is left")
+    p.add_argument("--min-variant-s", type=float, default=60,
+                   help="a variant is not started with less than this left of --budget")
     p.add_argument("--out", type=Path, default=Path("runs/learner"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="", help=argparse.SUPPRESS)
     p.add_argument("--model", default="", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
     p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args)
+        (dist_child if args.variant else child)(args)
         return 0
+    t_start = time.monotonic()
+    dist = args.processes > 1
+    table_of = DIST_VARIANTS if dist else VARIANTS
+    names = (args.variants or (DIST_DEFAULT if dist else "legacy,rows,packed-16k")).split(",")
+    unknown = [n for n in names if n not in table_of]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; known: {', '.join(table_of)}")
     import torch
     from transformers import AutoConfig
 
@@ -151,18 +435,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    if "legacy" in args.variants.split(","):
+    if not dist and "legacy" in names:
         legacy = Path(args.legacy_root) / "bench"
         legacy.mkdir(parents=True, exist_ok=True)
         (legacy / "learner_bench.py").write_text(Path(__file__).read_text())
         (legacy / "__init__.py").touch()
-    if Path(args.size).is_dir():
-        args.model = str(Path(args.size).resolve())
-    else:
-        args.model = f"/tmp/bench-models/{args.size}"
-        if not (Path(args.model) / "config.json").is_file():
-            subprocess.run([sys.executable, "-m", "bench.gpu_model", args.model, "--size",
-                            args.size], check=True)
+    args.model = prepare_model(args.size, args.processes)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(args.model))
     lengths = [args.prompt + len(c.token_ids) for g in synthetic_groups(
         args.batch, args.group_size, args.prompt, args.max_tokens, args.lengths,
@@ -171,15 +449,36 @@ def main(argv: list[str] | None = None) -> int:
     flops = train_flops(shape, lengths, loss_tokens)
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     peak = peak_flops(device)
-    rows = []
-    for name in args.variants.split(","):
-        r = measure(args, name)
+    if peak:
+        peak *= args.processes
+    rows: list[dict] = []
+    for name in names:
+        left = args.variant_timeout
+        if args.budget:
+            left = min(left, args.budget - (time.monotonic() - t_start))
+        if left < args.min_variant_s:
+            r = {"variant": name, "error": f"not run: {max(left, 0):.0f} s left of --budget"}
+        else:
+            r = measure_dist(args, name, left) if dist else measure(args, name)
         if "step_s_mean" in r:
             s = r["step_s_mean"]
             r.update(tokens_per_s=sum(lengths) / s, tflops=flops / s / 1e12,
                      mfu=flops / s / peak if peak else None)
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "step_s"}), flush=True)
+        # Written after every variant: a call cut short still leaves the rows it finished.
+        text = dist_table(args, rows, device, sum(lengths)) if dist else \
+            single_table(args, rows, device, lengths)
+        (args.out / "results.md").write_text(text)
+        (args.out / "results.json").write_text(json.dumps(
+            {"device": device, "size": args.size, "processes": args.processes,
+             "lengths": lengths, "flops": flops, "rows": rows}, indent=1))
+    print(text)
+    return 0
+
+
+def single_table(args: argparse.Namespace, rows: list[dict], device: str, lengths: list[int]
+                 ) -> str:
     head = (f"Learner alone, {args.size} on {device}: {args.batch} prompts x {args.group_size}, "
             f"prompt {args.prompt} + completion {args.lengths} <= {args.max_tokens} tokens "
             f"({sum(lengths)} tokens a step), {args.steps} timed steps after 1 warm-up")
@@ -197,13 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         table.append(f"| {r['variant']} | {opts} | {r['step_s_mean']:.2f}{speed} | "
                      f"{r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {mfu} | "
                      f"{r['peak_gib']:.1f} |")
-    text = "\n".join(table) + "\n"
-    print(text)
-    (args.out / "results.md").write_text(text)
-    (args.out / "results.json").write_text(json.dumps(
-        {"device": device, "size": args.size, "lengths": lengths, "flops": flops,
-         "rows": rows}, indent=1))
-    return 0
+    return "\n".join(table) + "\n"
 
 
 if __name__ == "__main__":

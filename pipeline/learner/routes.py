@@ -200,7 +200,7 @@ class LearnerRoutes:
         tensors = tr.snapshot_tensors() if plan is None else None
         layout = plan_layout(tensors) if tensors is not None else plan_layout_of(plan)
         device = capture_device(tr.device, getattr(self.publisher, "device", None),
-                                gpu_routes, tr.zero_stage == 3)
+                                gpu_routes, tr.sharded)
         try:
             flat = torch.empty(total_bytes(layout), dtype=torch.uint8, device=device,
                                pin_memory=device.type == "cpu" and torch.cuda.is_available())
