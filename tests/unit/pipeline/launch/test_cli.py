@@ -87,6 +87,26 @@ def test_bind_check_only_for_the_learner_and_lifted_by_insecure(tiny_model, tmp_
 
 
 
+@pytest.mark.parametrize("bad, option", [
+    ({"data.path": "/nonexistent/prompts.jsonl"}, "data.path"),
+    ({"rewards.specs": [{"fn": "pipeline.tasks.rewards:no_such_reward"}]}, "rewards.specs"),
+])
+def test_checks_that_need_no_model_fail_before_it_is_built(tmp_path, bad, option):
+    """A mistyped option is one line before the model is resolved, which builds or converts
+    it on first use (the demo's SmolLM2: a minute and a progress bar)."""
+    from pipeline.config import load_config
+    from pipeline.launch.preflight import prepare
+    from pipeline.options import ConfigError
+
+    models = tmp_path / "models"
+    cfg = load_config(overrides={"model.path": "tiny", "model.cache_dir": str(models),
+                                 "data.path": "arithmetic:10", "run_dir": str(tmp_path / "run"),
+                                 **bad})
+    with pytest.raises(ConfigError, match=option):
+        prepare(cfg)
+    assert not models.exists()
+
+
 def test_curve_keys_lift_the_bind_check_and_a_producer_without_them_is_refused(tiny_model,
                                                                                tmp_path):
     from pipeline.config import load_config
