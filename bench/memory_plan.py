@@ -52,6 +52,8 @@ def layouts() -> list[Layout]:
     return [
         Layout("7B colocated-2 (2 H200, ZeRO-3, engine share 0.3)", "7b", H200,
                LearnerSetup(ranks=2, zero_stage=3), ["0", "1"], [["0"], ["1"]], 0.3, 25.0),
+        Layout("7B colocated-2 (2 H200, FSDP2, engine share 0.3)", "7b", H200,
+               LearnerSetup(ranks=2, fsdp2=True), ["0", "1"], [["0"], ["1"]], 0.3, 25.0),
         Layout("72B split: learner ZeRO-3 + optimizer offload on nodes 0-1, "
                "4 producers TP=4 on nodes 2-3", "72b", H100,
                LearnerSetup(ranks=16, zero_stage=3, offload_optimizer=True), learner16,
@@ -84,7 +86,7 @@ def row(lay: Layout) -> dict:
         "worst_gpu_need_gb": round(worst.need / GB, 1),
         "host_gb_per_learner_node": round(host / GB),
         "gpu_gb": round(lay.gpu_bytes / GB, 1),
-        "fits": all(n.need <= n.total for n in needs),
+        "fits": all(n.need <= n.usable for n in needs),  # FREE_AT_PEAK of each GPU kept
         "sync_gb_per_version": round(weights / GB, 1),
         "sync_s_at_link": round(weights / GB / lay.link_gb_s, 2),
         "link_gb_s": lay.link_gb_s,

@@ -36,6 +36,14 @@
 #   lora           bench.lora_sync, rank 16 on the 0.5B model with CUDA graphs: generation tok/s
 #                  of an adapter version vs merged weights (and their ratio), bytes and swap
 #                  time per version (1 GPU; peft from .whl, bench/fetch_wheels.sh)
+#   learner7b      the learner alone over 2 GPUs, no engines (bench.learner_bench --processes 2,
+#                  MODEL default 7b, drawn at random on the GPUs): every variant of its
+#                  DIST_DEFAULT (or VARIANTS=a,b,...) in a fresh process group, in that order,
+#                  sharing the call: ZeRO-3 as the 7B run uses it, packed and checkpointed,
+#                  larger ZeRO prefetch/buckets, FSDP2, ZeRO-3 with fp32 weights; s/step,
+#                  tokens/s, MFU, peak memory per rank; RUN_TIMEOUT caps one variant (150 s),
+#                  STEPS timed steps (2), BENCH_ARGS more learner_bench flags (2 GPUs;
+#                  deepspeed from .whl)
 #
 # Environment:
 #   MODEL=0.5b|1.5b|3b|7b  random-init model of colocated/split/trl-async (default 0.5b;
@@ -228,6 +236,18 @@ for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
       --set data.path=arithmetic:2000:9 --set train.freeze_layers=20 \
       --set train.micro_batch=64 --set "engine.enforce_eager=${EAGER:-true}" \
       --set "sync.transport=${TRANSPORT:-auto}" --run-timeout "$run_to" ${BENCH_ARGS:-}
+    ;;
+  learner7b)
+    python3 -c "import accelerate, deepspeed, msgspec; print('deepspeed', deepspeed.__version__)" \
+      || exit 1
+    t=$(budget 600) || exit 1
+    echo "learner7b: $t s for learner_bench"
+    # BENCH_ARGS word-split on purpose (e.g. the CPU check: --batch 2 --max-tokens 16).
+    CUDA_VISIBLE_DEVICES=${GPUS:-${CUDA_VISIBLE_DEVICES:-0,1}} timeout -k 15 "$t" \
+      python3 -m bench.learner_bench --size "${MODEL:-7b}" --processes 2 \
+      ${VARIANTS:+--variants "$VARIANTS"} --steps "${STEPS:-2}" --budget $(( t - 20 )) \
+      --variant-timeout "${RUN_TIMEOUT:-150}" --out "$out/learner7b" ${BENCH_ARGS:-} 2>&1 | quiet
+    pack learner7b
     ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac

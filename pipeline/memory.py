@@ -3,15 +3,18 @@
 Owns a lower bound of what each GPU must hold: the learner's share of the model state
 (parameters x bytes per parameter / ranks, by DeepSpeed stage, precision and offload) plus the
 engines' fixed share (``engine.gpu_memory_utilization`` of the GPU for each producer worker on
-it). Activations, the CUDA context and fragmentation come on top, so a plan refused here could
-never run; one that passes may still run out of memory later (the check never refuses a run
-that could fit). Pure functions, called by ``check_memory_plan`` with the model's config.json,
-the accelerate config and the GPUs' memory (``nvidia-smi``; no GPU, no check).
+it). Activations, gathered layers, the CUDA context and fragmentation come on top: they get the
+``FREE_AT_PEAK`` share of each GPU that the plan keeps out of its reach, so a plan passes only if
+the model state and the engines fit in the rest (BENCHMARKS.md's learner-alone table has the
+measured peaks that reserve has to hold). Pure functions, called by ``check_memory_plan`` with
+the model's config.json, the accelerate config and the GPUs' memory (``nvidia-smi``; no GPU, no
+check).
 
 Bytes per parameter of the learner (Adam, fp32 master weights and gradients):
   plain or DDP (fp32 weights, autocast)           4 + 4 + 8                = 16
   ZeRO-1/2, bf16 weights, state partitioned        2 + 16 / ranks
   ZeRO-3, everything partitioned                   (2 + 16) / ranks
+  FSDP2 (train.fsdp2): fp32 shards, bf16 compute     16 / ranks
   optimizer offload (cpu/nvme): the 16 stay home   2 + 2 / ranks  (ZeRO-3: 4 / ranks)
   ZeRO-3 parameter offload too                     2 / ranks      (gradients only)
   LoRA: the frozen weights alone                   4 (plain), 2 (DeepSpeed bf16), / ranks at ZeRO-3
@@ -30,6 +33,7 @@ from typing import Any
 from pipeline.schedule import engine_count
 
 GB = 1e9
+FREE_AT_PEAK = 0.10  # of each GPU, kept for activations, gathered layers and the CUDA context
 
 
 class MemoryPlanError(ValueError):
@@ -64,11 +68,14 @@ class LearnerSetup:
     offload_optimizer: bool = False
     offload_param: bool = False
     lora: bool = False
+    fsdp2: bool = False          # train.fsdp2 (no DeepSpeed)
 
 
 def bytes_per_param(s: LearnerSetup) -> float:
     """Per learner rank (see the module docstring's table)."""
     w = 2.0 if s.bf16 else 4.0
+    if s.fsdp2:  # the sharded parameters are the fp32 master weights
+        return 16.0 / s.ranks
     if s.zero_stage == 0:
         return 4.0 if s.lora else 16.0
     if s.lora:
@@ -93,6 +100,11 @@ class GpuNeed:
     def need(self) -> float:
         return self.learner + self.engines
 
+    @property
+    def usable(self) -> float:
+        """What the model state and the engines may take: all but ``FREE_AT_PEAK``."""
+        return self.total * (1 - FREE_AT_PEAK)
+
 
 def plan(params: int, setup: LearnerSetup, learner_gpus: list[str],
          producer_gpus: list[list[str]], engine_util: float,
@@ -116,40 +128,64 @@ def plan(params: int, setup: LearnerSetup, learner_gpus: list[str],
     return out
 
 
+def _label(s: LearnerSetup) -> str:
+    if s.fsdp2:
+        return "FSDP2"
+    return {0: "plain", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[s.zero_stage]
+
+
+def _fits(needs: list[GpuNeed], setup: LearnerSetup, other: LearnerSetup) -> bool:
+    """Whether every GPU's plan fits with the learner as ``other`` (same ranks, same GPUs)."""
+    ratio = bytes_per_param(other) / bytes_per_param(setup)
+    return all(n.learner * ratio + n.engines <= n.usable for n in needs)
+
+
 def refusal(needs: list[GpuNeed], params: int, setup: LearnerSetup, engine_util: float
             ) -> str | None:
-    """One line naming the first GPU whose plan cannot fit and what would make it fit, or None."""
-    over = [n for n in needs if n.need > n.total]
+    """One line naming the first GPU whose plan does not fit (model state and engines beyond
+    all but ``FREE_AT_PEAK`` of it) and the options that would make every GPU fit, or None."""
+    over = [n for n in needs if n.need > n.usable]
     if not over:
         return None
-    n = max(over, key=lambda x: x.need - x.total)
-    kind = {0: "plain", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}[setup.zero_stage]
+    n = max(over, key=lambda x: x.need - x.usable)
     parts = [f"learner {n.learner / GB:.1f} GB ({params / 1e9:.2f}B parameters x "
-             f"{bytes_per_param(setup):.1f} B each, {kind} over {setup.ranks} rank(s))"]
+             f"{bytes_per_param(setup):.1f} B each, {_label(setup)} over {setup.ranks} rank(s))"]
     if n.producers:
         parts.append(f"engines {n.engines / GB:.1f} GB ({n.producers} x "
                      f"engine.gpu_memory_utilization {engine_util:g})")
-    room = n.total - n.learner
     options = []
-    if n.producers and room > 0:
-        fit = int(room / n.total / n.producers * 100) / 100
-        if fit >= 0.05:  # a bound: activations need some of that room too
-            options.append(f"--engine.gpu_memory_utilization {fit:g} or less")
-    if setup.zero_stage != 3 or not setup.offload_optimizer:
+    # The largest engine share that fits on every GPU that holds an engine.
+    shares = [(m.usable - m.learner) / m.total / m.producers for m in needs if m.producers]
+    fit = int(min(shares) * 100) / 100 if shares else 0.0
+    if shares and fit >= 0.05:  # a smaller share still leaves the engine room for its KV cache
+        options.append(f"--engine.gpu_memory_utilization {fit:g} or less")
+    r = setup.ranks
+    if r > 1 and not setup.lora and not setup.fsdp2 and _fits(
+            needs, setup, LearnerSetup(ranks=r, fsdp2=True)):
+        options.append("--train.fsdp2 true without --train.accelerate_config (FSDP2: "
+                       f"{bytes_per_param(LearnerSetup(ranks=r, fsdp2=True)):g} B a parameter)")
+    zero3 = LearnerSetup(ranks=r, zero_stage=3, lora=setup.lora)
+    if r > 1 and (setup.zero_stage != 3 or not setup.bf16) and _fits(needs, setup, zero3):
+        options.append("--train.accelerate_config examples/accelerate/zero3.yaml (ZeRO-3, "
+                       f"{bytes_per_param(zero3):g} B a parameter)")
+    offload = LearnerSetup(ranks=r, zero_stage=3, offload_optimizer=True, offload_param=True,
+                           lora=setup.lora)
+    if not (setup.zero_stage == 3 and setup.offload_optimizer) and _fits(needs, setup, offload):
         options.append("--train.accelerate_config examples/accelerate/zero3_offload.yaml "
                        "(ZeRO-3, optimizer and parameters offloaded to the CPU)")
-    if setup.zero_stage == 3:
+    if r > 1 and (setup.zero_stage == 3 or setup.fsdp2):
         options.append("more learner ranks on other GPUs (--train.learner_processes, "
                        "--learner_gpus)")
-    else:
-        options.append("--train.accelerate_config examples/accelerate/zero3.yaml with "
-                       "--train.learner_processes N over N GPUs")
-    if not setup.lora:
+    elif r == 1:
+        options.append("--train.accelerate_config examples/accelerate/zero3.yaml or "
+                       "--train.fsdp2 true, with --train.learner_processes N over N GPUs")
+    if not setup.lora and _fits(needs, setup, LearnerSetup(ranks=r, zero_stage=setup.zero_stage,
+                                                          bf16=setup.bf16, lora=True)):
         options.append("--train.lora_rank 16")
     options.append("--launch.memory_check false to try anyway")
-    return (f"memory plan: GPU {n.gpu} needs at least {n.need / GB:.1f} GB of its "
-            f"{n.total / GB:.1f} GB: {' + '.join(parts)}; to fit, use "
-            f"{'; or '.join(options)}")
+    return (f"memory plan: GPU {n.gpu} needs at least {n.need / GB:.1f} GB of the "
+            f"{n.usable / GB:.1f} GB a plan may use ({1 - FREE_AT_PEAK:.0%} of "
+            f"{n.total / GB:.1f} GB): {' + '.join(parts)}; to fit, use {'; or '.join(options)}")
 
 
 # ------------------------------------------------------------------ inputs of the plan
@@ -228,7 +264,8 @@ def check_memory_plan(cfg: Any, model_path: str, gpus: dict[str, float] | None =
                      for k in range(engines)]
     else:
         producers = [seen[:tp] for _ in range(engines)]
-    setup = learner_setup(t.accelerate_config, ranks, t.lora_rank > 0)
+    setup = LearnerSetup(ranks=ranks, fsdp2=True) if t.fsdp2 else \
+        learner_setup(t.accelerate_config, ranks, t.lora_rank > 0)
     params = model_parameters(json.loads(conf.read_text()))
     needs = plan(params, setup, [g.strip() for g in learner],
                  [[g.strip() for g in p] for p in producers], cfg.engine.gpu_memory_utilization,

@@ -14,8 +14,10 @@ def test_rows_follow_the_plan_and_the_weights():
     # ZeRO-3 over 2 ranks: (2 + 16) / 2 bytes per parameter; one engine at 0.3 of 141 GB beside it
     assert seven["learner_bytes_per_param"] == 9.0
     assert abs(seven["worst_gpu_need_gb"] - (seven["learner_gb_per_gpu"] + 0.3 * 141)) < 0.2
-    for r in rows[1:]:
-        assert r["sync_gb_per_version"] == rows[1]["sync_gb_per_version"]  # bf16, 2 B/param
+    assert rows[1]["learner_bytes_per_param"] == 8.0  # FSDP2: 16 / 2, fp32 shards alone
+    big = rows[2:]
+    for r in big:
+        assert r["sync_gb_per_version"] == big[0]["sync_gb_per_version"]  # bf16, 2 B/param
         assert abs(r["sync_gb_per_version"] - 2 * 72.71) < 0.2
-    assert rows[1]["host_gb_per_learner_node"] > 0 and rows[2]["host_gb_per_learner_node"] == 0
+    assert big[0]["host_gb_per_learner_node"] > 0 and big[1]["host_gb_per_learner_node"] == 0
     assert table(rows).count("\n") == len(rows) + 1
