@@ -424,6 +424,11 @@ class HostCopy:
             raise self._errors[0]
 
 
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for src, dst in pairs:
+        dst.copy_(src)
+
+
 def begin_host_copy(obj: Any, staging: Staging | dict | None = None,
                     streams: dict[torch.device, Any] | None = None) -> tuple[Any, HostCopy]:
     """Start copying a nested state dict (dicts, lists, tuples) into host buffers; returns
@@ -476,8 +481,7 @@ def begin_host_copy(obj: Any, staging: Staging | dict | None = None,
     if cpu:
         def run() -> None:
             try:
-                for src, dst in cpu:
-                    dst.copy_(src)
+                _copy_pairs(cpu)
             except BaseException as e:  # raised by HostCopy.wait
                 errors.append(e)
 

@@ -472,8 +472,8 @@ class PolicyTrainer:
         """(bytes, tensors, on a GPU) of ``state()``'s tensors once the optimiser has stepped:
         the model state, and AdamW's two moments and step count per trainable parameter (its
         state is still empty before the first step, when the staging buffers are allocated).
-        (0, 0, False) under DeepSpeed, whose ranks write their partitions themselves."""
-        if self.deepspeed is not None:
+        (0, 0, False) under DeepSpeed or FSDP2, whose ranks write their shards themselves."""
+        if self.has_shards:
             return 0, 0, False
         nbytes, count, cuda = tensor_bytes(self.model.state_dict())
         for p in self.model.parameters():

@@ -1,10 +1,13 @@
-"""Checkpoints off the training path: the host copy is the state at capture time, the write runs
-in the background one at a time, ``durable`` advances only once it is complete, and a process
-killed (SIGKILL) mid-write leaves ``LATEST`` naming the previous, loadable checkpoint."""
+"""Checkpoints off the training path: the host copy is the state at capture time (and the
+optimiser step waits for a copy in flight), the write runs in the background one at a time (a
+checkpoint due meanwhile is skipped and counted, the final one waits), ``durable`` advances only
+once a write is complete, a failed write is one line and training goes on (or stops), and a
+process killed (SIGKILL) mid-write leaves ``LATEST`` naming the previous, loadable checkpoint."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -23,6 +26,7 @@ from pipeline.learner.checkpoint import (
     CheckpointError,
     CheckpointWriter,
     LearnerState,
+    begin_host_copy,
     host_copy,
     latest_checkpoint,
     load_checkpoint,
@@ -99,7 +103,8 @@ def test_host_copy_without_staging_allocates_fresh_buffers():
 
 
 class _Gate:
-    """Holds every background write just before its fsync and rename, until opened."""
+    """A slow disk (test double): holds every write just before its fsync and rename, until
+    opened."""
 
     def __init__(self, monkeypatch):
         self.open = threading.Event()
@@ -150,44 +155,71 @@ def test_durable_only_after_the_write_completes(tmp_path, monkeypatch):
     assert tensors["model"]["tied"].data_ptr() == tensors["model"]["w"].data_ptr()
 
 
-def test_one_write_in_flight_the_next_save_waits_for_it(tmp_path, monkeypatch):
-    gate = _Gate(monkeypatch)
+def test_host_copy_in_flight_is_fenced_before_the_state_changes(monkeypatch):
+    """A slow copy (test double for a long copy to host): ``fence`` returns only once the copy
+    is complete, so a change made after it never reaches the copy."""
+    release = threading.Event()
+    real = ck._copy_pairs
+
+    def slow_copy(pairs):
+        assert release.wait(30)
+        real(pairs)
+
+    monkeypatch.setattr(ck, "_copy_pairs", slow_copy)
+    live = _live()
+    expected = _clone(live)
+    copy, pending = begin_host_copy(live, {})
+    fenced = threading.Thread(target=lambda: (pending.fence(), _train_on(live)))
+    fenced.start()
+    fenced.join(0.2)
+    assert fenced.is_alive()  # the change waits behind the copy
+    release.set()
+    fenced.join(30)
+    pending.wait()
+    _assert_same(expected, copy)
+
+
+def test_a_checkpoint_due_while_one_is_written_is_skipped_and_counted(tmp_path, monkeypatch):
+    gate = _Gate(monkeypatch)  # the slow disk: the first write stays in flight
     order: list[str] = []
 
     async def main():
         w = CheckpointWriter(tmp_path)
         live = _live()
-        await w.save(_state(1), lambda: live, b"1", lambda p: order.append(p.name))
+        assert await w.save(_state(1), lambda: live, b"1", lambda p: order.append(p.name)) \
+            is not None
         await _until(gate.reached)
-        second = asyncio.create_task(
-            w.save(_state(2), lambda: live, b"2", lambda p: order.append(p.name)))
-        await asyncio.sleep(0.3)
-        assert not second.done() and order == []  # held behind the first write
+        t0 = time.monotonic()
+        for step in (2, 3):  # due meanwhile: skipped at once, never waited for
+            assert await w.save(_state(step), lambda: live, b"", order.append) is None
+        assert time.monotonic() - t0 < 1 and w.skipped == 2 and order == []
         gate.open.set()
-        stall = await second
-        assert order[0] == "step_1" and stall >= 0.3  # the wait counts as a stall
         await w.wait()
-        assert order == ["step_1", "step_2"]
+        assert await w.save(_state(4), lambda: live, b"4", lambda p: order.append(p.name)) \
+            is not None
+        await w.wait()
+        assert order == ["step_1", "step_4"] and w.skipped == 2
 
     asyncio.run(main())
-    assert latest_checkpoint(tmp_path).name == "step_2"
+    assert latest_checkpoint(tmp_path).name == "step_4"
 
 
-def test_a_failed_background_write_is_raised_once_and_durable_stays(tmp_path, monkeypatch):
+def test_a_failed_background_write_is_taken_once_and_durable_stays(tmp_path, monkeypatch):
+    """An injected ENOSPC (a raising stand-in for the tensors write)."""
     done: list[Path] = []
 
     async def main():
         w = CheckpointWriter(tmp_path)
         await w.save(_state(1), _live, b"1", done.append)
         await w.wait()
-        monkeypatch.setattr(ck.torch, "save", lambda *a, **k: (_ for _ in ()).throw(
+        monkeypatch.setattr(ck, "save_file", lambda *a, **k: (_ for _ in ()).throw(
             OSError(28, "No space left on device")))
         await w.save(_state(2), _live, b"2", done.append)  # returns: the write is behind
-        while w.busy:
-            await asyncio.sleep(0.01)
-        with pytest.raises(CheckpointError, match=r"step 2.*No space left"):
-            w.raise_if_failed()
-        w.raise_if_failed()  # once
+        await w.wait()
+        assert w.failures == 1
+        e = w.take_error()
+        assert isinstance(e, CheckpointError) and "step 2" in str(e) and "No space" in str(e)
+        assert w.take_error() is None  # once
         monkeypatch.undo()
         await w.save(_state(3), _live, b"3", done.append)
         await w.wait()
@@ -195,6 +227,7 @@ def test_a_failed_background_write_is_raised_once_and_durable_stays(tmp_path, mo
     asyncio.run(main())
     assert [p.name for p in done] == ["step_1", "step_3"]
     assert latest_checkpoint(tmp_path).name == "step_3"
+    assert not any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
 
 
 def test_with_shards_the_save_is_synchronous(tmp_path):
@@ -213,13 +246,16 @@ def test_with_shards_the_save_is_synchronous(tmp_path):
     assert len(calls) == 1 and calls[0].name.startswith(".tmp_step_1")
 
 
-def _fake_learner(tmp_path, live) -> SimpleNamespace:
-    return SimpleNamespace(
+def _fake_learner(tmp_path, live, on_error: str = "continue") -> SimpleNamespace:
+    me = SimpleNamespace(
         state=LearnerState(step=3, version=2, received={"p0": 6}), counters={"x": 1.0},
         ledger=SimpleNamespace(prefixes=lambda: {"p0-a": 6}, to_dict=lambda: {"p0-a": [6]}),
         buffer=SimpleNamespace(snapshot=lambda: b"buffer"),
-        trainer=SimpleNamespace(state=lambda: live, deepspeed=None, save_shards=None),
-        checkpoints=CheckpointWriter(tmp_path), durable={"p0-a": 2})
+        trainer=SimpleNamespace(state=lambda: live, has_shards=False, save_shards=None),
+        checkpoints=CheckpointWriter(tmp_path), durable={"p0-a": 2},
+        cfg=SimpleNamespace(train=SimpleNamespace(on_checkpoint_error=on_error)))
+    me._checkpoint_failed = lambda final=False: Learner._checkpoint_failed(me, final)
+    return me
 
 
 def test_learner_checkpoint_advances_durable_after_the_write(tmp_path, monkeypatch):
@@ -258,6 +294,63 @@ def test_learner_final_checkpoint_waits_for_the_write(tmp_path):
     assert latest_checkpoint(tmp_path).name == "step_3"
 
 
+def test_learner_skips_while_writing_and_the_final_checkpoint_is_written(tmp_path, monkeypatch):
+    """A slow disk (test double): checkpoints due during a write are skipped and counted, the
+    producers keep their groups (durable stays at the write's), the final one is written."""
+    gate = _Gate(monkeypatch)
+    me = _fake_learner(tmp_path, _live())
+    prefixes = {"p0-a": 6}
+    me.ledger.prefixes = lambda: dict(prefixes)
+
+    async def main():
+        assert await Learner.checkpoint(me) is not None  # step 3: its write is held
+        await _until(gate.reached)
+        me.state.step, prefixes["p0-a"] = 4, 8
+        assert await Learner.checkpoint(me) is None  # step 4: skipped
+        assert me.checkpoints.skipped == 1 and me.durable == {"p0-a": 2}
+        me.state.step, prefixes["p0-a"] = 5, 10
+        final = asyncio.create_task(Learner.checkpoint(me, final=True))
+        await asyncio.sleep(0.2)
+        assert not final.done()  # the final one waits for the write in flight
+        gate.open.set()
+        await final
+        assert me.durable == {"p0-a": 10}
+
+    asyncio.run(main())
+    assert latest_checkpoint(tmp_path).name == "step_5"
+    assert load_checkpoint(latest_checkpoint(tmp_path))[0].step == 5
+
+
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_a_failed_write_is_one_line_and_training_goes_on_or_stops(tmp_path, monkeypatch, caplog,
+                                                                   policy):
+    """An injected ENOSPC (a raising stand-in for the tensors write) mid-run."""
+    me = _fake_learner(tmp_path, _live(), on_error=policy)
+
+    async def main():
+        await Learner.checkpoint(me, final=True)  # step 3 written
+        me.state.step = 4
+        monkeypatch.setattr(ck, "save_file", lambda *a, **k: (_ for _ in ()).throw(
+            OSError(28, "No space left on device")))
+        await Learner.checkpoint(me)
+        await me.checkpoints.wait()
+
+    asyncio.run(main())
+    caplog.set_level(logging.ERROR)
+    if policy == "stop":
+        with pytest.raises(CheckpointError, match="step 4"):
+            Learner._checkpoint_failed(me)
+    else:
+        Learner._checkpoint_failed(me)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert "No space left" in lines[0] and "step_3 is intact" in lines[0]
+    assert f"on_checkpoint_error: {policy}" in lines[0]
+    assert me.checkpoints.failures == 1 and latest_checkpoint(tmp_path).name == "step_3"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["LATEST", "step_3"]
+    assert me.durable == {"p0-a": 6}  # producers keep what step 4 would have held
+
+
 # A process that writes checkpoint 1, then checkpoint 2 in the background, and is killed with
 # SIGKILL mid-write: while torch.save streams to a slow disk, or just before fsync and rename.
 _WRITER = textwrap.dedent("""
@@ -269,25 +362,18 @@ _WRITER = textwrap.dedent("""
     run_dir, where = Path(sys.argv[1]), sys.argv[2]
     big = {"model": {"w": torch.arange(4_000_000, dtype=torch.float32)}}
 
-    class SlowDisk:
-        def __init__(self, path):
-            self.f = open(path, "wb")
-        def write(self, b):
-            b = memoryview(b).cast("B")
-            for i in range(0, len(b), 1 << 20):  # 1 MiB every 50 ms
-                time.sleep(0.05)
-                self.f.write(b[i:i + (1 << 20)])
-            return len(b)
-        def flush(self):
-            self.f.flush()
+    def slow_disk(tensors, path):  # a slow disk (test double): part written, then stuck
+        with open(path, "wb") as f:
+            f.write(b"x" * (1 << 20))
+            f.flush()
+            time.sleep(600)
 
     async def main():
         w = ck.CheckpointWriter(run_dir)
         await w.save(ck.LearnerState(step=1), lambda: big, b"one", lambda p: None)
         await w.wait()
-        if where == "torch.save":
-            real = torch.save
-            ck.torch.save = lambda obj, path: real(obj, SlowDisk(path))
+        if where == "tensors write":
+            ck._save_file = slow_disk
         else:
             ck._fsync_tree = lambda top: time.sleep(600)
         big["model"]["w"].add_(1)
@@ -299,7 +385,7 @@ _WRITER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("where", ["torch.save", "before the rename"])
+@pytest.mark.parametrize("where", ["tensors write", "before the rename"])
 def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(tmp_path, where):
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), where], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
@@ -308,7 +394,7 @@ def test_kill_9_during_the_background_write_keeps_the_previous_checkpoint(tmp_pa
         assert proc.stdout.readline().strip() == "writing"
         tmp = root / f".tmp_step_2_{ck._HOST}_{proc.pid}"
         deadline = time.monotonic() + 60
-        target = tmp / ("trainer.pt" if where == "torch.save" else "state.json")
+        target = tmp / ("tensors-00000.safetensors" if where == "tensors write" else "state.json")
         while not (target.is_file() and target.stat().st_size > 0):
             assert time.monotonic() < deadline and proc.poll() is None, "never started writing"
             time.sleep(0.01)
@@ -340,7 +426,8 @@ def test_remove_partial_leaves_a_live_write_alone(tmp_path):
 
 def test_a_save_cancelled_mid_copy_is_waited_for_before_the_next(tmp_path):
     """SIGTERM during a periodic checkpoint's copy: the final checkpoint must not fill the
-    staging buffers while the cancelled copy's thread still writes them."""
+    staging buffers while the cancelled copy's thread still writes them (a save meanwhile is
+    skipped; ``wait`` holds until that thread is done)."""
     release, started = threading.Event(), threading.Event()
     live = _live()
 
@@ -356,11 +443,13 @@ def test_a_save_cancelled_mid_copy_is_waited_for_before_the_next(tmp_path):
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-        final = asyncio.create_task(w.save(_state(2), lambda: live, b"", lambda p: None))
+        assert await w.save(_state(2), lambda: live, b"", lambda p: None) is None  # skipped
+        waiting = asyncio.create_task(w.wait())  # what the final checkpoint does first
         await asyncio.sleep(0.2)
-        assert not final.done()  # held behind the cancelled copy
+        assert not waiting.done()  # held behind the cancelled copy
         release.set()
-        await final
-        assert await w.wait() == tmp_path / "checkpoints" / "step_2"
+        await waiting
+        await w.save(_state(3), lambda: live, b"", lambda p: None)
+        assert await w.wait() == tmp_path / "checkpoints" / "step_3"
 
     asyncio.run(main())
