@@ -339,3 +339,54 @@ def test_step_reports_learner_throughput(trainer):
     assert m["learner_tokens"] == 31 + 4 * 5 + 4 * 8  # prompts included
     assert m["learner_tokens_per_s"] == pytest.approx(m["learner_tokens"] / m["train_s"])
     assert "mfu" not in m  # no peak FLOP/s on a CPU
+
+
+def test_a_checkpoint_holds_its_steps_state_while_the_next_step_trains(trainer, tmp_path,
+                                                                       monkeypatch):
+    """The copy to host overlaps the next step (a slow copy here: a test double for a long
+    device-to-host copy); that step's optimiser update waits for it (``before_update``), so the
+    checkpoint holds the state of its own step, as a synchronous save does, not the next one's."""
+    import asyncio
+    import threading
+
+    from pipeline.learner import checkpoint as ck
+
+    trainer.step(_groups(), learner_version=0)  # AdamW's state exists
+    sync = ck.save_checkpoint(tmp_path / "sync", ck.LearnerState(step=1), trainer.state(), b"")
+    release = threading.Event()
+    real = ck._copy_pairs
+
+    def slow_copy(pairs):
+        assert release.wait(30)
+        real(pairs)
+
+    monkeypatch.setattr(ck, "_copy_pairs", slow_copy)
+    w = ck.CheckpointWriter(tmp_path / "async")
+    nbytes, count, cuda = trainer.checkpoint_plan()
+    w.prepare(nbytes, count, pin=cuda)
+
+    async def main():
+        assert await w.save(ck.LearnerState(step=1), trainer.state, b"", lambda p: None) < 5
+        step = asyncio.create_task(asyncio.to_thread(trainer.step, _groups(1), 1))
+        await asyncio.sleep(0.5)
+        assert not step.done()  # forward and backward ran; the update waits for the copy
+        release.set()
+        await step
+        await w.wait()
+
+    trainer.before_update = w.fence
+    try:
+        asyncio.run(main())
+    finally:
+        trainer.before_update = None
+    want, got = ck.load_checkpoint(sync)[1], ck.load_checkpoint(w.written)[1]
+    assert w.staging.buffers and w.staging.used <= w.staging.block.numel()  # one block, reused
+    for part in ("model", "optimizer"):
+        flat_w = [t for s in (want[part]["state"].values() if part == "optimizer" else
+                              [want[part]]) for t in s.values()]
+        flat_g = [t for s in (got[part]["state"].values() if part == "optimizer" else
+                              [got[part]]) for t in s.values()]
+        assert len(flat_w) == len(flat_g) and all(_same(a, b) for a, b in
+                                                   zip(flat_w, flat_g, strict=True))
+    now = trainer.model.state_dict()
+    assert any(not _same(now[k], want["model"][k]) for k in now)  # the next step changed them
