@@ -29,6 +29,7 @@ accelerator) ``--size tiny`` checks the whole path in seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -262,6 +263,23 @@ def dist_child(args: argparse.Namespace) -> None:
     D.barrier()
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant: torchrun starts each rank in a
+    session of its own, which killing the launcher's group would leave running."""
+    import psutil
+
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        procs = []
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=10)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -314,8 +332,11 @@ def measure_dist(args: argparse.Namespace, name: str, timeout: float) -> dict[st
         try:
             stdout, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            stdout, _ = p.communicate()
+            kill_tree(p.pid)
+            try:
+                stdout, _ = p.communicate(timeout=30)
+            except subprocess.TimeoutExpired:  # a rank still holds the pipe: give up on it
+                stdout = ""
             stdout += f"\n[learner_bench] killed after {timeout:.0f} s\n"
         log_f.write(stdout)
     wall = time.monotonic() - t0
