@@ -36,6 +36,11 @@
 #   lora           bench.lora_sync, rank 16 on the 0.5B model with CUDA graphs: generation tok/s
 #                  of an adapter version vs merged weights (and their ratio), bytes and swap
 #                  time per version (1 GPU; peft from .whl, bench/fetch_wheels.sh)
+#   checkpoint     the disk and /dev/shm by dd; bench.checkpoint_bench at 3B (CKPT_MODEL) writing
+#                  under /dev/shm (one checkpoint at a time): stall and write GB/s vs one
+#                  torch.save stream; then ours async1 colocated at RUN_MODEL (default 1.5b)
+#                  without and with train.checkpoint_every=1 (keep_checkpoints 1, run dirs under
+#                  /dev/shm), the ratio and stalls by bench.checkpoint_runs (1 GPU)
 #   learner7b      the learner alone over 2 GPUs, no engines (bench.learner_bench --processes 2,
 #                  MODEL default 7b, drawn at random on the GPUs): every variant of its
 #                  DIST_DEFAULT (or VARIANTS=a,b,...) in a fresh process group, in that order,
@@ -248,6 +253,37 @@ for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
       ${VARIANTS:+--variants "$VARIANTS"} --steps "${STEPS:-2}" --budget $(( t - 20 )) \
       --variant-timeout "${RUN_TIMEOUT:-150}" --out "$out/learner7b" ${BENCH_ARGS:-} 2>&1 | quiet
     pack learner7b
+    ;;
+  checkpoint)
+    df -h /dev/shm /tmp . | sed 's/^/df: /'
+    for d in /dev/shm /tmp; do  # 4 GB, fsynced: what a write of a checkpoint can reach there
+      echo "dd $d: $(dd if=/dev/zero of=$d/ckpt-dd.bin bs=16M count=256 conv=fsync 2>&1 | tail -1)"
+      rm -f "$d/ckpt-dd.bin"
+    done
+    t=$(budget 210) || exit 1
+    timeout -k 10 "$t" python3 -m bench.checkpoint_bench --model "${CKPT_MODEL:-3b}" \
+      --device cuda --dir /dev/shm --saves 3 2>&1 | tee "$out/checkpoint-bench.log" | quiet
+    left=$(left)
+    run_to=$(( (left - 30) / 2 ))
+    [ "$run_to" -le "${RUN_TIMEOUT:-190}" ] || run_to=${RUN_TIMEOUT:-190}
+    [ "$run_to" -ge 60 ] || { echo "checkpoint: only $left s left for the runs" >&2; exit 1; }
+    runs=/dev/shm/ckpt-runs
+    rm -rf "$runs"
+    for v in none every1; do
+      extra=(); [ "$v" = none ] || extra=(--set train.checkpoint_every=1 --set train.keep_checkpoints=1)
+      timeout -k 15 "$run_to" python3 -m bench.gpu_bench --out "$runs/$v" --layout colocated \
+        --model "${RUN_MODEL:-1.5b}" --steps "$steps" --set engine.enforce_eager=false \
+        --set "sync.transport=${TRANSPORT:-auto}" --runs async1 --gpu-mem 0.35 \
+        --set train.packing=true --run-timeout "$run_to" "${extra[@]}" 2>&1 | quiet
+    done
+    python3 -m bench.checkpoint_runs "$runs/none" "$runs/every1" | tee "$out/checkpoint-runs.md"
+    mkdir -p "$out/checkpoint"
+    for v in none every1; do
+      cp "$runs/$v/results.md" "$out/checkpoint/$v.results.md" 2>/dev/null
+      find "$runs/$v" -name checkpoints -prune -o -name snapshots -prune -o -type f \
+        \( -name '*.log' -o -name '*.jsonl' -o -name '*.yaml' \) -print
+    done | tar czf "$out/checkpoint/checkpoint-logs.tgz" -T - 2>/dev/null
+    rm -rf "$runs"
     ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac
