@@ -5,6 +5,7 @@ pruning, a rewrite of the same step, unreadable files, the free-space check."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import uuid
 from pathlib import Path
@@ -332,3 +333,23 @@ def test_the_estimate_from_the_config_is_the_checkpoint_written(tiny_model, tmp_
     params = model_parameters(hf)
     est = estimate_checkpoint_bytes(params, trainable_parameters(hf, params, False, 0))
     assert abs(est - dir_bytes(path)) / dir_bytes(path) < 0.05
+
+
+def test_a_run_whose_disk_cannot_hold_its_checkpoints_is_refused_first(small_tmpfs, tiny_model,
+                                                                        tmp_path):
+    """The launcher's check before any process starts (``preflight``): keep + 1 checkpoints of
+    the tiny model (about 4.7 MB each) do not fit a 2 MiB filesystem; one line names the bytes
+    needed and free, run_dir and train.keep_checkpoints. On a roomy disk: no refusal."""
+    from pipeline.config import load_config
+    from pipeline.learner.disk import check_run_space
+
+    def cfg(run_dir, keep):
+        return load_config(overrides={"model.path": str(tiny_model), "data.path": "arithmetic:10",
+                                      "run_dir": str(run_dir), "train.keep_checkpoints": keep})
+
+    why = check_run_space(cfg(small_tmpfs / "run", 2), str(tiny_model))
+    assert why is not None and "\n" not in why
+    assert f"run_dir {small_tmpfs / 'run'}" in why and "train.keep_checkpoints 2" in why
+    free = shutil.disk_usage(small_tmpfs).free
+    assert f"but {free} bytes are free" in why
+    assert check_run_space(cfg(tmp_path / "run", 1), str(tiny_model)) is None
