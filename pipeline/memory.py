@@ -4,17 +4,17 @@ Owns a lower bound of what each GPU must hold: the learner's share of the model 
 (parameters x bytes per parameter / ranks, by DeepSpeed stage, precision and offload) plus the
 engines' fixed share (``engine.gpu_memory_utilization`` of the GPU for each producer worker on
 it). Activations, gathered layers, the CUDA context and fragmentation come on top: they get the
-``FREE_AT_PEAK`` share of each GPU that the plan keeps out of its reach, so a plan passes only if
-the model state and the engines fit in the rest (BENCHMARKS.md's learner-alone table has the
-measured peaks that reserve has to hold). Pure functions, called by ``check_memory_plan`` with
-the model's config.json, the accelerate config and the GPUs' memory (``nvidia-smi``; no GPU, no
-check).
+``FREE_AT_PEAK`` share of each learner GPU that the plan keeps out of its reach, so a plan
+passes only if the model state and the engines fit in the rest (``bench.learner_bench
+--processes`` measures the peaks that reserve has to hold). Pure functions, called by
+``check_memory_plan`` with the model's config.json, the accelerate config and the GPUs' memory
+(``nvidia-smi``; no GPU, no check).
 
 Bytes per parameter of the learner (Adam, fp32 master weights and gradients):
   plain or DDP (fp32 weights, autocast)           4 + 4 + 8                = 16
   ZeRO-1/2, bf16 weights, state partitioned        2 + 16 / ranks
   ZeRO-3, everything partitioned                   (2 + 16) / ranks
-  FSDP2 (train.fsdp2): fp32 shards, bf16 compute     16 / ranks
+  FSDP2 (train.fsdp2), fp32 shards, bf16 compute  16 / ranks
   optimizer offload (cpu/nvme): the 16 stay home   2 + 2 / ranks  (ZeRO-3: 4 / ranks)
   ZeRO-3 parameter offload too                     2 / ranks      (gradients only)
   LoRA: the frozen weights alone                   4 (plain), 2 (DeepSpeed bf16), / ranks at ZeRO-3
@@ -102,8 +102,10 @@ class GpuNeed:
 
     @property
     def usable(self) -> float:
-        """What the model state and the engines may take: all but ``FREE_AT_PEAK``."""
-        return self.total * (1 - FREE_AT_PEAK)
+        """What the model state and the engines may take: all but ``FREE_AT_PEAK`` on a GPU
+        with a learner rank (its activations peak there); an engine-only GPU is vLLM's to
+        share out (``engine.gpu_memory_utilization``)."""
+        return self.total * (1 - FREE_AT_PEAK) if self.learner else self.total
 
 
 def plan(params: int, setup: LearnerSetup, learner_gpus: list[str],
@@ -183,9 +185,10 @@ def refusal(needs: list[GpuNeed], params: int, setup: LearnerSetup, engine_util:
                                                           bf16=setup.bf16, lora=True)):
         options.append("--train.lora_rank 16")
     options.append("--launch.memory_check false to try anyway")
-    return (f"memory plan: GPU {n.gpu} needs at least {n.need / GB:.1f} GB of the "
-            f"{n.usable / GB:.1f} GB a plan may use ({1 - FREE_AT_PEAK:.0%} of "
-            f"{n.total / GB:.1f} GB): {' + '.join(parts)}; to fit, use {'; or '.join(options)}")
+    room = (f"the {n.usable / GB:.1f} GB a plan may use ({1 - FREE_AT_PEAK:.0%} of "
+            f"{n.total / GB:.1f} GB)" if n.learner else f"its {n.total / GB:.1f} GB")
+    return (f"memory plan: GPU {n.gpu} needs at least {n.need / GB:.1f} GB of {room}: "
+            f"{' + '.join(parts)}; to fit, use {'; or '.join(options)}")
 
 
 # ------------------------------------------------------------------ inputs of the plan

@@ -89,6 +89,10 @@ def test_ten_percent_of_each_gpu_stays_free():
     assert why is not None and "76.5 GB a plan may use (90% of 85.0 GB)" in why
     assert M.refusal(M.plan(4.7e9, M.LearnerSetup(), ["0"], [], 0.0, {"0": H100}), 4.7e9,
                      M.LearnerSetup(), 0.0) is None  # 75.2 GB
+    # A GPU with engines alone is vLLM's to share out: 0.95 of it passes.
+    needs = M.plan(params, M.LearnerSetup(), ["0"], [["1"]], 0.95, {"0": H200, "1": H100})
+    assert [n.gpu for n in needs] == ["0", "1"] and M.refusal(needs, params, M.LearnerSetup(),
+                                                              0.95) is None
 
 
 def test_7b_colocated_on_two_h100_names_fsdp2_only_where_it_fits():
