@@ -360,6 +360,9 @@ class Learner:
                 "sync_s": time.monotonic() - published_at,
                 "swap_idle_s": max(t.get("idle_s", 0.0) for t in timings),
                 "swap_drain_s": max(t.get("drain_s", 0.0) for t in timings),
+                # What a long drain waited for: started prefills, and requests restarted.
+                "swap_drain_waited": max(t.get("drain_waited", 0.0) for t in timings),
+                "swap_drain_resubmitted": max(t.get("drain_resubmitted", 0.0) for t in timings),
                 "swap_load_s": max(t.get("load_s", 0.0) for t in timings),
                 "swap_stream_s": max(t.get("prepare_stream_s", 0.0) for t in timings),
                 "stream_bytes": sum(t.get("prepare_stream_bytes", 0.0) for t in timings),

@@ -392,6 +392,12 @@ class Producer(GroupRollout):
             self._loaded_session = learner_session
         else:
             log.error("%s: %s", self.producer_id, report.error)
+        t = report.timings
+        if t.get("drain_s", 0.0) > 1.0:  # what a slow swap waited for, in this producer's log
+            log.info("%s: v%d: the drain took %.2f s: %d prefill(s) under way, %d request(s) "
+                     "restarted, %d group(s) generating", self.producer_id, report.version,
+                     t["drain_s"], t.get("drain_waited", 0), t.get("drain_resubmitted", 0),
+                     self.in_flight_groups)
         answer = await self._control(Ack(
             producer_id=self.producer_id, incarnation=self.incarnation, version=report.version,
             ok=report.ok, error=report.error[:16384], timings=report.timings))

@@ -237,7 +237,8 @@ def test_help_lists_nested_options_with_their_docstrings(capsys):
     assert "--train.loss.clip_eps_low FLOAT Lower PPO clip: the ratio is clipped at" in out
     assert "--train.loss.agg {token_mean,seq_mean} Loss aggregation" in out
     assert "(default: 0.2)" in out and "(default: token_mean)" in out
-    assert "--train.lr FLOAT, --lr FLOAT AdamW learning rate (default: 1e-05)" in out
+    assert ("--train.lr FLOAT, --lr FLOAT AdamW learning rate of a full fine-tune (LoRA runs use "
+            "train.lora_lr) (default: 1e-05)") in out
     for name, _tp in OPTIONS:  # every option has a flag and a help text
         assert f"--{name} " in out, name
     from pipeline.options import iter_help

@@ -151,9 +151,15 @@ def test_the_learner_never_waits_for_a_producer_it_has_not_seen_alive(learner_fa
                 waiter = asyncio.create_task(learner._collect_acks(2, time.monotonic()))
                 await asyncio.sleep(0.3)
                 assert not waiter.done()  # alive and behind: waits for its ack
-                ack = Ack(producer_id="p0", incarnation="p0-1", version=2, ok=True)
+                ack = Ack(producer_id="p0", incarnation="p0-1", version=2, ok=True,
+                          timings={"drain_s": 2.5, "drain_waited": 3.0, "drain_resubmitted": 5.0})
                 assert await ep.call(ack, 5) == Reply(ok=True)
                 await asyncio.wait_for(waiter, 2)
+                # A long drain's row says what it waited for.
+                got = {k: learner.last_sync[k] for k in
+                       ("swap_drain_s", "swap_drain_waited", "swap_drain_resubmitted")}
+                assert got == {"swap_drain_s": 2.5, "swap_drain_waited": 3.0,
+                               "swap_drain_resubmitted": 5.0}
             finally:
                 ep.close()
 
