@@ -278,9 +278,11 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
            "--num_producers", str(max(len(producer_gpus), 1)), "--tensorboard", "false",
            *(["--engine.tensor_parallel_size", str(tp)] if tp > 1 else [])]
     ranks = len(learner_gpus.split(",")) if learner_gpus else 1
-    if ranks > 1:  # a sharded learner, one rank a GPU; --set train.accelerate_config=... wins
+    if ranks > 1:  # a sharded learner, one rank a GPU; --set train.accelerate_config=... or
+        # train.fsdp2=true wins over ZeRO-3
         cmd += ["--train.learner_processes", str(ranks)]
-        if not any(kv.startswith("train.accelerate_config=") for kv in (*extra, *args.set)):
+        if not any(kv.startswith(("train.accelerate_config=", "train.fsdp2=true"))
+                   for kv in (*extra, *args.set)):
             cmd += ["--train.accelerate_config",
                     str(Path(__file__).resolve().parents[1] / "examples/accelerate/zero3.yaml")]
     env = None

@@ -31,3 +31,10 @@ def test_colocated_2_takes_another_accelerate_config_from_set(monkeypatch, tmp_p
                      "train.accelerate_config=examples/accelerate/zero3_offload.yaml")
     assert "--train.accelerate_config" not in opts
     assert "train.accelerate_config=examples/accelerate/zero3_offload.yaml" in cmd
+
+
+def test_colocated_2_with_fsdp2_has_no_accelerate_config(monkeypatch, tmp_path):
+    """train.fsdp2 refuses an accelerate config, so the ZeRO-3 default must not be added."""
+    opts, cmd = _cmd(monkeypatch, tmp_path, "--set", "train.fsdp2=true")
+    assert "--train.accelerate_config" not in opts and "train.fsdp2=true" in cmd
+    assert opts["--train.learner_processes"] == "2"
