@@ -2,14 +2,17 @@
 
 Owns reading a checkpoint's model for ``pipeline-train eval``, whatever kind it is, told from the
 checkpoint itself (never from the config):
-- full weights: ``trainer.pt`` holds the model's state dict under ``"model"``;
+- full weights: the trainer state (``trainer.json`` and its safetensors files; ``trainer.pt``
+  in older checkpoints) holds the model's state dict under ``"model"``;
 - LoRA: the same state dict under peft's names (``base_model.model.<module>.base_layer.weight``,
   ``...lora_A.default.weight``); each adapter is merged into its base weight (W + alpha/r · B @ A,
   as the learner merges a version; r from the tensors, alpha from ``train.lora_alpha``) and every
   name becomes the base model's;
-- DeepSpeed ZeRO-2/3: ``trainer.pt`` has ``deepspeed_zero_stage`` and no model; the weights are
+- DeepSpeed ZeRO-2/3: the trainer state has ``deepspeed_zero_stage`` and no model; the weights are
   consolidated on the CPU from every rank's partitions in ``deepspeed/`` (DeepSpeed's
-  ``zero_to_fp32``, the fp32 master weights), and may be LoRA too.
+  ``zero_to_fp32``, the fp32 master weights), and may be LoRA too;
+- FSDP2 (``train.fsdp2``): the trainer state has ``fsdp2_ranks`` and no model; the fp32 weights
+  are read from every rank's shards in ``fsdp/`` (``pipeline.learner.fsdp.consolidate``).
 
 Invariant: what comes out has exactly the model's tensors (the names and shapes of the model
 directory's safetensors headers, as the engine checks them; a tied ``lm_head`` left out), in the
@@ -32,6 +35,7 @@ from pipeline.learner.checkpoint import (
     CheckpointError,
     load_checkpoint,
 )
+from pipeline.learner.fsdp import FSDP_DIR
 from pipeline.learner.lora import hf_name, merge_lora
 
 PEFT_PREFIX = "base_model.model."
@@ -39,7 +43,7 @@ _LORA = re.compile(r"^(?P<prefix>.+)\.lora_(?P<part>[AB])\.default\.weight$")
 
 
 def checkpoint_kind(tensors: dict[str, Any], ckpt: Path) -> str:
-    """``"full"`` (the model in ``trainer.pt``) or ``"deepspeed"`` (partitions in
+    """``"full"`` (the model in the trainer state) or ``"deepspeed"`` (partitions in
     ``deepspeed/``), from what the checkpoint holds; CheckpointError if neither is there."""
     if "model" in tensors:
         return "full"
@@ -49,8 +53,13 @@ def checkpoint_kind(tensors: dict[str, Any], ckpt: Path) -> str:
                                   f"{tensors['deepspeed_zero_stage']} but has no "
                                   f"{DEEPSPEED_DIR}/{DEEPSPEED_TAG}/ with its partitions")
         return "deepspeed"
-    raise CheckpointError(f"checkpoint {ckpt}: trainer.pt holds no model weights (no 'model' "
-                          f"and no 'deepspeed_zero_stage')")
+    if "fsdp2_ranks" in tensors:
+        if not (ckpt / FSDP_DIR / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint {ckpt} was written under FSDP2 but has no "
+                                  f"{FSDP_DIR}/ with its shards")
+        return "fsdp2"
+    raise CheckpointError(f"checkpoint {ckpt}: its trainer state holds no model weights (no "
+                          f"'model' and no 'deepspeed_zero_stage')")
 
 
 def consolidate_deepspeed(ckpt: Path) -> dict[str, Any]:
@@ -72,6 +81,17 @@ def consolidate_deepspeed(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"checkpoint {ckpt}: DeepSpeed partitions unreadable: {msg}") from None
     return {k.removeprefix("model."): v for k, v in sd.items()}
+
+
+def consolidate_fsdp2(ckpt: Path) -> dict[str, Any]:
+    """The full fp32 state dict of an FSDP2 checkpoint, read from every rank's shards."""
+    from pipeline.learner.fsdp import consolidate
+
+    try:
+        return consolidate(ckpt)
+    except Exception as e:  # missing shard files, torn metadata, ...: one line either way
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise CheckpointError(f"checkpoint {ckpt}: FSDP2 shards unreadable: {msg}") from None
 
 
 def lora_scales(state: dict[str, Any], alpha: float) -> dict[str, float]:
@@ -152,6 +172,9 @@ def checkpoint_weights(ckpt: Path, model_path: str, lora_alpha: float, dtype: An
     if kind == "full":
         model_state = tensors["model"]
         what = "full weights"
+    elif kind == "fsdp2":
+        model_state = consolidate_fsdp2(ckpt)
+        what = f"FSDP2 over {tensors['fsdp2_ranks']} ranks (consolidated)"
     else:
         model_state = consolidate_deepspeed(ckpt)
         what = f"DeepSpeed ZeRO-{tensors['deepspeed_zero_stage']} (consolidated)"

@@ -218,22 +218,23 @@ def test_another_models_checkpoint_is_refused_before_any_engine(tiny, tmp_path, 
     assert "missing, e.g. ['model.layers.0.self_attn.k_proj.bias'" in line  # llama: no bias
 
 
-@pytest.mark.parametrize("damage", ["trainer.pt", "deepspeed", "torn"])
+@pytest.mark.parametrize("damage", ["tensors", "deepspeed", "torn"])
 def test_a_damaged_checkpoint_is_refused_in_one_line(damage, tiny, tmp_path, capsys, no_engine):
     run = _run_dir(tmp_path, tiny)
     if damage == "deepspeed":  # a ZeRO checkpoint whose partitions are gone
         ckpt = _save(run, {"deepspeed_zero_stage": 3, "scheduler": {}})
     else:
         ckpt = _save(run, {"model": _hf_state(tiny)})
-        if damage == "trainer.pt":
-            (ckpt / "trainer.pt").unlink()
+        tensors = next(ckpt.glob("tensors-*.safetensors"))
+        if damage == "tensors":
+            tensors.unlink()
         else:
-            data = (ckpt / "trainer.pt").read_bytes()
-            (ckpt / "trainer.pt").write_bytes(data[: len(data) // 2])
+            data = tensors.read_bytes()
+            tensors.write_bytes(data[: len(data) // 2])
     code, err = _eval(["--checkpoint", str(run)], capsys)  # a run dir: its latest
     assert code == 2
     line = _one_line(err)
     assert str(ckpt) in line
-    assert {"trainer.pt": "trainer.pt", "deepspeed": "deepspeed/zero/",
+    assert {"tensors": "tensors-00000.safetensors", "deepspeed": "deepspeed/zero/",
             "torn": "unreadable"}[damage] in line
 
