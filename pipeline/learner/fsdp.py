@@ -1,6 +1,7 @@
 """FSDP2 for the learner (``train.fsdp2``): the policy (and a KL reference) sharded with
-``torch.distributed.fsdp.fully_shard``, its full weights gathered for snapshots, and every rank's
-shards saved and restored with ``torch.distributed.checkpoint``.
+``torch.distributed.fsdp.fully_shard``, its full weights gathered for snapshots, every rank's
+shards saved and restored with ``torch.distributed.checkpoint``, and those shards read back as
+one full state dict in one process (``consolidate``, for ``pipeline-train eval``).
 
 Invariants:
 - One FSDP group per decoder layer, and the ``Policy`` wrapper as the root: the root's own
@@ -16,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +84,20 @@ def load(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: P
     dcp.load(state, checkpoint_id=str(Path(directory) / FSDP_DIR))
     set_state_dict(policy, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
+
+
+def consolidate(directory: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 weights in ``directory``/fsdp, read in this one process (no process
+    group), under the HF model's names."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(Path(directory) / FSDP_DIR))
+    meta = reader.read_metadata().state_dict_metadata
+    # Saved as {"model": the Policy's state dict}: "model." + the Policy's "model." + HF name.
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+          if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, storage_reader=reader, no_dist=True)
+    return {k.removeprefix("model.").removeprefix("model."): v for k, v in sd.items()}

@@ -9,7 +9,8 @@ launches a multi-process learner without an accelerate config (torchrun), in one
   op by up to 0.4%, and a wrong reduction or loss scaling is off by a factor of 2 at least;
 - its snapshots are the full model, bucket by bucket equal to the whole gather;
 - a checkpoint holds every rank's shards, and step 3 of a trainer resumed from it equals the
-  uninterrupted step 3 exactly (loss, weights, every rank's AdamW state).
+  uninterrupted step 3 exactly (loss, weights, every rank's AdamW state); ``pipeline-train
+  eval``'s reader consolidates those shards into the weights of that step.
 
 This file is also the per-rank script: ``accelerate launch --multi_gpu ... THIS_FILE OUT MODEL``.
 """
@@ -101,6 +102,7 @@ def _run(out: Path, model_dir: str) -> None:
             if step == 2:
                 save_checkpoint(out / "run", LearnerState(step=2, version=2), tr.state(), b"",
                                 shards=tr.save_shards)
+                res["snap2"] = tr.snapshot_tensors()
         res["snap"] = tr.snapshot_tensors()
         res["buckets"] = [{k: v.clone() for k, v in b.items()}
                           for b in tr.snapshot_buckets(64 << 10)]
@@ -175,6 +177,17 @@ def test_fsdp2_steps_match_fp32_and_resume_exactly(tiny_model, tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step_2" / "fsdp"
     assert (ckpt / ".metadata").is_file() and len(list(ckpt.glob("*.distcp"))) == 2
     check_resume_equals_uninterrupted(tmp_path, ranks=2, rtol=0, atol=0)
+
+    # One process reads the shards back as the model of step 2 (fp32 masters, cast as a
+    # snapshot casts them).
+    from pipeline.launch.checkpoint_weights import checkpoint_weights
+
+    state, weights, what = checkpoint_weights(tmp_path / "run" / "checkpoints" / "step_2",
+                                              str(tiny_model), 16.0, torch.bfloat16)
+    assert state.step == 2 and what == "FSDP2 over 2 ranks (consolidated)"
+    assert set(weights) == set(fresh["snap2"])
+    for k, v in fresh["snap2"].items():
+        assert torch.equal(weights[k], v), k
 
 
 if __name__ == "__main__":
