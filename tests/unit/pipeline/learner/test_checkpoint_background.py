@@ -140,6 +140,7 @@ def test_durable_only_after_the_write_completes(tmp_path, monkeypatch):
         live = _live()
         stall = await w.save(_state(1), lambda: live, b"buf", done.append)
         assert stall < 10
+        w.fence()  # the next optimiser step waits for the copy, then changes the state
         _train_on(live)  # training goes on while the write is held
         await _until(gate.reached)
         assert done == [] and w.busy and latest_checkpoint(tmp_path) is None
@@ -268,6 +269,7 @@ def test_learner_checkpoint_advances_durable_after_the_write(tmp_path, monkeypat
         assert stall >= 0
         me.state.step = 4  # the next step begins at once
         me.state.received["p0"] = 8
+        me.checkpoints.fence()  # as the next optimiser step does
         _train_on(live)
         await _until(gate.reached)
         assert me.durable == {"p0-a": 2}  # not yet: the write is held
