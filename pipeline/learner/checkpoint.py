@@ -380,17 +380,23 @@ class Staging:
         if self.block is not None and start + n <= self.block.numel():
             buf = self.block[start:start + n].view(like.dtype).view(like.shape)
             self.used = start + n
-        else:
-            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+        else:  # pinned only beside a reserved block: an unplanned save (the final one) makes do
+            buf = torch.empty(like.shape, dtype=like.dtype,
+                              pin_memory=like.is_cuda and self.block is not None)
         self.buffers[path] = buf
         return buf
 
 
 def _pin(block: torch.Tensor) -> bool:
     """Page-lock ``block`` in place (unlocked when it is freed); False if CUDA refuses."""
-    cudart = torch.cuda.cudart()
     n = block.numel() * block.element_size()
-    if int(cudart.cudaHostRegister(block.data_ptr(), n, 0)) != 0:
+    try:
+        cudart = torch.cuda.cudart()
+        code = int(cudart.cudaHostRegister(block.data_ptr(), n, 0))
+    except (AttributeError, RuntimeError, TypeError) as e:
+        log.warning("cudaHostRegister unavailable (%s)", e)
+        code = -1
+    if code != 0:
         log.warning("could not page-lock %.1f GB of checkpoint staging memory: copies to it "
                     "will not overlap training", n / 1e9)
         return False

@@ -134,10 +134,11 @@ class Learner:
         self.ledger = GroupLedger.from_dict(self.state.ledger)
         self.durable: dict[str, int] = self.ledger.prefixes()  # as of the last checkpoint
         self.checkpoints = CheckpointWriter(self.run_dir, keep=cfg.train.keep_checkpoints)
-        # Staging buffers for the checkpoints' copy to host, allocated (pinned) before the
-        # first step; each optimiser step waits for a copy still in flight.
+        # Staging buffers for the checkpoints' copy to host (as large as the state), allocated
+        # (pinned) before the first step when checkpoints come during the run (periodic, or a
+        # leaving producer's); each optimiser step waits for a copy still in flight.
         nbytes, count, cuda = self.trainer.checkpoint_plan()
-        if nbytes:
+        if nbytes and (cfg.train.checkpoint_every or cfg.max_producers):
             self.checkpoints.prepare(nbytes, count, pin=cuda)
         self.trainer.before_update = self.checkpoints.fence
         self._write_s_reported = 0  # background checkpoint writes whose time a row has shown
