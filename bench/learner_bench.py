@@ -37,9 +37,11 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
+clock = time.monotonic  # how main() shares --budget (a test replaces it)
 # train.* options per variant; every variant also gets BASE.
 VARIANTS: dict[str, dict[str, Any]] = {
     "legacy": {"train.micro_batch": 16},
@@ -236,8 +238,13 @@ def dist_child(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t0)  # step() synchronises the GPU
                 if metrics["skipped_nonfinite"]:
                     raise RuntimeError("a step was skipped as non-finite")
-        finally:
-            trainer.release_followers()
+        except BaseException:
+            # The other rank may be inside a collective of the failed step: telling it to stop
+            # would wait for ever. Ending this process makes torchrun end the group.
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(3)
+        trainer.release_followers()
         print("RESULT " + json.dumps({"step_s": times, "init_s": init_s,
                                       "loss": metrics.get("loss/loss"),
                                       "grad_norm": metrics.get("grad_norm")}), flush=True)
@@ -249,8 +256,9 @@ def dist_child(args: argparse.Namespace) -> None:
             # rank 0 waiting in a collective for ever: end the process group instead.
             try:
                 return step(*a)
-            except BaseException as e:
-                print(f"rank {D.rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
                 os._exit(3)
 
         trainer._step = step_or_die
@@ -343,15 +351,23 @@ def measure_dist(args: argparse.Namespace, name: str, timeout: float) -> dict[st
     text = log_path.read_text()
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     if p.returncode or not lines:
-        oom = "out of memory" in text or "OutOfMemoryError" in text
-        why = "out of memory" if oom else f"over {timeout:.0f} s" if "killed after" in text \
-            else next((ln for ln in reversed(text.splitlines()) if "Error" in ln), "failed")
-        return {"variant": name, "error": why[:160], "wall_s": wall}
+        return {"variant": name, "error": failure(text, timeout), "wall_s": wall}
     r = json.loads(lines[-1].removeprefix("RESULT "))
     ranks = sorted(run_dir.glob("rank*.json"), key=lambda f: int(f.stem[4:]))
     r.update(variant=name, wall_s=wall, step_s_mean=float(np.mean(r["step_s"])),
              peaks=[json.loads(f.read_text()) for f in ranks])
     return r
+
+
+def failure(log: str, timeout: float) -> str:
+    """Why a variant left no result, in a few words, from its log: out of memory (on any
+    rank), over its time, or the last error line."""
+    if "out of memory" in log or "OutOfMemoryError" in log:
+        return "out of memory"
+    if "[learner_bench] killed after" in log:
+        return f"over {timeout:.0f} s"
+    last = next((ln for ln in reversed(log.splitlines()) if "Error" in ln), "failed")
+    return last.strip()[:160]
 
 
 def dist_table(args: argparse.Namespace, rows: list[dict], device: str, total_tokens: int
@@ -442,17 +458,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         (dist_child if args.variant else child)(args)
         return 0
-    t_start = time.monotonic()
+    t_start = clock()
     dist = args.processes > 1
     table_of = DIST_VARIANTS if dist else VARIANTS
     names = (args.variants or (DIST_DEFAULT if dist else "legacy,rows,packed-16k")).split(",")
     unknown = [n for n in names if n not in table_of]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; known: {', '.join(table_of)}")
-    import torch
-    from transformers import AutoConfig
+    from types import SimpleNamespace
 
-    from pipeline.learner.flops import ModelShape, peak_flops, train_flops
+    from pipeline.learner.flops import ModelShape, train_flops
 
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -462,21 +477,22 @@ def main(argv: list[str] | None = None) -> int:
         (legacy / "learner_bench.py").write_text(Path(__file__).read_text())
         (legacy / "__init__.py").touch()
     args.model = prepare_model(args.size, args.processes)
-    shape = ModelShape.from_config(AutoConfig.from_pretrained(args.model))
+    # config.json as it is (no transformers import in this parent: the ranks import it).
+    hf = json.loads((Path(args.model) / "config.json").read_text())
+    shape = ModelShape.from_config(SimpleNamespace(**{**(hf.get("text_config") or {}), **hf}))
     lengths = [args.prompt + len(c.token_ids) for g in synthetic_groups(
         args.batch, args.group_size, args.prompt, args.max_tokens, args.lengths,
         shape.vocab) for c in g.completions]
     loss_tokens = sum(lengths) - args.prompt * len(lengths)
     flops = train_flops(shape, lengths, loss_tokens)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    peak = peak_flops(device)
+    device, peak = peak_gpu_flops()
     if peak:
         peak *= args.processes
     rows: list[dict] = []
     for name in names:
         left = args.variant_timeout
         if args.budget:
-            left = min(left, args.budget - (time.monotonic() - t_start))
+            left = min(left, args.budget - (clock() - t_start))
         if left < args.min_variant_s:
             r = {"variant": name, "error": f"not run: {max(left, 0):.0f} s left of --budget"}
         else:
@@ -496,6 +512,18 @@ def main(argv: list[str] | None = None) -> int:
              "lengths": lengths, "flops": flops, "rows": rows}, indent=1))
     print(text)
     return 0
+
+
+def peak_gpu_flops() -> tuple[str, float | None]:
+    """This machine's GPU name ("cpu" without one) and its dense bf16 peak (None if unknown)."""
+    import torch
+
+    from pipeline.learner.flops import peak_flops
+
+    if not torch.cuda.is_available():
+        return "cpu", None
+    name = torch.cuda.get_device_name(0)
+    return name, peak_flops(name)
 
 
 def single_table(args: argparse.Namespace, rows: list[dict], device: str, lengths: list[int]
