@@ -73,10 +73,10 @@ def space_shortfall(run_dir: Path, each: int, keep: int, free: int | None = None
     if need <= free:
         return None
     already = f", less {have} bytes of checkpoints already there" if have else ""
+    size = f"{each / 1e9:.1f} GB" if each >= 1e8 else f"{each / 1e6:.1f} MB"
     return (f"checkpoints need {need} bytes free under run_dir {run_dir} but {free} bytes are "
-            f"free: train.keep_checkpoints {keep} kept + 1 being written, about {each / 1e9:.2f} "
-            f"GB each{already}; lower train.keep_checkpoints, free space or choose another "
-            f"run_dir")
+            f"free: train.keep_checkpoints {keep} kept + 1 being written, about {size} "
+            f"each{already}; lower train.keep_checkpoints, free space or choose another run_dir")
 
 
 def check_run_space(cfg: Any, model_path: str) -> str | None:
