@@ -561,11 +561,6 @@ class CheckpointWriter:
         error, self._error = self._error, None
         return error
 
-    def raise_if_failed(self) -> None:
-        error = self.take_error()
-        if error is not None:
-            raise error
-
     async def wait(self) -> Path | None:
         """Wait for the write in flight, if any. Returns the newest checkpoint."""
         if self._copy is not None:  # a save cancelled mid-copy: its thread still fills staging
