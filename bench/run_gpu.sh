@@ -37,10 +37,11 @@
 #                  of an adapter version vs merged weights (and their ratio), bytes and swap
 #                  time per version (1 GPU; peft from .whl, bench/fetch_wheels.sh)
 #   checkpoint     the disk and /dev/shm by dd; bench.checkpoint_bench at 3B (CKPT_MODEL) writing
-#                  under /dev/shm (one checkpoint at a time): stall and write GB/s vs one
-#                  torch.save stream; then ours async1 colocated at RUN_MODEL (default 1.5b)
-#                  without and with train.checkpoint_every=1 (keep_checkpoints 1, run dirs under
-#                  /dev/shm), the ratio and stalls by bench.checkpoint_runs (1 GPU)
+#                  under /dev/shm (CKPT_DIR; /tmp if /dev/shm has under 45 GB free), one
+#                  checkpoint at a time: stall and write GB/s vs one torch.save stream; then ours
+#                  async1 colocated at RUN_MODEL (default 1.5b) without and with
+#                  train.checkpoint_every=1 (keep_checkpoints 1, run dirs there too), the ratio
+#                  and stalls by bench.checkpoint_runs (1 GPU)
 #   learner7b      the learner alone over 2 GPUs, no engines (bench.learner_bench --processes 2,
 #                  MODEL default 7b, drawn at random on the GPUs): every variant of its
 #                  DIST_DEFAULT (or VARIANTS=a,b,...) in a fresh process group, in that order,
@@ -260,14 +261,18 @@ for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
       echo "dd $d: $(dd if=/dev/zero of=$d/ckpt-dd.bin bs=16M count=256 conv=fsync 2>&1 | tail -1)"
       rm -f "$d/ckpt-dd.bin"
     done
+    # Checkpoints go to /dev/shm when it holds one 3B checkpoint and change (45 GB), else /tmp.
+    ckdir=${CKPT_DIR:-$( [ "$(df -B1 --output=avail /dev/shm | tail -1)" -ge 45000000000 ] \
+      && echo /dev/shm || echo /tmp)}
+    echo "checkpoint: writing under $ckdir"
     t=$(budget 210) || exit 1
     timeout -k 10 "$t" python3 -m bench.checkpoint_bench --model "${CKPT_MODEL:-3b}" \
-      --device cuda --dir /dev/shm --saves 3 2>&1 | tee "$out/checkpoint-bench.log" | quiet
+      --device cuda --dir "$ckdir" --saves 3 2>&1 | tee "$out/checkpoint-bench.log" | quiet
     left=$(left)
     run_to=$(( (left - 30) / 2 ))
     [ "$run_to" -le "${RUN_TIMEOUT:-190}" ] || run_to=${RUN_TIMEOUT:-190}
     [ "$run_to" -ge 60 ] || { echo "checkpoint: only $left s left for the runs" >&2; exit 1; }
-    runs=/dev/shm/ckpt-runs
+    runs=$ckdir/ckpt-runs
     rm -rf "$runs"
     for v in none every1; do
       extra=(); [ "$v" = none ] || extra=(--set train.checkpoint_every=1 --set train.keep_checkpoints=1)
