@@ -73,6 +73,9 @@ class Hello(_Message, tag="hello"):
     recovered: Annotated[list[Name], Meta(max_length=4096)] = []
     """Incarnations of dead processes with the same producer id whose unconfirmed groups this
     one resends (``pipeline.producer.outbox``); their groups are accepted from it."""
+    leaving: bool = False
+    """The producer is leaving the run (elastic runs): a restarted learner must not make it a
+    member again; it only waits for the checkpoint of its groups."""
 
 
 class Heartbeat(_Message, tag="heartbeat"):
@@ -82,6 +85,11 @@ class Heartbeat(_Message, tag="heartbeat"):
     incarnation: Name
     policy_version: Count
     stats: Stats
+    cursor: Count = 0
+    """Positions of its data leases read so far (the learner tops its leases up from it)."""
+    leaving: bool = False
+    """Asked to leave (elastic runs): should it die before its Leave, the learner takes it out
+    once it falls silent, rather than keep its share for good."""
 
 
 class Ack(_Message, tag="ack"):
@@ -131,6 +139,8 @@ class Leave(_Message, tag="leave"):
     producer_id: Name
     incarnation: Name
     sent: Count
+    cursor: Count = 0
+    """Positions of its data leases read: the rest go to the other producers."""
 
 
 # ---- learner -> producer (control channel replies) ------------------------------------------
@@ -214,6 +224,11 @@ class Announce(_Message, tag="announce"):
     """The producers of the run now, by id in index order: each producer's admission share and
     data shard are its rank among them (``num_producers`` ids from the start; elastic runs
     add the ones that join and drop the ones that leave)."""
+    leases: Annotated[dict[Name, Annotated[list[Count], Meta(max_length=65536)]],
+                      Meta(max_length=4096)] = {}
+    """Per producer id, the ranges of the run's prompt sequence it may read, in order, as
+    ``[base, start, end, start, end, ...]`` (``pipeline.learner.roster``): each position is
+    leased to one producer, so every prompt is read once per epoch."""
     finished: bool = False
     """The learner has trained its last step and is stopping: producers exit (a learner that
     stops early, e.g. Ctrl-C or a crash, never sets it, so producers wait for its return)."""

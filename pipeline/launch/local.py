@@ -30,7 +30,11 @@ from pipeline.config import RunConfig, flatten, load_config
 from pipeline.launch.console import LogFollower, log_to_run_dir, resource_tracker_to, tell
 from pipeline.launch.placement import learner_gpu_env, producer_gpu_env
 from pipeline.launch.preflight import prepare
-from pipeline.launch.run_dir import set_aside_previous_run, waiting_groups_line
+from pipeline.launch.run_dir import (
+    roster_for_launch,
+    set_aside_previous_run,
+    waiting_groups_line,
+)
 from pipeline.launch.scale import LAUNCHER_FILE, ScaleWatch, plan, record_launcher
 from pipeline.launch.shm import (
     forget_record,
@@ -322,6 +326,8 @@ def _set_up_run_dir(cfg: RunConfig, role: str, resume: bool, verbose: bool
         # A fresh run must not resend the outbox of an earlier run in the same run_dir.
         for stale in (run_dir / "producers").glob("*.wal"):
             stale.unlink()
+    if role in ("all", "learner"):
+        roster_for_launch(run_dir, resume, cfg.num_producers)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return file_log, follower
 

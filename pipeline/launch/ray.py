@@ -138,7 +138,7 @@ def _prepare(ray: Any, cfg: RunConfig, resume: bool) -> tuple[Any, str, float]:
     (absolute, an earlier run set aside, its config written), connect. Returns the private node
     (or None), the model's path and when connecting began; the node is stopped on failure."""
     from pipeline.launch.preflight import prepare
-    from pipeline.launch.run_dir import set_aside_previous_run
+    from pipeline.launch.run_dir import roster_for_launch, set_aside_previous_run
 
     node = start_private_node(cfg)
     try:
@@ -151,6 +151,7 @@ def _prepare(ray: Any, cfg: RunConfig, resume: bool) -> tuple[Any, str, float]:
         if not resume:
             for stale in (run_dir / "producers").glob("*.wal"):
                 stale.unlink()
+        roster_for_launch(run_dir, resume, cfg.num_producers)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         t0 = time.monotonic()
         node = connect(ray, cfg, node)

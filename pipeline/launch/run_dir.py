@@ -28,6 +28,19 @@ def set_aside_previous_run(run_dir: Path) -> Path | None:
     return dest
 
 
+def roster_for_launch(run_dir: Path, resume: bool, num_producers: int) -> None:
+    """The learner's roster (``pipeline.learner.roster``) as a launch starts: a fresh run has
+    none (an earlier one's, from a run stopped before any metrics, would lease it nothing and
+    name its producers); ``--resume`` keeps its leases but starts with the producers this launch
+    starts. A learner the launcher restarts later keeps it as it is."""
+    from pipeline.learner.roster import ROSTER_FILE, relaunch
+
+    if resume:
+        relaunch(run_dir, num_producers)
+    else:
+        (run_dir / ROSTER_FILE).unlink(missing_ok=True)
+
+
 def waiting_groups_line(run_dir: Path, max_staleness: int) -> str | None:
     """One line for the end of a run when producers' outboxes (``run_dir/producers/*.wal``)
     hold groups that the learner's last checkpoint lacks: generated but never delivered (a

@@ -65,7 +65,8 @@ from pipeline.learner.checkpoint import (
 from pipeline.learner.disk import disk_free
 from pipeline.learner.evaluations import Evaluations
 from pipeline.learner.metrics import MetricsLogger, carry_counters, plot_run, producer_metrics
-from pipeline.learner.producers import Members, ProducerInfo
+from pipeline.learner.producers import ALIVE_S, ProducerInfo
+from pipeline.learner.roster import Roster
 from pipeline.learner.routes import LearnerRoutes, serve_stream, snapshot_dir
 from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
@@ -125,8 +126,14 @@ class Learner:
         self.evals = Evaluations(cfg, self.metrics)
         self.registry = ProducerRegistry({f"p{i}" for i in range(cfg.producer_slots)},
                                          evaluators=self.evals.ids)
-        # Who shares the admission budget and the data now (elastic runs: max_producers).
-        self.members = Members(cfg.num_producers)
+        # Who shares the admission budget now, who is leaving, and who may read which prompts
+        # (elastic runs: max_producers); on file, so a restarted learner keeps them.
+        t = cfg.train
+        self.roster = Roster.open(self.run_dir, cfg.num_producers,
+                                  chunk=max(2 * (t.max_staleness + 1) * t.batch_groups, 8))
+        self.members = self.roster.members
+        self._read: dict[str, int] = {}  # data cursor per producer, from its heartbeats
+        self._started = time.monotonic()
         self._checkpoint_soon = False  # a producer left: its groups go in the next checkpoint
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):
@@ -201,8 +208,11 @@ class Learner:
             log.info("producer %s (pid %d) connected at version %d; weights by %s "
                      "(incarnation %s)", msg.producer_id, msg.pid, msg.policy_version,
                      info.route, msg.incarnation)
-        if self.members.join(msg.producer_id):
+        if self.roster.join(msg.producer_id, leaving=msg.leaving):
             log.info("producer %s joined the run: %s", msg.producer_id, self.members)
+        elif msg.leaving and msg.producer_id not in self.members:
+            self._checkpoint_soon = True  # it left and waits for a checkpoint of its groups
+        self.roster.save()
 
     def _on_control(self, msg: ControlMessage) -> None:
         """A checked control message from a producer (or evaluator) that said Hello."""
@@ -214,12 +224,18 @@ class Learner:
         if isinstance(msg, Heartbeat):
             info.version = msg.policy_version
             info.stats = msg.stats
+            self._read[msg.producer_id] = msg.cursor
+            if msg.leaving:
+                self.roster.mark_leaving(msg.producer_id)
+                self.roster.save()
         elif isinstance(msg, SyncReady):
             self.routes.on_sync_ready(msg)
         elif isinstance(msg, EvalResult):
             self.evals.result(msg, self.state.step)
         elif isinstance(msg, Leave):
-            if self.members.leave(msg.producer_id):
+            was = self.roster.leave(msg.producer_id, msg.cursor)
+            self.roster.save()
+            if was:
                 self._checkpoint_soon = True
                 log.info("producer %s left the run after %d groups: %s", msg.producer_id,
                          msg.sent, self.members)
@@ -303,6 +319,8 @@ class Learner:
         # ahead while its file is still being written (its "version" key says which).
         version = ref.version if ref else 0
         routes, transfer = self.routes.offer(self.state.version)
+        self.roster.top_up(self.state.cursors, self._read)
+        self.roster.save()  # before any producer can read a new lease
         return Announce(version=version, snapshot_uri=ref.uri if ref else "",
                         snapshot_checksum=ref.checksum if ref else "",
                         learner_session=self.session, received=received, consumed=consumed,
@@ -311,14 +329,32 @@ class Learner:
                         routes=routes, transfer=transfer,
                         heading_to=max(self._heading_to, self.state.version),
                         last_step=self.cfg.train.steps, steps_taken=self._steps_taken,
-                        members=list(self.members), finished=finished)
+                        members=list(self.members), leases=self.roster.wire(),
+                        finished=finished)
 
     async def _announce(self) -> None:
         assert self.endpoint is not None
         while True:
             self.routes.maintain()
+            self._drop_dead_leavers()
             await self.endpoint.publish(self.announcement())
             await asyncio.sleep(1.0)
+
+    def _drop_dead_leavers(self) -> None:
+        """A member that said it was leaving and has been silent for ``ALIVE_S`` (since this
+        learner started, for one it knows of from the roster) died before its Leave: the
+        launcher will not restart it, so it is taken out, or its share would wait for good.
+        What it did not deliver is read by the others (from the cursor of its groups)."""
+        now = time.monotonic()
+        for pid in sorted(self.roster.leaving & set(self.members)):
+            info = self.producers.get(pid)
+            heard = max(info.last_seen if info else -ALIVE_S, self._started)
+            if now - heard >= ALIVE_S:
+                self.roster.leave(pid, self.state.cursors.get(pid, 0))
+                self.roster.save()
+                self._checkpoint_soon = True
+                log.warning("producer %s died while leaving: out of the run: %s", pid,
+                            self.members)
 
     # ------------------------------------------------------------------ snapshots
     async def _on_written(self, ref: SnapshotRef, seconds: float) -> None:

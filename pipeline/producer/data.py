@@ -1,9 +1,11 @@
 """Prompt sources for producers: JSONL/JSON, Parquet, CSV, a `datasets` dir on disk, or synthetic
 arithmetic; and rendering a prompt (plain or conversational) to token ids.
 
-Each producer reads its own shard (records i with i % num_producers == index) in a fixed,
-seeded order, so the position in the shard (the cursor) is all that is needed to resume; the
-learner records the highest cursor it received per producer and checkpoints it.
+The run reads one sequence of prompts: each epoch a seeded permutation of every record. The
+learner leases ranges of it to producers (``pipeline.learner.roster``), each position to one
+producer, so every prompt is read once per epoch however producers join, leave or restart; a
+producer's cursor counts what it read over its leases, and the learner records and checkpoints
+the highest cursor it received per producer (where a restarted producer resumes).
 
 A record's prompt (``data.prompt_field``) is a string or a conversation: a list of
 ``{"role": ..., "content": ...}`` messages, rendered with the model's chat template. Every
@@ -35,7 +37,8 @@ class PromptRecord:
     prompt_id: str
     prompt: str | list[dict[str, Any]]  # text, or a conversation (list of messages)
     meta: dict[str, Any]  # every other field of the record (e.g. "answer"), for rewards
-    cursor: int  # position in this producer's shard, + 1 (resume point)
+    cursor: int  # positions this producer has read, this one included (resume point)
+    position: int = -1  # where in the run's prompt sequence (epoch * records + place)
 
 
 def load_records(path: str) -> list[dict[str, Any]]:
@@ -201,61 +204,101 @@ def check_data(cfg: DataConfig, model_path: str) -> None:
 
 
 class PromptSource:
-    """An endless, resumable iterator over one producer's shard (epochs reshuffle)."""
+    """An endless, resumable iterator over positions of the run's prompt sequence.
+
+    Position g is record ``order(g // N)[g % N]`` of the N records: each epoch one seeded
+    permutation of all of them (``data.seed`` < 0: file order), the same in every process.
+    Which positions this producer reads: ``index::num_producers`` of each epoch (a fixed
+    split, for a standalone source), or, once ``lease`` is called, the ranges the learner
+    leased to it (``pipeline.learner.roster``), in lease order. ``cursor`` counts the positions
+    read over the leases since the run began, so it survives any re-split and restart: the
+    leases are only ever appended to, and a prefix the learner knows read is dropped into
+    ``base``."""
 
     def __init__(
         self,
         cfg: DataConfig,
-        index: int,
-        num_producers: int,
+        index: int = 0,
+        num_producers: int = 1,
         start_cursor: int = 0,
         records: list[dict[str, Any]] | None = None,
     ):
         self.cfg = cfg
         self.records = records if records is not None else load_records(cfg.path)
         check_records(cfg, self.records)
-        self.shard = self._shard(index, num_producers)
-        self.cursor = start_cursor
-        self._epoch_order: tuple[int, list[int]] = (-1, [])
-
-    def _shard(self, index: int, num_producers: int) -> list[tuple[int, dict[str, Any]]]:
-        shard = [(i, r) for i, r in enumerate(self.records) if i % num_producers == index]
-        if not shard:
+        if len(self.records) <= index or num_producers < 1:
             raise ConfigError(f"data.path: {len(self.records)} records are fewer than the "
                               f"{num_producers} producers")
-        return shard
+        self.index, self.num_producers = index, num_producers
+        self.cursor = start_cursor
+        self.leased: tuple[int, list[tuple[int, int]]] | None = None  # (base, ranges)
+        self._epoch_order: tuple[int, list[int]] = (-1, [])
 
-    def reshard(self, index: int, num_producers: int) -> None:
-        """Read shard ``index`` of ``num_producers`` from now on (an elastic run's producers
-        joined or left), at the same point of the pass over the data: the cursor keeps its
-        fraction of an epoch, so no producer starts its new shard over."""
-        shard = self._shard(index, num_producers)
-        self.cursor = self.cursor * len(shard) // len(self.shard)
-        self.shard, self._epoch_order = shard, (-1, [])
+    def lease(self, base: int, ranges: list[tuple[int, int]]) -> None:
+        """Read the learner's leases from now on: ``ranges`` [start, end) in order, the first
+        ``base`` positions of this producer's leases already read and dropped. A cursor below
+        ``base`` (a restarted producer that has not heard of its resent groups yet) moves up to
+        it: the learner has those positions' groups."""
+        self.leased = (base, [(int(a), int(b)) for a, b in ranges])
+        self.cursor = max(self.cursor, base)
+
+    def lease_from(self, flat: list[int]) -> None:
+        """``lease`` from an ``Announce.leases`` entry: [base, start, end, start, end, ...]."""
+        self.lease(flat[0] if flat else 0,
+                   [(flat[i], flat[i + 1]) for i in range(1, len(flat) - 1, 2)])
+
+    def position(self, cursor: int) -> int | None:
+        """The sequence position read at ``cursor``; None when no lease reaches that far."""
+        if self.leased is None:
+            n = len(self.records)
+            per_epoch = len(range(self.index, n, self.num_producers))
+            epoch, k = divmod(cursor, per_epoch)
+            return epoch * n + self.index + k * self.num_producers
+        base, ranges = self.leased
+        k = cursor - base
+        for a, b in ranges:
+            if k < b - a:
+                return a + k
+            k -= b - a
+        return None
 
     def _order(self, epoch: int) -> list[int]:
         if self._epoch_order[0] != epoch:
-            order = list(range(len(self.shard)))
+            order = list(range(len(self.records)))
             if self.cfg.seed >= 0:
                 random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
             self._epoch_order = (epoch, order)
         return self._epoch_order[1]
 
-    def __iter__(self) -> Iterator[PromptRecord]:
-        return self
+    def record_index(self, position: int) -> int:
+        """Index (file order) of the record at sequence ``position``."""
+        epoch, k = divmod(position, len(self.records))
+        return self._order(epoch)[k]
 
-    def __next__(self) -> PromptRecord:
-        epoch, pos = divmod(self.cursor, len(self.shard))
-        i, rec = self.shard[self._order(epoch)[pos]]
+    def take(self) -> PromptRecord | None:
+        """The next prompt, or None while the leases are used up (the learner grants more)."""
+        g = self.position(self.cursor)
+        if g is None:
+            return None
+        i = self.record_index(g)
+        rec = self.records[i]
         self.cursor += 1
         cfg = self.cfg
         meta = {k: v for k, v in rec.items() if k != cfg.prompt_field}
         if cfg.answer_field is not None:
             meta["answer"] = rec[cfg.answer_field]
         pid = str(rec.get(cfg.id_field, i))
-        return PromptRecord(
-            prompt_id=pid, prompt=rec[cfg.prompt_field], meta=meta, cursor=self.cursor
-        )
+        return PromptRecord(prompt_id=pid, prompt=rec[cfg.prompt_field], meta=meta,
+                            cursor=self.cursor, position=g)
+
+    def __iter__(self) -> Iterator[PromptRecord]:
+        return self
+
+    def __next__(self) -> PromptRecord:
+        rec = self.take()
+        if rec is None:
+            raise StopIteration
+        return rec
 
 
 def render_prompt(tokenizer: Any, cfg: DataConfig, prompt: str | list[dict[str, Any]]) -> list[int]:

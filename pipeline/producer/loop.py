@@ -187,16 +187,16 @@ class Producer(GroupRollout):
         return producer_budget(t.batch_groups, t.max_staleness, *share) if share else 0
 
     def _on_members(self, members: list[str]) -> None:
-        """Producers joined or left: our admission share, data shard and drop cap follow."""
+        """Producers joined or left: our admission share and drop cap follow (the data follows
+        the learner's leases, ``Announce.leases``)."""
         self.members = members
         share = self.share()
         if share is None:
             return
-        self.prompts.reshard(share[1], share[0])
         if self.drop_cap is not None:
             self.drop_cap.cap = extra_cap(self.cfg.train.batch_groups,
                                           self.cfg.generation.dynamic_sampling_max_extra, *share)
-        log.info("%s: the run has %d producer(s) now (%s); data shard %d of %d",
+        log.info("%s: the run has %d producer(s) now (%s); admission share %d of %d",
                  self.producer_id, share[0], ", ".join(members), share[1], share[0])
 
     def may_start(self) -> bool:
@@ -215,8 +215,15 @@ class Producer(GroupRollout):
         await self._synced.wait()
         rate = self.cfg.generation.admit_rate_per_s
         throttle = rate_limiter(rate) if rate else contextlib.nullcontext()
-        for record in self.prompts:
-            while not self.may_start():
+        told = False
+        while True:
+            # The budget first, then the prompt: a prompt taken is read for good (the learner
+            # leases each position once), so none waits here while the run re-splits.
+            while not self.may_start() or (record := self.prompts.take()) is None:
+                if self.may_start() and not told:
+                    told = True
+                    log.info("%s: waiting for the learner to lease more prompts",
+                             self.producer_id)
                 self._budget_changed.clear()
                 await self._sleep_if_idle()
                 await self._budget_changed.wait()
@@ -309,6 +316,7 @@ class Producer(GroupRollout):
             self.stats.groups_resent += len(resend)
             # Prompts the learner already has are not generated again after a restart.
             self.prompts.cursor = max(self.prompts.cursor, ann.cursors.get(self.producer_id, 0))
+            self._evaluated.clear()  # a restored learner trains its versions again
             log.info("%s: learner session %s at version %d", self.producer_id,
                      ann.learner_session, ann.version)
         route = ann.routes.get(self.producer_id, "file")
@@ -323,6 +331,8 @@ class Producer(GroupRollout):
             if report is not None:
                 await self._report(report, ann.learner_session)
         pid = self.producer_id
+        if pid in ann.leases:
+            self.prompts.lease_from(ann.leases[pid])
         if ann.members and ann.members != self.members:
             self._on_members(list(ann.members))
         self.learner_heading_to = ann.heading_to
@@ -436,7 +446,8 @@ class Producer(GroupRollout):
         """This incarnation's Hello: its version, GPUs and the dead incarnations it resends."""
         return Hello(producer_id=self.producer_id, incarnation=self.incarnation,
                      policy_version=self.tracker.version, pid=os.getpid(),
-                     devices=self.devices, recovered=self.outbox.incarnations_recovered)
+                     devices=self.devices, recovered=self.outbox.incarnations_recovered,
+                     leaving=self.leaving)
 
     async def _hello(self) -> None:
         await self.session.hello()
@@ -469,7 +480,8 @@ class Producer(GroupRollout):
             await self._control(Heartbeat(producer_id=self.producer_id,
                                           incarnation=self.incarnation,
                                           policy_version=self.tracker.version,
-                                          stats=self.heartbeat_stats()))
+                                          stats=self.heartbeat_stats(),
+                                          cursor=self.prompts.cursor, leaving=self.leaving))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._counted.wait(), 2.0)
 
@@ -481,6 +493,7 @@ class Producer(GroupRollout):
         await self.leave_requested.wait()
         self.leaving = True  # share() is None from now: _admit starts nothing more
         self._budget_changed.set()
+        self._counted.set()  # a heartbeat now tells the learner we are leaving
         log.info("%s: leaving the run: finishing %d group(s) in flight", self.producer_id,
                  self.in_flight_groups)
         while self.in_flight_groups or self.accepted < self.seq:
@@ -488,7 +501,8 @@ class Producer(GroupRollout):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._budget_changed.wait(), 1.0)
         answer = await self._control(Leave(producer_id=self.producer_id,
-                                           incarnation=self.incarnation, sent=self.seq))
+                                           incarnation=self.incarnation, sent=self.seq,
+                                           cursor=self.prompts.cursor))
         if answer is None or not answer.ok:
             raise RuntimeError(f"the learner did not take our Leave: "
                                f"{answer.reason if answer else 'no answer'}")
@@ -537,10 +551,9 @@ async def producer_main(cfg: RunConfig, index: int, model_path: str, start_curso
     """Entry point of a producer process (called under ``if __name__ == '__main__'``)."""
     asked: list[int] = []  # SIGUSR1 while the engine starts: leave once the producer runs
     signal.signal(signal.SIGUSR1, lambda *_: asked.append(1))
-    # A producer that joins an elastic run reads the whole data until the learner's members
-    # name its shard (Producer._on_members); it starts no group before.
-    shard = (index, cfg.num_producers) if index < cfg.num_producers else (0, 1)
-    prompts = PromptSource(cfg.data, *shard, start_cursor=start_cursor)
+    # It reads only what the learner leases it (Announce.leases): nothing before the first.
+    prompts = PromptSource(cfg.data, start_cursor=start_cursor)
+    prompts.lease(0, [])
     engines = engine_count(cfg.producer_slots, cfg.eval.every, cfg.eval.producer)
     async with engine_process(cfg, index, model_path, (index, engines), f"p{index}") as parts:
         producer = Producer(cfg, index, parts.engine, parts.tokenizer, parts.endpoint,

@@ -83,7 +83,8 @@ def test_sharding_is_a_partition(num_producers):
     shards = []
     for k in range(num_producers):
         src = PromptSource(cfg, k, num_producers, records=recs)
-        shards.append([r.prompt_id for r in itertools.islice(src, len(src.shard))])
+        per_epoch = len(range(k, len(recs), num_producers))
+        shards.append([r.prompt_id for r in itertools.islice(src, per_epoch)])
     flat = [pid for s in shards for pid in s]
     assert sorted(flat) == sorted(r["prompt_id"] for r in recs)  # every record exactly once
     assert len(set(flat)) == len(flat)
@@ -114,14 +115,18 @@ def test_epochs_cover_the_shard_and_seed_minus_one_keeps_order():
     assert [r.prompt_id for r in itertools.islice(ordered, 6)] == [f"q{i}" for i in range(6)]
 
 
-def test_reshard_keeps_the_point_of_the_pass_over_the_data():
-    """An elastic run's producers joined or left: the new shard is read from the same fraction
-    of an epoch (no producer starts its data over), and it is the new shard's records."""
-    src = PromptSource(DataConfig(path="arithmetic:12"), 0, 2)  # 6 records
-    for _ in range(9):  # one and a half passes
-        next(src)
-    src.reshard(1, 3)  # 4 records: records 1, 4, 7, 10
-    assert src.cursor == 6  # still one and a half passes
-    next(src), next(src)  # the rest of this pass; the next one is the whole new shard
-    ids = {next(src).prompt_id for _ in range(4)}
-    assert ids == {f"arith-1234-{i}" for i in (1, 4, 7, 10)}
+def test_leases_are_read_in_order_and_the_cursor_counts_over_them():
+    """The learner's leases (``pipeline.learner.roster``): positions of the run's sequence, read
+    in lease order; the cursor counts positions over the leases, a read prefix dropped into
+    ``base`` changes nothing, and a source out of leases gives None until it gets more."""
+    recs = _records(6)
+    src = PromptSource(DataConfig(path="x", seed=-1), records=recs)
+    src.lease(0, [(4, 6), (1, 2)])
+    got = [(r.prompt_id, r.position, r.cursor) for r in iter(src.take, None)]
+    assert got == [("q4", 4, 1), ("q5", 5, 2), ("q1", 1, 3)]
+    src.lease(2, [(1, 2), (7, 8)])  # the first range dropped as read; position 7 is epoch 1
+    rec = src.take()
+    assert (rec.prompt_id, rec.position, rec.cursor) == ("q1", 7, 4) and src.take() is None
+    fresh = PromptSource(DataConfig(path="x", seed=-1), records=recs)
+    fresh.lease(2, [(1, 2)])  # a restarted producer below base resumes at it
+    assert fresh.cursor == 2 and fresh.take().position == 1

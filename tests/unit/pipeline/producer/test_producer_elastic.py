@@ -40,9 +40,9 @@ def test_a_joining_producer_starts_nothing_until_the_members_name_it_fake_endpoi
         assert p.share() is None and not p.may_start()
         await p._apply_announce(_announce(["p0", "p2"]))
         assert p.share() == (2, 1) and p.may_start()
-        assert len(p.prompts.shard) == 6  # records 1, 3, 5 ... of 12
-        await p._apply_announce(_announce(["p2"]))  # p0 left: the whole data is ours
-        assert p.share() == (1, 0) and len(p.prompts.shard) == 12
+        await p._apply_announce(_announce(["p2"], leases={"p2": [0, 3, 5]}))
+        assert p.share() == (1, 0)  # p0 left: the whole budget is ours
+        assert [p.prompts.take().position for _ in range(2)] == [3, 4]  # our lease
 
     asyncio.run(run())
 
