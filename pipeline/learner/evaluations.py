@@ -23,6 +23,7 @@ from pipeline.procs import ConsoleStream
 from pipeline.schedule import EVALUATOR_ID, evaluator_index, is_due, last_version
 
 log = logging.getLogger(__name__)
+EVALUATOR_RESTART_S = 180.0  # silent this long, a dedicated evaluator is not coming back
 
 
 class Evaluations:
@@ -55,7 +56,12 @@ class Evaluations:
 
     def result(self, msg: EvalResult, step: int) -> None:
         """An evaluation's figures: one metrics row (at the current ``step``) tagged with the
-        version they measure, and one console line."""
+        version they measure, and one console line. A second one of a version (the shared role
+        moved to another producer while the first was evaluating it) is not logged again."""
+        if msg.version in self.evaluated:
+            log.info("eval v%d from %s: already evaluated; not logged again", msg.version,
+                     msg.producer_id)
+            return
         self.evaluated[msg.version] = dict(msg.stats)
         self.metrics.log(step, {"eval/version": float(msg.version), **msg.stats},
                          progress=False)
@@ -77,14 +83,17 @@ class Evaluations:
         return out
 
     def evaluator_gone(self) -> bool:
-        """Whether the dedicated evaluator said Hello but has not been heard from since
-        (``pipeline.learner.producers.ALIVE_S``): then no evaluation will come."""
+        """Whether the dedicated evaluator said Hello but has been silent for
+        ``EVALUATOR_RESTART_S``: then no evaluation will come. Not alive is not enough: the
+        launcher restarts a dead evaluator, whose engine takes a while to start."""
         now = time.monotonic()
-        return bool(self.evaluators) and not any(i.alive(now) for i in self.evaluators.values())
+        return bool(self.evaluators) and \
+            all(now - i.last_seen >= EVALUATOR_RESTART_S for i in self.evaluators.values())
 
     async def await_last(self, version: int) -> None:
         """Training is over at ``version``: wait (``eval.timeout_s``) for its evaluation, which
-        producer 0 or the evaluator may still be running; not for an evaluator gone silent."""
+        the first producer or the evaluator may still be running; not for an evaluator silent
+        for good (``evaluator_gone``)."""
         ev, v = self.cfg.eval, version
         if not ev.every or v in self.evaluated:
             return

@@ -96,6 +96,11 @@ class Evaluator:
             if ann.finished and self.stop_when_learner_done:
                 raise LearnerFinished(f"learner session {ann.learner_session} trained its "
                                       f"last step (version {ann.version})")
+            if self.latest is not None and ann.learner_session != self.latest.learner_session:
+                # A restarted learner trains from its checkpoint again: the versions it
+                # publishes anew are new weights, whatever their numbers.
+                self.evaluated.clear()
+                self.previous = -1
             self.latest = ann
             self._announced.set()
 

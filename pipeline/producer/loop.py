@@ -18,10 +18,12 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
   producer leaves cleanly: it starts no more groups, sends those it started, tells the learner
   (``Leave``) and exits once the learner's checkpoint holds them. The admission share and data
   shard are the producer's rank among ``Announce.members``, so the others take over its share.
-Producer 0 also evaluates (``eval.every``, unless ``eval.producer`` is 'dedicated': then the
-evaluator does, ``pipeline.producer.evaluator``): on each due version, once loaded and before
-new admissions, it runs the held-out prompts and sends their figures in an EvalResult (never
-as groups: ``pipeline.producer.evaluate``).
+The first of the members also evaluates (``eval.every``, unless ``eval.producer`` is
+'dedicated': then the evaluator does, ``pipeline.producer.evaluator``): on each due version,
+once loaded and before new admissions, it runs the held-out prompts and sends their figures in
+an EvalResult (never as groups: ``pipeline.producer.evaluate``). When it leaves, the next
+member takes the role with the version it runs; a new learner session (a restarted learner
+trains its versions again) evaluates them again.
 Control messages (Hello, Heartbeat, Ack, SyncReady) go on the control channel and each gets an
 answer (``buffer.protocol``); groups go on the data channel only after the learner has welcomed
 this incarnation, and a learner that no longer knows us (restarted) gets a new Hello.
@@ -161,12 +163,13 @@ class Producer(GroupRollout):
             if g.dynamic_sampling else None
         self.learner_consumed = 0  # groups the learner has taken, all producers (Announce)
         self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
-        # Only producer 0 evaluates: one evaluation per version, whatever the producer count;
-        # none does when the run has a dedicated evaluator.
+        # Shared evaluation (eval.every, no dedicated evaluator): the first of the members
+        # evaluates (one evaluation per version, whatever the producer count), so the role
+        # moves on when that producer leaves (every producer holds the held-out prompts).
         ev = cfg.eval
-        shared = evaluator_index(cfg.producer_slots, ev.every, ev.producer) is None
-        self.eval_records = eval_records(cfg.data, ev) if ev.every and index == 0 and shared \
-            else []
+        self.evaluates_shared = bool(ev.every) and \
+            evaluator_index(cfg.producer_slots, ev.every, ev.producer) is None
+        self.eval_records = eval_records(cfg.data, ev) if self.evaluates_shared else []
         self.eval_last = last_version(cfg.train.steps, cfg.sync.sync_every)
         self._evaluated: set[int] = set()
 
@@ -353,8 +356,9 @@ class Producer(GroupRollout):
         generating go on meanwhile; no swap can start, as this runs inside the announce
         handler, so every evaluation completion comes from this one version."""
         v = self.tracker.version
-        if not self.eval_records or v in self._evaluated or \
-                not is_due(v, self.cfg.eval.every, self.eval_last):
+        share = self.share()
+        if not self.evaluates_shared or share is None or share[1] != 0 or \
+                v in self._evaluated or not is_due(v, self.cfg.eval.every, self.eval_last):
             return
         self._evaluated.add(v)
         await self._wake()

@@ -99,12 +99,11 @@ def test_a_shared_run_refuses_an_evaluator_and_logs_no_evaluator_keys(tiny_model
 
 
 def test_the_final_wait_ends_when_the_evaluator_is_gone(tmp_path):
-    """A dedicated evaluator heard from once, then silent past ALIVE_S (dead beyond its
-    restarts): the learner's final wait stops at once instead of waiting eval.timeout_s."""
+    """A dedicated evaluator heard from once, then silent past EVALUATOR_RESTART_S (dead beyond
+    its restarts): the learner's final wait stops at once instead of waiting eval.timeout_s."""
     import time
 
-    from pipeline.learner.evaluations import Evaluations
-    from pipeline.learner.producers import ALIVE_S
+    from pipeline.learner.evaluations import EVALUATOR_RESTART_S, Evaluations
     from pipeline.schedule import EVALUATOR_ID
 
     cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
@@ -113,8 +112,44 @@ def test_the_final_wait_ends_when_the_evaluator_is_gone(tmp_path):
     evals = Evaluations(cfg, metrics=None)
     evals.hello(Hello(producer_id=EVALUATOR_ID, incarnation="e-1", policy_version=0, pid=7),
                 new=True)
-    evals.evaluators[EVALUATOR_ID].last_seen = time.monotonic() - ALIVE_S - 1
+    evals.evaluators[EVALUATOR_ID].last_seen = time.monotonic() - EVALUATOR_RESTART_S - 1
     assert evals.evaluator_gone()
     t0 = time.monotonic()
     asyncio.run(evals.await_last(2))
     assert time.monotonic() - t0 < 5
+
+
+def test_the_final_wait_goes_on_while_a_restarted_evaluator_starts(tmp_path):
+    """Silent past ALIVE_S because the launcher is restarting it: its evaluation of the last
+    version still comes, and the wait takes it."""
+    import time
+
+    from buffer.protocol import EvalResult
+    from pipeline.learner.evaluations import Evaluations
+    from pipeline.learner.producers import ALIVE_S
+    from pipeline.schedule import EVALUATOR_ID
+
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
+                                 "eval.data": "arithmetic:8", "eval.every": 1,
+                                 "eval.producer": "dedicated", "eval.timeout_s": 30})
+
+    class Rows:
+        def log(self, step, row, progress=True):
+            pass
+
+    evals = Evaluations(cfg, metrics=Rows())
+    evals.hello(Hello(producer_id=EVALUATOR_ID, incarnation="e-1", policy_version=0, pid=7),
+                new=True)
+    evals.evaluators[EVALUATOR_ID].last_seen = time.monotonic() - ALIVE_S - 1
+    assert not evals.evaluator_gone()
+
+    async def run() -> None:
+        wait = asyncio.create_task(evals.await_last(2))
+        await asyncio.sleep(0.3)
+        assert not wait.done()
+        evals.result(EvalResult(producer_id=EVALUATOR_ID, incarnation="e-2", version=2,
+                                stats={"eval/reward_mean": 1.0}), step=3)
+        await asyncio.wait_for(wait, 5)
+
+    asyncio.run(run())
+    assert 2 in evals.evaluated

@@ -98,3 +98,41 @@ def test_takes_the_newest_due_version_once_free_and_counts_the_skipped(tmp_path,
     assert ev.stats["versions_skipped"] == 2 and ev.stats["evaluations"] == 3
     assert ev.stats["swaps"] == 2 and ev.stats["eval_s"] == 0.75
     assert not [m for m in endpoint.sent if isinstance(m, Hello)]  # the learner knew it
+
+
+def test_a_restarted_learner_gets_its_versions_evaluated_again(tmp_path, fakes):
+    """The learner restarted from an older checkpoint and trains v2 again: new weights under an
+    old number, so the evaluator evaluates it again rather than skip it as done."""
+    calls, _loads, permits = fakes
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
+                                 "eval.data": "arithmetic:8", "eval.every": 1,
+                                 "eval.producer": "dedicated"})
+    endpoint = RecordingEndpoint()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def recv_announce(timeout: float = 1.0):
+        try:
+            return await asyncio.wait_for(queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    endpoint.recv_announce = recv_announce
+    ev = Evaluator(cfg, None, None, endpoint, None)
+
+    async def run() -> None:
+        tasks = [asyncio.create_task(ev._listen()), asyncio.create_task(ev._evaluate_versions())]
+        try:
+            queue.put_nowait(_announce(2))
+            permits.put_nowait(1)
+            await _until(lambda: calls == [2], "v2's evaluation")
+            restarted = _announce(2)
+            restarted.learner_session = "s2"
+            queue.put_nowait(restarted)
+            permits.put_nowait(1)
+            await _until(lambda: calls == [2, 2], "v2 evaluated again for the new learner")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())

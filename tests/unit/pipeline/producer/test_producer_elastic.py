@@ -101,3 +101,53 @@ def test_admission_stops_once_the_groups_out_cover_the_last_step_fake_endpoint(t
         assert not p.may_start()  # the learner took its last batch
 
     asyncio.run(run())
+
+
+def _evaluating_producer(tmp_path, index: int, monkeypatch) -> tuple[Producer, list[int]]:
+    """Shared evaluation every version; generation is a fake that records the version."""
+    import pipeline.producer.loop as loop_mod
+
+    evaluated: list[int] = []
+
+    async def generate_and_score(*args, **kw):
+        evaluated.append(args[8])
+        return {"eval/reward_mean": 0.5}
+
+    monkeypatch.setattr(loop_mod, "generate_and_score", generate_and_score)
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "num_producers": 2,
+                                 "max_producers": 3, "data.path": "arithmetic:12",
+                                 "train.mode": "async", "train.batch_groups": 2,
+                                 "train.max_staleness": 1, "train.steps": 10,
+                                 "eval.every": 1, "eval.data": "arithmetic:4"})
+    prompts = PromptSource(DataConfig(path="arithmetic:12"))
+    return Producer(cfg, index, None, None, RecordingEndpoint(), None, prompts), evaluated
+
+
+def test_the_evaluation_role_moves_on_when_the_first_member_leaves(tmp_path, monkeypatch):
+    """p0 evaluates while it is the first member; once it has left, p1 takes the role with the
+    version it runs (shared evaluation never stops for good)."""
+    p1, evaluated = _evaluating_producer(tmp_path, 1, monkeypatch)
+
+    async def run() -> None:
+        await p1._apply_announce(_announce(["p0", "p1"]))
+        assert evaluated == []  # p0's role
+        await p1._apply_announce(_announce(["p1"]))  # p0 left
+        assert evaluated == [0]
+
+    asyncio.run(run())
+
+
+def test_a_restarted_learner_gets_its_versions_evaluated_again_by_the_producer(
+        tmp_path, monkeypatch):
+    p0, evaluated = _evaluating_producer(tmp_path, 0, monkeypatch)
+
+    async def run() -> None:
+        await p0._apply_announce(_announce(["p0", "p1"]))
+        await p0._apply_announce(_announce(["p0", "p1"]))
+        assert evaluated == [0]  # once per version
+        again = _announce(["p0", "p1"])
+        again.learner_session = "s2"  # restarted from a checkpoint: v0 trained anew
+        await p0._apply_announce(again)
+        assert evaluated == [0, 0]
+
+    asyncio.run(run())
