@@ -2,7 +2,8 @@
 
 1. A LoRA run through the real launcher trains several steps with adapter sync: every snapshot
    holds the adapter alone, and the producer served each version as a LoRARequest (its acks).
-   A rank vLLM cannot serve falls back to merged weights with one warning.
+   (A rank vLLM cannot serve falls back to merged weights with one warning:
+   test_eval_checkpoints.py.)
 2. The producer's AdapterSet on a real engine: prompt logprobs of a fixed prompt change with the
    version, and follow the trainer's own (peft) logprobs of that version, not the base's.
 """
@@ -96,27 +97,6 @@ def _assert_console_ends_with_the_summary(console: str) -> None:
     assert not errors, console[-6000:]
     out = [x for x in lines if x.startswith(("reward: first", "logs: "))]
     assert len(out) == 2, console[-6000:]
-
-
-def test_lora_rank_vllm_cannot_serve_falls_back_to_merged_with_a_warning(tiny_model, tmp_path):
-    run_dir, snaps, logs, _ = _lora_run(tiny_model, tmp_path, "--train.lora_rank", "1024")
-    # One warning, from the learner (the producers decide the same way, silently).
-    learner_log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
-    warned = [line for line in learner_log.splitlines() if "merged full weights" in line]
-    assert len(warned) == 1 and "train.lora_rank 1024" in warned[0], warned
-    producer_log = (run_dir / "logs" / "producer-0.log").read_text(errors="replace")
-    assert "merged full weights" not in producer_log
-    assert "serves each version as a LoRA adapter" not in logs
-    assert "swap to v" not in logs, logs[-4000:]
-    rows = [
-        json.loads(line)
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    names = _snapshot_names(snaps)
-    if names is not None:
-        assert names and not any("lora" in n for n in names)
 
 
 def _prompt_logprobs(out) -> np.ndarray:

@@ -1,6 +1,7 @@
 """A launcher killed with -9 together with everything it started (as a job scheduler or the OOM
 killer may do) cleans up nothing: its learner's /dev/shm snapshot directory and its engines'
-``psm_*`` segments stay. The next run on the machine reclaims them and says how much it freed.
+``psm_*`` segments stay. The next run on the machine reclaims them and says how much it freed;
+that run (--verbose) also shows every process's log, the engine's included, on the console.
 Real `pipeline-train` runs (vLLM CPU engines, tiny model)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from pipeline.launch.shm import SHM_DIR, list_segments
 from pipeline.owner import owner_tag
-from tests.e2e.support.launcher import Launcher
+from tests.e2e.support.launcher import VLLM_RECORD, Launcher
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,8 @@ def _owned_by(tag: str) -> list[Path]:
 
 def test_leftovers_of_a_killed_launcher_are_reclaimed_by_the_next_run(tiny_model, tmp_path):
     shm_before = list_segments()
-    la = Launcher(tiny_model, tmp_path / "killed", "--mode", "async", "--steps", "200")
+    la = Launcher(tiny_model, tmp_path / "killed", "--mode", "async", "--steps", "200",
+                  "--num-producers", "1")
     tag = owner_tag(la.proc.pid)
     try:
         la.wait_for(lambda: la.steps_done() >= 1, 600, "the first step")
@@ -69,6 +71,10 @@ def test_leftovers_of_a_killed_launcher_are_reclaimed_by_the_next_run(tiny_model
     finally:
         la.stop()
     log = "\n".join(la.lines)
+    # --verbose (the Launcher's): every process's log on the console, the engine's included.
+    assert len([x for x in log.splitlines() if VLLM_RECORD.search(x)]) >= 10, log[-3000:]
+    assert re.search(r"\(EngineCore\S* pid=\d+\) INFO", log)
+    assert "connected at version 0" in log and "reward: first" in la.stdout, la.stdout
     m = re.search(
         r"reclaimed ([\d.]+) MB in /dev/shm left by killed runs: (\d+) snapshot "
         r"dir\(s\), (\d+) engine segment\(s\)",

@@ -21,6 +21,8 @@ import psutil
 # assertions after them are what the tests check.
 ENGINE_START_S = 600
 REPO = Path(__file__).resolve().parents[3]
+# A vLLM log record: "(EngineCore pid=7) INFO 11-25 09:01:02 [core.py:12] ..."
+VLLM_RECORD = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR)\s+\d\d-\d\d \d\d:\d\d:\d\d \[")
 CONNECTED = re.compile(r"producer (p\d+) \(pid (\d+)[^)]*\) connected at version (\d+)")
 
 
@@ -44,7 +46,9 @@ class Launcher:
         self.descendants: set[int] = set()  # every process the launcher started, polled
         threading.Thread(target=self._pump, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
-        threading.Thread(target=lambda: self._out.extend(self.proc.stdout), daemon=True).start()
+        self._stdout_pump = threading.Thread(target=lambda: self._out.extend(self.proc.stdout),
+                                             daemon=True)
+        self._stdout_pump.start()
 
     def _pump(self) -> None:
         assert self.proc.stderr is not None
@@ -86,6 +90,13 @@ class Launcher:
             return 0
         rows = [ln for ln in path.read_text().splitlines() if ln.strip()]
         return len(rows)
+
+    @property
+    def stdout(self) -> str:
+        """The launcher's stdout (the console's figures), whole once it has exited."""
+        if self.proc.poll() is not None:
+            self._stdout_pump.join(30)
+        return "".join(self._out)
 
     def tail(self, n: int = 60) -> str:
         with self._cond:
