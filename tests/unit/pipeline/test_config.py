@@ -277,3 +277,18 @@ def test_max_producers_is_0_or_at_least_num_producers():
     assert load_config(overrides={"num_producers": 2}).producer_slots == 2
     with pytest.raises(ConfigError, match=r"max_producers: must be 0 .* at least num_producers"):
         load_config(overrides={"num_producers": 2, "max_producers": 1})
+
+
+def test_fsdp2_needs_ranks_and_no_deepspeed_or_lora():
+    """train.fsdp2 shards over the learner processes under the plain launcher: one rank, an
+    accelerate config (DeepSpeed would shard too) or LoRA are refused with the option named."""
+    ok = load_config(overrides={"train.fsdp2": True, "train.learner_processes": 2})
+    assert ok.train.fsdp2 and ok.train.learner_processes == 2
+    with pytest.raises(ConfigError, match=r"train\.fsdp2: .*learner_processes >= 2"):
+        load_config(overrides={"train.fsdp2": True})
+    with pytest.raises(ConfigError, match=r"train\.fsdp2: .*unset train\.accelerate_config"):
+        load_config(overrides={"train.fsdp2": True, "train.learner_processes": 2,
+                               "train.accelerate_config": "examples/accelerate/zero3.yaml"})
+    with pytest.raises(ConfigError, match=r"train\.fsdp2: not with LoRA"):
+        load_config(overrides={"train.fsdp2": True, "train.learner_processes": 2,
+                               "train.lora_rank": 8})
