@@ -89,8 +89,8 @@ DIST_VARIANTS: dict[str, dict[str, Any]] = {
 }
 # The order a 7B call runs them in when it cannot run them all (run_gpu.sh learner7b).
 DIST_DEFAULT = ("zero3-rows4,zero3-packed-16k-ckpt,fsdp2-packed-16k-ckpt,"
-                "zero3-packed-16k-ckpt-buckets,fsdp2-packed-32k-ckpt,fsdp2-packed-4k,fsdp2-rows4,"
-                "zero3-fp32-rows4")
+                "zero3-packed-16k-ckpt-buckets,fsdp2-packed-32k-ckpt,fsdp2-packed-4k,"
+                "fsdp2-packed-4k-ckpt,fsdp2-rows4,zero3-fp32-rows4")
 
 
 def synthetic_groups(n_groups: int, group_size: int, prompt: int, max_tokens: int,
