@@ -195,8 +195,8 @@ class EvalConfig:
     every: int = opt(0, ge=0)
     """evaluate every k-th weights version (0: off); the last version is always evaluated"""
     producer: Literal["shared", "dedicated"] = "shared"
-    """who evaluates: 'shared' producer 0 between its admissions; 'dedicated' an evaluator
-    process with its own engine, so no producer pauses (docs/eval.md)"""
+    """who evaluates: 'shared' the first member producer between its admissions; 'dedicated'
+    an evaluator process with its own engine, so no producer pauses (docs/eval.md)"""
     samples_per_prompt: int = opt(4, ge=1)
     """completions per held-out prompt (the k of eval/pass@k)"""
     temperature: float = opt(1.0, ge=0)
