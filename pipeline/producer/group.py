@@ -84,7 +84,8 @@ class GroupRollout:
             prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32), completions=comps,
             timing={"admitted_at": admitted_at, "generate_s": gen_s,
                     "reward_s": time.perf_counter() - t0 - gen_s},
-            metadata={"cursor": record.cursor, "producer_index": self.index,
+            metadata={"cursor": record.cursor, "position": record.position,
+                      "producer_index": self.index,
                       "incarnation": self.incarnation, "seq": self.seq})
         self.seq += 1
         self.outbox.add(group)

@@ -317,8 +317,11 @@ class Producer(GroupRollout):
             for group in resend:
                 await self.endpoint.send(group)
             self.stats.groups_resent += len(resend)
-            # Prompts the learner already has are not generated again after a restart.
-            self.prompts.cursor = max(self.prompts.cursor, ann.cursors.get(self.producer_id, 0))
+            # Prompts the learner already has, or is sent again now (a killed predecessor's
+            # log: the same leases), are not generated again after a restart.
+            resent = (g.metadata.get("cursor") for g in resend)
+            self.prompts.cursor = max(self.prompts.cursor, ann.cursors.get(self.producer_id, 0),
+                                      *(c for c in resent if isinstance(c, int)))
             self._evaluated.clear()  # a restored learner trains its versions again
             log.info("%s: learner session %s at version %d", self.producer_id,
                      ann.learner_session, ann.version)

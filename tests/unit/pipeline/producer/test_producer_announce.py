@@ -54,3 +54,27 @@ def test_failed_nccl_join_tells_the_learner_to_drop_the_link_fake_engine(tmp_pat
     ready = [(m.purpose, m.epoch) for m in endpoint.sent if isinstance(m, SyncReady)]
     assert ready == [("link", 5), ("drop", 5)]
     assert producer.routes["nccl"].link is None
+
+
+def test_a_restarted_producer_does_not_read_again_what_its_predecessor_sent(tmp_path):
+    """A killed predecessor's outbox log is resent to the learner: its prompts (the same
+    leases, so the same cursor unit) are not read a second time, even before the learner has
+    counted them in its cursors."""
+    from types import SimpleNamespace
+
+    from pipeline.config import DataConfig
+    from pipeline.producer.data import PromptSource
+
+    cfg = load_config(overrides={"run_dir": str(tmp_path)})
+    prompts = PromptSource(DataConfig(path="arithmetic:12"))
+    producer = Producer(cfg, 0, None, None, RecordingEndpoint(), None, prompts)
+    producer.outbox.pending[("p0-dead", 4)] = SimpleNamespace(metadata={"cursor": 5, "seq": 4})
+
+    async def run() -> None:
+        ann = _announce("first")
+        ann.cursors = {"p0": 3}  # the learner's checkpoint had the groups up to cursor 3
+        ann.leases = {"p0": [0, 0, 8]}
+        await producer._apply_announce(ann)
+
+    asyncio.run(run())
+    assert prompts.cursor == 5 and prompts.take().position == 5
