@@ -17,7 +17,10 @@ ended is accounted for:
 
     generated = produced + dropped by reward + dropped as zero-variance
 
-Prints a table and writes ``run_dir/soak.json``.
+``--elastic`` starts one producer of at most two instead: the second joins at a fifth of the
+run (``pipeline-train scale --producers 2``), the first leaves half way (``--remove p0``), and the
+learner is killed at 70%; ``prompts_duplicated`` counts the prompts (positions of the run's
+sequence) whose group was sent twice. Prints a table and writes ``run_dir/soak.json``.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def tally(run_dir: Path) -> dict[str, float]:
     st = buf.stats
     ledger = GroupLedger.from_dict(state.ledger)
     produced: dict[str, set[int]] = {}
+    positions: dict[int, int] = {}  # sent groups per position of the run's prompt sequence
     dropped_by_reward = dropped_zero_variance = 0
     for f in sorted((run_dir / "producers").glob("*.jsonl")):
         seqs = produced.setdefault(f.stem, set())
@@ -80,6 +84,8 @@ def tally(run_dir: Path) -> dict[str, float]:
             rec = json.loads(line) if line.strip() else {}
             if "seq" in rec:
                 seqs.add(int(rec["seq"]))
+                if isinstance(rec.get("position"), int) and rec["position"] >= 0:
+                    positions[rec["position"]] = positions.get(rec["position"], 0) + 1
             elif "dropped_by_reward" in rec:
                 dropped_by_reward += 1
             elif "dropped_zero_variance" in rec:
@@ -109,6 +115,10 @@ def tally(run_dir: Path) -> dict[str, float]:
         "duplicates_ignored": ledger.duplicates,
         "pending_in_outbox_logs": pending,
         "lost": lost,
+        # A prompt (a position of the run's sequence, ``pipeline.learner.roster``) whose group
+        # two producers, or two processes of one, sent: read twice.
+        "prompts_sent": len(positions),
+        "prompts_duplicated": sum(1 for n in positions.values() if n > 1),
         "accepted_without_producer_record": unknown,
         "frames_rejected": st.rejected,
         "buffer_invariant_ok": st.received == st.served + st.dropped_stale
@@ -132,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default="runs/soak")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--elastic", action="store_true",
+                    help="one producer of two: a join, a leave of p0, then the learner kill")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -139,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", args.model,
            "--data", "arithmetic:100000", "--reward", "pipeline.tasks.rewards:length_reward",
-           "--num-producers", "2", "--mode", "async", "--max-staleness", "2",
+           *(["--num-producers", "1", "--max_producers", "2"] if args.elastic else
+             ["--num-producers", "2"]), "--mode", "async", "--max-staleness", "2",
            "--batch-groups", "4", "--group-size", "4", "--max-tokens", "16",
            "--steps", "1000000", "--run-dir", str(run_dir), "--tensorboard", "false",
            "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
@@ -153,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     start = time.monotonic()
     learner_at = 60 * (args.learner_kill_at if args.learner_kill_at is not None
-                       else args.minutes / 2)
+                       else args.minutes * (0.7 if args.elastic else 0.5))
+    scales = [(0.2 * 60 * args.minutes, ["--producers", "2"]),
+              (0.5 * 60 * args.minutes, ["--remove", "p0"])] if args.elastic else []
     next_producer_kill = 60 * args.producer_kill_every
     kills = {"producer": 0, "learner": 0}
     learner_killed = False
@@ -161,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         if launcher.poll() is not None:
             raise SystemExit(f"launcher exited early ({launcher.returncode}); see "
                              f"{run_dir / 'soak.log'}")
+        if scales and elapsed >= scales[0][0]:
+            _, what = scales.pop(0)
+            done = subprocess.run([sys.executable, "-m", "pipeline.launch.cli", "scale",
+                                   str(run_dir), *what], capture_output=True, text=True)
+            print(f"[soak] {elapsed / 60:5.1f} min: scale {' '.join(what)} -> "
+                  f"{done.returncode} {done.stderr.strip()}", flush=True)
         if not learner_killed and elapsed >= learner_at:
             learner_killed = _kill(pids.get("learner"))
             kills["learner"] += learner_killed
@@ -180,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "soak.json").write_text(json.dumps(result, indent=2))
     for k, v in result.items():
         print(f"{k:>36}: {v}")
-    return 0 if result["conservation_ok"] and result["buffer_invariant_ok"] else 1
+    return 0 if result["conservation_ok"] and result["buffer_invariant_ok"] and \
+        not result["prompts_duplicated"] else 1
 
 
 if __name__ == "__main__":

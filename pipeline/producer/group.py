@@ -91,7 +91,8 @@ class GroupRollout:
         self.outbox.add(group)
         self.stats.retention_overflow = self.outbox.overflow
         await self.endpoint.send(group)
-        self._log_sent({"seq": group.metadata["seq"], "group_id": group_id})
+        self._log_sent({"seq": group.metadata["seq"], "group_id": group_id,
+                        "position": group.metadata["position"]})
         self.stats.groups_sent += 1
         self._counted.set()
 
