@@ -331,7 +331,15 @@ def measure_dist(args: argparse.Namespace, name: str, timeout: float) -> dict[st
              ("batch", "group-size", "prompt", "max-tokens", "lengths", "steps")]]
     env = dict(os.environ)
     if not cuda:
-        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+        # DeepSpeed's CPU accelerator compiles its shared-memory op on first use. A variant
+        # killed mid-compile leaves torch's build lock behind, and every later build waits on it
+        # for ever: ours build in a directory of their own, where no variant runs now, so any
+        # lock there is stale.
+        ext = Path.home() / ".cache" / "learner_bench_torch_extensions"
+        for lock in [*ext.glob("*/lock"), *ext.glob("*/.ninja_lock")]:
+            lock.unlink(missing_ok=True)
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+                   TORCH_EXTENSIONS_DIR=str(ext))
     log_path = args.out / f"{name}.log"
     t0 = time.monotonic()
     with log_path.open("w") as log_f:
