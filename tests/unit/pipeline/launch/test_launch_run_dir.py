@@ -102,3 +102,19 @@ def test_the_dedicated_evaluator_is_the_engine_after_the_producers(tmp_path):
         ["producer 0", "producer 1", "evaluator"]
     shared = to_dict(load_config(overrides=over))
     assert not any(is_evaluator(shared, i) for i in range(3))
+
+
+def test_a_fresh_launch_drops_an_earlier_roster_and_a_resumed_one_keeps_its_leases(tmp_path):
+    """A stale roster.json (a run stopped before any metrics) would name producers this run
+    does not start; --resume keeps the leases but starts with this launch's producers."""
+    from pipeline.launch.run_dir import roster_for_launch
+    from pipeline.learner.roster import ROSTER_FILE, Roster
+
+    roster = Roster(2, chunk=4, path=tmp_path / ROSTER_FILE)
+    roster.top_up({})
+    roster.save()
+    roster_for_launch(tmp_path, resume=True, num_producers=1)
+    again = Roster.open(tmp_path, 1, chunk=4)
+    assert list(again.members) == ["p0"] and again.pool == [[4, 8]]
+    roster_for_launch(tmp_path, resume=False, num_producers=1)
+    assert not (tmp_path / ROSTER_FILE).exists()
