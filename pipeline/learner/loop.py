@@ -147,6 +147,7 @@ class Learner:
         nbytes, count, cuda = self.trainer.checkpoint_plan()
         if nbytes and (cfg.train.checkpoint_every or cfg.max_producers):
             self.checkpoints.prepare(nbytes, count, pin=cuda)
+            self.trainer.state()  # its first call imports for seconds: not in the first stall
         self.trainer.before_update = self.checkpoints.fence
         self._write_s_reported = 0  # background checkpoint writes whose time a row has shown
         # The learner's end of the weight routes: route per producer, GPU copies, captures.
