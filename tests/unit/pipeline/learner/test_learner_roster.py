@@ -1,0 +1,49 @@
+"""The learner's members across a leave and a kill -9 (a real Learner on the tiny model; control
+messages go straight to its handler): sync mode, p1 leaves, the learner restarts; it has one
+member, so p0's share is the whole batch and steps can go on (a ghost p1 would halve it and the
+batch would never fill)."""
+
+from __future__ import annotations
+
+import time
+
+from learner_fakes import hello, make_learner
+
+from buffer.protocol import Heartbeat, Hello, Leave, Reply
+from pipeline.learner.producers import ALIVE_S
+
+
+def test_a_producer_that_left_is_no_member_of_the_restarted_learner(tiny_model, tmp_path):
+    conf = {"num_producers": 2, "max_producers": 3, "train.mode": "sync",
+            "train.batch_groups": 4}
+    learner = make_learner(tmp_path, tiny_model, **conf)
+    learner.metrics.close()
+    for pid in ("p0", "p1"):
+        learner._answer(hello(pid, f"{pid}-1"))
+    learner.announcement()
+    leave = Leave(producer_id="p1", incarnation="p1-1", sent=0, cursor=3)
+    assert learner._answer(leave) == Reply(ok=True)
+
+    # kill -9: a new learner on the same run_dir (the launcher restarts it)
+    again = make_learner(tmp_path, tiny_model, **conf)
+    again.metrics.close()
+    assert again.announcement().members == ["p0"]
+    again._answer(hello("p0", "p0-1"))
+    again._answer(Heartbeat(producer_id="p0", incarnation="p0-1", policy_version=0, stats={},
+                            cursor=8))  # p0 read its first lease (positions 0..7)
+    # p1 had read 3 of its lease (8..15): the rest comes first, then new positions
+    assert again.announcement().leases["p0"] == [0, 0, 8, 11, 16, 16, 19]
+    # p1, still waiting for the checkpoint of its groups, says Hello to the new learner
+    again._answer(Hello(producer_id="p1", incarnation="p1-1", policy_version=0, pid=1,
+                        leaving=True))
+    assert again.announcement().members == ["p0"] and again._checkpoint_soon
+
+    # p2 joins, is asked to leave, and dies before its Leave: out once silent
+    again._answer(hello("p2", "p2-1"))
+    again._answer(Heartbeat(producer_id="p2", incarnation="p2-1", policy_version=0, stats={},
+                            leaving=True))
+    again._drop_dead_leavers()
+    assert again.announcement().members == ["p0", "p2"]  # heard from just now
+    again.producers["p2"].last_seen = again._started = time.monotonic() - ALIVE_S - 1
+    again._drop_dead_leavers()
+    assert again.announcement().members == ["p0"]
