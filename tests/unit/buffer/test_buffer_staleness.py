@@ -116,6 +116,16 @@ def test_may_admit_stops_once_the_outstanding_groups_cover_the_last_step():
     assert admit(1, to_go=5, producers=2, index=1) and not admit(2, 5, 2, 1)
 
 
+def test_after_the_last_take_nothing_starts_so_the_last_swap_has_nothing_to_drain():
+    """The demo (batch 4, max_staleness 1, 40 steps). Taking batch k < 40 raises heading_to to
+    k, so a producer still on k-2 starts nothing until it has swapped. The last step publishes
+    no version, so taking batch 40 leaves heading_to at 39: a producer still on 38 saw a lag of
+    1 and started a batch for no step, whose prefills the swap to 39 then waited for."""
+    assert not may_admit(0, 4, 1, 1, 0, engine_version=36, learner_heading_to=38)
+    assert may_admit(0, 4, 1, 1, 0, engine_version=38, learner_heading_to=39)  # the budget alone
+    assert not may_admit(0, 4, 1, 1, 0, 38, 39, to_go=groups_to_go(40, 40, 4))
+
+
 def _run_to_the_end(steps: int, batch: int, max_staleness: int, producers: int,
                     tell_last_step: bool, seed: int = 0) -> tuple[int, list[int]]:
     """Pure-logic simulation of a whole run (no engines): producers, in a shuffled order, each
