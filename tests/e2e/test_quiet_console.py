@@ -41,6 +41,8 @@ def test_quiet_console_logs_per_process_and_a_failing_rewards_counts_in_metrics(
         "step 4/4 | reward"
     ), proc.stdout
     assert "reward: first" in proc.stdout and "logs: " in proc.stdout
+    # Producers start no group beyond the run's last step: none is left undelivered at its end.
+    assert "generated but not delivered" not in console, console
     # The failures are warnings: they reach the console (with the prompt id).
     assert "reward flaky raised RuntimeError('reward service unavailable (503)')" in proc.stderr
     logs = run_dir / "logs"
