@@ -48,16 +48,15 @@ def test_driver_killed_leaves_nothing_running_and_resume_finishes_the_run(
     monkeypatch.setenv("PIPELINE_TEST_RUN", tag)
     shm_before = list_segments()
     run_dir = tmp_path / "run"
-    steps = 40  # a tiny-model step takes ~0.25 s: enough left to kill mid-run
-    args = ray_args(None, "--mode", "async", "--steps", str(steps),
-                    "--train.checkpoint_every", "1")
-    first = Launcher(tiny_model, run_dir, *args)
+    # The first run has no last step of its own (the kill ends it, never a race with its end);
+    # the resumed run goes on to two steps past the killed run's last row.
+    args = ray_args(None, "--mode", "async", "--train.checkpoint_every", "1")
+    first = Launcher(tiny_model, run_dir, *args, "--steps", "100000")
     try:
         first.wait_for(lambda: first.steps_done() >= 2, 400, "two trained steps")
         victims = set(first.descendants)
         temp_dirs = _node_temp_dirs(victims)
         assert temp_dirs, "no `ray start --temp-dir` among the driver's processes"
-        assert first.steps_done() < steps, "run finished before the kill"
         os.kill(first.proc.pid, signal.SIGKILL)
         first.proc.wait()
         assert_gone(victims, "left behind by the killed driver", timeout=60)
@@ -66,8 +65,9 @@ def test_driver_killed_leaves_nothing_running_and_resume_finishes_the_run(
     finally:
         stop_and_keep_log(first, tmp_path / "first.log")
     killed_at = len(read_metrics(run_dir))
+    steps = killed_at + 2
 
-    second = Launcher(tiny_model, run_dir, *args, "--resume")
+    second = Launcher(tiny_model, run_dir, *args, "--steps", str(steps), "--resume")
     try:
         code = second.wait(600)
     finally:
