@@ -173,6 +173,20 @@ def base_snapshot_files(model_dir: str | Path) -> list[str]:
     return [str(p) for p in sorted(Path(model_dir).glob("*.safetensors"))]
 
 
+def drop_newer(directory: str | Path, version: int) -> list[Path]:
+    """Delete the snapshot files of versions above ``version``; returns what was deleted. A
+    learner restarted from an older checkpoint publishes those numbers again with other
+    weights; the dead learner's files would meanwhile outrank the versions it writes now, and
+    ``prune_snapshots`` would delete each of those as soon as it is written."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    doomed = [p for p in d.iterdir() if (m := _NAME.match(p.name)) and int(m.group(1)) > version]
+    for p in doomed:
+        p.unlink(missing_ok=True)
+    return doomed
+
+
 def prune_snapshots(directory: str | Path, keep: int) -> list[Path]:
     """Delete all but the ``keep`` newest snapshot files; returns what was deleted."""
     d = Path(directory)

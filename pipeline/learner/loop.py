@@ -72,7 +72,7 @@ from pipeline.learner.trackers import Trackers
 from pipeline.learner.trainer import PolicyTrainer
 from pipeline.options import to_dict
 from pipeline.procs import LOGS_DIR, ConsoleStream
-from sync.snapshot import SnapshotRef
+from sync.snapshot import SnapshotRef, drop_newer
 from sync.writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
@@ -607,6 +607,8 @@ class Learner:
         log.info("learner pid %d, session %s, step %d, version %d", os.getpid(), self.session,
                  self.state.step, self.state.version)
         self.routes.start()
+        # Restarted from an older checkpoint: the dead learner's newer files are gone weights.
+        drop_newer(self.snapshot_dir, self.state.version)
         if self.state.version > 0:  # resumed: producers must load this version first
             flat, layout = await asyncio.to_thread(self.routes.capture, self.state.version)
             self.snapshot = await self.writer.write_now(self.state.version, flat, layout)

@@ -149,3 +149,18 @@ def test_blake2b_refs_from_older_runs_still_verify(tmp_path):
         read_snapshot(SnapshotRef(1, ref.uri, "blake2b:" + "0" * 32))
     with pytest.raises(SnapshotError, match="unknown checksum"):
         read_snapshot(SnapshotRef(1, ref.uri, "md5:abc"))
+
+
+def test_a_restarted_learner_drops_the_dead_ones_newer_files(tmp_path):
+    """Restored at v3 while the killed learner had written up to v6: v6 and v5 would otherwise
+    be 'the newest' and prune every version the restored learner writes (v3, v4 ...)."""
+    from sync.snapshot import drop_newer, prune_snapshots
+
+    for v in (2, 3, 5, 6):
+        (tmp_path / f"policy_v{v}.safetensors").write_bytes(b"x")
+    assert sorted(p.name for p in drop_newer(tmp_path, 3)) == ["policy_v5.safetensors",
+                                                               "policy_v6.safetensors"]
+    (tmp_path / "policy_v4.safetensors").write_bytes(b"y")  # the restored learner's next
+    prune_snapshots(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy_v3.safetensors",
+                                                          "policy_v4.safetensors"]
