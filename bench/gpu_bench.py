@@ -15,7 +15,9 @@ reward level (see ``reward_threshold``); TRL runs are not offered there.
 Layouts: ``split`` = producer on GPU 0, learner on GPU 1; ``split-shared`` = producers on GPUs 0
 and 1, learner on GPU 1; ``split-3x1`` = producers on GPUs 0-2, learner on GPU 3; ``split-tp2`` =
 one producer with tensor parallelism over GPUs 0 and 1, learner on GPU 2; ``colocated`` = both on
-GPU 0 (the engine gets ``--gpu-mem`` of it). ``--gpus`` says which of the machine's GPUs the
+GPU 0 (the engine gets ``--gpu-mem`` of it); ``colocated-2`` = a producer on each of GPUs 0
+and 1, the learner sharded over both (FSDP2, packed and checkpointed micro-batches: the 7B
+path; engine share 0.25). ``--gpus`` says which of the machine's GPUs the
 layout's 0, 1, ... are, so two layouts can run side by side on disjoint GPUs of one machine.
 A run named ``ray-<mode>`` is ``<mode>`` started with ``--launcher ray`` on a private Ray node
 that sees only the layout's GPUs; Ray picks which GPU each actor gets, so its busy columns are
@@ -72,10 +74,19 @@ LAYOUTS = {  # name -> (producer_gpus, one producer per entry; learner_gpus; GPU
     "split-3x1": (["0", "1", "2"], "3", {"generation": [0, 1, 2], "learner": [3]}),
     # 3 GPUs: one producer whose engine is tensor-parallel over GPUs 0 and 1.
     "split-tp2": (["0,1"], "2", {"generation": [0, 1], "learner": [2]}),
-    # 2 GPUs, issue 27: a producer on each GPU, the learner ZeRO-3 over both (one rank a GPU).
+    # 2 GPUs (7B): a producer on each GPU, the learner sharded over both (one rank a GPU).
     "colocated-2": (["0", "1"], "0,1", {"generation": [0, 1], "learner": [0, 1]}),
     "cpu": ([], "", {}),
 }
+# The sharded learner of a layout with several learner GPUs, unless --set names the key: FSDP2
+# with packed, checkpointed micro-batches of 16k tokens, the fastest learner at 7B on 2 H200
+# (36.0% MFU alone, 91.3 GB a rank; ZeRO-3 at 4 rows 7.7%; BENCHMARKS.md, "The learner alone,
+# 7B"). --set train.accelerate_config=... runs ZeRO-3 instead, with the same micro-batches.
+SHARDED_LEARNER = ("train.fsdp2=true", "train.packing=true", "train.micro_batch_tokens=16384",
+                   "train.gradient_checkpointing=true")
+# Engine share per layout when --gpu-mem is not given: at 7B the learner peaks at 91.3 GB of a
+# 143.8 GB H200, so 0.25 (36 GB) leaves 11% of each card free; other layouts 0.5.
+GPU_MEM = {"colocated-2": 0.25}
 
 
 @dataclass
@@ -98,6 +109,9 @@ class RunResult:
     mfu: float | None = None          # median per-step MFU over the window (whole step)
     mfu_compute: float | None = None  # the same over forward + backward time only (TRL async)
     gpu_busy: dict = field(default_factory=dict)
+    # GB of each GPU in use at its highest over the whole run (NVML, every process on it: the
+    # engines' share and the learner's peak together; results.json only)
+    gpu_mem_peak_gb: dict = field(default_factory=dict)
     # GPUs in both roles (colocated, split-shared): their busy fraction is in both busy columns
     shared_gpus: list = field(default_factory=list)
     reward_curve: list = field(default_factory=list)  # [(seconds since first step, reward)]
@@ -125,6 +139,7 @@ class GpuSampler:
     def __init__(self, period: float = 0.1):
         self.period = period
         self.samples: list[tuple[float, list[int]]] = []
+        self.mem_peak: dict[int, float] = {}  # GPU -> the most bytes in use seen
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # No NVIDIA driver (CPU machines): no handles, busy fractions are n/a.
@@ -145,6 +160,9 @@ class GpuSampler:
         while not self._stop.wait(self.period):
             util = [self._nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
             self.samples.append((time.time(), util))
+            for i, h in enumerate(self._handles):
+                used = float(self._nvml.nvmlDeviceGetMemoryInfo(h).used)
+                self.mem_peak[i] = max(self.mem_peak.get(i, 0.0), used)
 
     def busy(self, gpu: int, t0: float, t1: float) -> float | None:
         vals = [u[gpu] for ts, u in self.samples if t0 <= ts <= t1 and gpu < len(u)]
@@ -191,6 +209,10 @@ def summarize(name: str, metrics: list[dict], wall_s: float, warmup: int,
             res.gpu_busy[role] = (round(statistics.fmean(vals), 3)
                                   if vals and None not in vals else None)
         res.shared_gpus = sorted(set(roles.get("generation", [])) & set(roles.get("learner", [])))
+        peaks = getattr(sampler, "mem_peak", {})
+        res.gpu_mem_peak_gb = {str(g): round(peaks[g] / 1e9, 1)
+                               for g in sorted({g for gs in roles.values() for g in gs})
+                               if g in peaks}
     first = metrics[0]["ts"]
     res.reward_curve = [(round(m["ts"] - first, 2), round(m.get("reward_mean", 0.0), 4))
                         for m in metrics]
@@ -278,11 +300,14 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
            "--num_producers", str(max(len(producer_gpus), 1)), "--tensorboard", "false",
            *(["--engine.tensor_parallel_size", str(tp)] if tp > 1 else [])]
     ranks = len(learner_gpus.split(",")) if learner_gpus else 1
-    if ranks > 1:  # a sharded learner, one rank a GPU; --set train.accelerate_config=... or
-        # train.fsdp2=true wins over ZeRO-3
+    if ranks > 1:  # a sharded learner, one rank a GPU (SHARDED_LEARNER unless --set says)
         cmd += ["--train.learner_processes", str(ranks)]
-        if not any(kv.startswith(("train.accelerate_config=", "train.fsdp2=true"))
-                   for kv in (*extra, *args.set)):
+        sets = dict(kv.partition("=")[::2] for kv in (*extra, *args.set))
+        zero = "train.accelerate_config" in sets  # a DeepSpeed config of the user's
+        cmd += [a for kv in SHARDED_LEARNER if kv.partition("=")[0] not in sets
+                and not (zero and kv.startswith("train.fsdp2=")) for a in ("--set", kv)]
+        fsdp2 = sets.get("train.fsdp2", "true").strip().lower() in ("true", "1", "yes", "on")
+        if not zero and not fsdp2:  # --set train.fsdp2=false: ZeRO-3 in DeepSpeed's bf16 mode
             cmd += ["--train.accelerate_config",
                     str(Path(__file__).resolve().parents[1] / "examples/accelerate/zero3.yaml")]
     env = None
@@ -673,14 +698,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reward-threshold", type=float, default=None,
                    help="reward: a fixed level instead (overrides --reward-frac)")
     p.add_argument("--lr", type=float, default=1e-6, help="learning rate of every run")
-    p.add_argument("--gpu-mem", type=float, default=0.5,
-                   help="engine.gpu_memory_utilization (of GPU 0)")
+    p.add_argument("--gpu-mem", type=float, default=None,
+                   help="engine.gpu_memory_utilization of each engine's GPU (default 0.25 on "
+                        "colocated-2, 0.5 elsewhere)")
     p.add_argument("--config", type=Path, default=Path(__file__).with_name("bench.yaml"))
     p.add_argument("--set", action="append", default=[], help="extra KEY=VALUE for our runs")
     p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--models-dir", type=Path, default=Path("/tmp/bench-models"))
     p.add_argument("--out", type=Path, default=Path("runs/bench"))
     args = p.parse_args(argv)
+    if args.gpu_mem is None:
+        args.gpu_mem = GPU_MEM.get(args.layout, 0.5)
     bad = [r for r in args.runs.split(",") if r and r.removeprefix("ray-") not in RUNS]
     if bad:
         p.error(f"--runs: unknown {bad}; choose from {sorted(RUNS)}")
