@@ -125,7 +125,9 @@ def test_a_producer_joins_and_another_leaves_nothing_lost(tiny_model, tmp_path, 
     finally:
         la.stop()  # Ctrl-C: the learner's final checkpoint, then every process stops
     rows = trained(run_dir)
-    assert joined_at < left_at < len(rows)
+    # The join and the leave were asked for in that order; whether the learner trained a step
+    # between them depends on how fast p1's engine started, so only the order is asserted.
+    assert joined_at <= left_at < len(rows)
     assert rows[-1]["producers_members"] == 1.0
     assert [r["producers_members"] for r in rows[left_at:]][-1] == 1.0
     assert max(r["producers_members"] for r in rows) == 2.0
