@@ -120,8 +120,8 @@ def test_a_producer_joins_and_another_leaves_nothing_lost(tiny_model, tmp_path, 
             restarted_at = steps()
             la.wait_for(lambda: steps() >= restarted_at + 3, 300,
                         "three steps after the learner's restart")
-            assert [r["producers_members"] for r in trained(run_dir)[restarted_at:]] == \
-                [1.0] * (steps() - restarted_at)
+            after = [r["producers_members"] for r in trained(run_dir)[restarted_at:]]
+            assert len(after) >= 3 and set(after) == {1.0}, after  # read once: rows keep coming
     finally:
         la.stop()  # Ctrl-C: the learner's final checkpoint, then every process stops
     rows = trained(run_dir)

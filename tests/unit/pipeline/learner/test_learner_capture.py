@@ -26,7 +26,7 @@ def _fake(routes, publisher, lora=False, bucket_mb=1):
         snapshot_tensors=lambda: tensors, snapshot_buckets=buckets,
         snapshot_plan=lambda: None if lora else {k: (v.dtype, tuple(v.shape))
                                                  for k, v in tensors.items()},
-        device=torch.device("cpu"), zero_stage=0, tensors=tensors, asked=asked)
+        device=torch.device("cpu"), zero_stage=0, sharded=False, tensors=tensors, asked=asked)
     me = SimpleNamespace(trainer=trainer, publisher=publisher, live_gpu_routes=lambda: routes,
                          counters={}, cfg=SimpleNamespace(sync=SimpleNamespace(
                              bucket_mb=bucket_mb)))
