@@ -85,15 +85,8 @@ class LearnerState:
     ledger: dict = field(default_factory=dict)  # buffer.ledger.GroupLedger.to_dict()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """fsync a file or a directory (a directory's entries: a rename in it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -104,8 +97,8 @@ def _fsync_file(path: Path) -> None:
 def _fsync_tree(top: Path) -> None:
     for dirpath, _dirs, files in os.walk(top):
         for name in files:
-            _fsync_file(Path(dirpath) / name)
-        _fsync_dir(Path(dirpath))
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
 
 
 # ------------------------------------------------------------------ the trainer state's structure
@@ -171,7 +164,7 @@ def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
     except SafetensorError as e:  # its I/O errors: an OSError, errno kept (ENOSPC, EIO)
         m = re.search(r"os error (\d+)", str(e))
         raise OSError(int(m.group(1)) if m else 5, str(e)) from e
-    _fsync_file(path)
+    _fsync(path)
 
 
 def write_tensors(directory: Path, tensors: Any, threads: int = WRITE_THREADS) -> int:
@@ -255,10 +248,10 @@ def save_checkpoint(run_dir: Path, state: LearnerState, tensors: dict[str, Any],
         _fsync_tree(tmp)
         final = _free_name(root, state.step)
         os.replace(tmp, final)
-        _fsync_dir(root)
+        _fsync(root)
         _switch_latest(root, final.name)
         switched = True
-        _fsync_dir(root)
+        _fsync(root)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if final is not None and not switched:
