@@ -20,13 +20,44 @@ def _has_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None and os.path.exists("/dev/nvidia0")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    if _has_gpu():
+    if not _has_gpu():
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the device tool, see README)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if config.pluginmanager.hasplugin("xdist"):
+        _group_for_workers(items)
+
+
+def _group_for_workers(items) -> None:
+    """Each test's ``xdist_group`` and the order groups are handed out (tests/suite_order.py)."""
+    import suite_order
+
+    entries = [suite_order.Entry(item.nodeid, ray=item.get_closest_marker("ray") is not None,
+                                 skipped=item.get_closest_marker("skip") is not None)
+               for item in items]
+    for item, entry in zip(items, entries, strict=True):
+        item.add_marker(pytest.mark.xdist_group(suite_order.group_of(entry)))
+    items[:] = [items[i] for i in suite_order.order(entries)]
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request):
+    """An end-to-end test holds the machine shared, an ``exclusive`` one alone (machine_share)."""
+    if not request.node.nodeid.startswith("tests/e2e/"):
+        yield
         return
-    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the device tool, see README)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    import machine_share
+
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    with machine_share.hold(exclusive) as waited:
+        # Not the test's own time: the time budget (below) leaves it out.
+        request.node.user_properties.append(("machine_wait_s", waited))
+        if waited > 1:
+            print(f"waited {waited:.0f} s for the machine ({'alone' if exclusive else 'shared'})")
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -73,17 +104,24 @@ _TOOK: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    _TOOK[report.nodeid] = _TOOK.get(report.nodeid, 0.0) + report.duration
+    took = report.duration
+    if report.when == "setup":  # waiting for an exclusive test (tests/machine_share.py)
+        took -= sum(v for k, v in report.user_properties if k == "machine_wait_s")
+    _TOOK[report.nodeid] = _TOOK.get(report.nodeid, 0.0) + took
 
 
 def _budget_report(config) -> list[str]:
     import time_budget
 
+    workers = config.getoption("numprocesses", None) if config.pluginmanager.hasplugin(
+        "xdist") else None
+    share = workers if isinstance(workers, int) and workers > 1 else 1
     lines = [f"{o.nodeid}: {o.took_s:.1f} s, budget {o.budget_s:.0f} s"
-             for o in time_budget.overruns(_TOOK)]
+             for o in time_budget.overruns(_TOOK, share)]
     if config.getoption("-k") or config.getoption("-m") or config.args != ["tests"]:
         return lines  # a partial run: stale OVER entries cannot be told from deselected ones
-    collected = getattr(config, "_budget_collected", set())
+    # Under pytest-xdist the controller collects nothing: every test it ran reported.
+    collected = getattr(config, "_budget_collected", set()) or set(_TOOK)
     lines += [f"{name}: listed in tests/time_budget.py OVER but no such test"
               for name in time_budget.stale_entries(collected)]
     return lines

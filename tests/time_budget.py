@@ -7,6 +7,9 @@ grew, never a busy moment: an end-to-end test (tests/e2e) gets ``E2E_S`` (one la
 one engine takes 45-65 s on 2 cores), a unit test ``UNIT_S``, and the tests that need more are
 listed in ``OVER`` with their own budget and the reason.
 
+Under pytest-xdist (``scripts/test.sh`` runs two workers) each budget is multiplied by the
+number of workers: two tests then share the two cores.
+
 ``pytest --no-time-budget`` reports overruns without failing (a developer's loaded laptop).
 """
 
@@ -94,7 +97,8 @@ class Overrun:
 
 
 def _base(nodeid: str) -> str:
-    return nodeid.split("[", 1)[0]
+    """The test's name without parameters or pytest-xdist's ``@group`` suffix."""
+    return nodeid.split("@", 1)[0].split("[", 1)[0]
 
 
 def budget_for(nodeid: str) -> float:
@@ -105,9 +109,11 @@ def budget_for(nodeid: str) -> float:
     return E2E_S if nodeid.startswith("tests/e2e/") else UNIT_S
 
 
-def overruns(durations: dict[str, float]) -> list[Overrun]:
-    """The tests that took longer than their budget, slowest first."""
-    over = [Overrun(n, t, budget_for(n)) for n, t in durations.items() if t > budget_for(n)]
+def overruns(durations: dict[str, float], share: int = 1) -> list[Overrun]:
+    """The tests that took longer than their budget times ``share``, slowest first. ``share``:
+    how many tests ran at once (pytest-xdist workers), each of them getting a part of the cores."""
+    over = [Overrun(n, t, budget_for(n) * share) for n, t in durations.items()
+            if t > budget_for(n) * share]
     return sorted(over, key=lambda o: -o.took_s)
 
 

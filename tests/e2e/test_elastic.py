@@ -61,7 +61,7 @@ def learner_pid(la: Launcher) -> int:
     return min(kids, key=lambda c: (c.create_time(), c.pid)).pid
 
 
-@pytest.mark.parametrize("launcher", ["local", "ray"])
+@pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_a_producer_joins_and_another_leaves_nothing_lost(tiny_model, tmp_path, launcher):
     run_dir = tmp_path / "elastic"
     la = Launcher(tiny_model, run_dir, "--mode", "async", "--max-staleness", "1",

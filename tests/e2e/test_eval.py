@@ -169,6 +169,7 @@ def test_a_dead_evaluator_is_reported_and_training_goes_on(tiny_model, tmp_path)
     assert_gone(la.descendants, "the run's processes")
 
 
+@pytest.mark.ray
 def test_a_dedicated_evaluator_under_the_ray_launcher(tiny_model, tmp_path):
     """--launcher ray (a private node): the evaluator is one more producer actor, placed and
     reported; it evaluates the last version and the run ends clean."""

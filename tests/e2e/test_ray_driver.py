@@ -25,7 +25,7 @@ from tests.e2e.support.launcher import Launcher, assert_gone, read_metrics
 from tests.e2e.support.ray_runs import ray_args, stop_and_keep_log
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
 def _node_temp_dirs(pids: set[int]) -> set[str]:

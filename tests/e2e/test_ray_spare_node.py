@@ -34,7 +34,7 @@ from tests.e2e.support.ray_runs import (
 )
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 NODES = {"127.0.0.2": {"learner_node": 1}, "127.0.0.3": {"producer_node": 1},
          "127.0.0.4": {"producer_node": 1}, "127.0.0.5": {"producer_node": 1}}

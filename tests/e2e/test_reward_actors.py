@@ -28,7 +28,7 @@ from tests.e2e.support.launcher import REPO, Launcher, assert_gone, read_metrics
 from tests.e2e.support.ray_nodes import loopback_cluster
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 NODES = {"127.0.0.2": {"learner_node": 1}, "127.0.0.3": {"producer_node": 2}}
 STEPS = 3

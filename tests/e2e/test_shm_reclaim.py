@@ -19,7 +19,7 @@ from pipeline.launch.shm import SHM_DIR, list_segments
 from pipeline.owner import owner_tag
 from tests.e2e.support.launcher import VLLM_RECORD, Launcher
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 
 
 def _owned_by(tag: str) -> list[Path]:

@@ -33,3 +33,16 @@ def test_every_listed_budget_gives_its_reason():
     for name, (budget, reason) in time_budget.OVER.items():
         default = time_budget.E2E_S if name.startswith("tests/e2e/") else time_budget.UNIT_S
         assert budget > default and len(reason) > 10, name
+
+
+def test_a_budget_is_shared_by_the_tests_running_at_once(monkeypatch):
+    monkeypatch.setattr(time_budget, "OVER", {})
+    took = {"tests/e2e/test_a.py::test_run@tests/e2e/test_a.py": 150.0}
+    assert [o.budget_s for o in time_budget.overruns(took)] == [time_budget.E2E_S]
+    assert time_budget.overruns(took, share=2) == []
+
+
+def test_the_xdist_group_suffix_is_not_part_of_the_name(monkeypatch):
+    monkeypatch.setattr(time_budget, "OVER", {"tests/e2e/test_a.py::test_big": (200.0, "why")})
+    assert time_budget.budget_for("tests/e2e/test_a.py::test_big[p]@ray") == 200.0
+    assert time_budget.stale_entries({"tests/e2e/test_a.py::test_big@tests/e2e/test_a.py"}) == []
