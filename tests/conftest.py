@@ -20,27 +20,35 @@ def _has_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None and os.path.exists("/dev/nvidia0")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_itemcollected(item):
+    """Each test's ``xdist_group`` (tests/suite_order.py), marked as it is collected: before
+    pytest-xdist's worker reads the groups into the test ids."""
+    if item.config.pluginmanager.hasplugin("xdist"):
+        import suite_order
+
+        item.add_marker(pytest.mark.xdist_group(suite_order.group_of(_entry(item))))
+
+
+def _entry(item):
+    import suite_order
+
+    skipped = item.get_closest_marker("skip") is not None or ("gpu" in item.keywords
+                                                               and not _has_gpu())
+    return suite_order.Entry(item.nodeid.split("@", 1)[0],
+                             ray=item.get_closest_marker("ray") is not None, skipped=skipped)
+
+
 def pytest_collection_modifyitems(config, items):
     if not _has_gpu():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the device tool, see README)")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    if config.pluginmanager.hasplugin("xdist"):
-        _group_for_workers(items)
+    if config.pluginmanager.hasplugin("xdist"):  # the costliest groups first
+        import suite_order
 
-
-def _group_for_workers(items) -> None:
-    """Each test's ``xdist_group`` and the order groups are handed out (tests/suite_order.py)."""
-    import suite_order
-
-    entries = [suite_order.Entry(item.nodeid, ray=item.get_closest_marker("ray") is not None,
-                                 skipped=item.get_closest_marker("skip") is not None)
-               for item in items]
-    for item, entry in zip(items, entries, strict=True):
-        item.add_marker(pytest.mark.xdist_group(suite_order.group_of(entry)))
-    items[:] = [items[i] for i in suite_order.order(entries)]
+        order = suite_order.order([_entry(item) for item in items])
+        items[:] = [items[i] for i in order]
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,8 @@ import logging
 import time
 from pathlib import Path
 
+from pipeline.learner.disk import STEP_DIR
+
 log = logging.getLogger("pipeline")
 
 
@@ -14,8 +16,12 @@ def set_aside_previous_run(run_dir: Path) -> Path | None:
     """A fresh run (no --resume) in a run_dir that holds an earlier run's metrics or
     checkpoints renames that run_dir to ``<run_dir>.prev-<time>`` first: appending to its
     metrics would mix two runs in one curve, and ``--resume`` would later pick its checkpoints.
-    Nothing is deleted."""
-    if not ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+    Nothing is deleted. An empty ``checkpoints`` directory is no earlier run: it may be where
+    the user mounted the disk for this run's checkpoints."""
+    ckpts = run_dir / "checkpoints"
+    held = ckpts.is_dir() and any(p.name == "LATEST" or STEP_DIR.match(p.name)
+                                  for p in ckpts.iterdir())
+    if not ((run_dir / "metrics.jsonl").exists() or held):
         return None
     dest = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
     n = 1

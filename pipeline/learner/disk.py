@@ -69,7 +69,8 @@ def space_shortfall(run_dir: Path, each: int, keep: int, free: int | None = None
     held = sorted(step_dirs(Path(run_dir) / "checkpoints"))[-keep:]
     have = sum(dir_bytes(p) for _s, p in held)
     need = max(0, (keep + 1) * each - have)
-    free = disk_free(run_dir) if free is None else free
+    # The checkpoints' own filesystem: run_dir/checkpoints may be a mount or link elsewhere.
+    free = disk_free(Path(run_dir) / "checkpoints") if free is None else free
     if need <= free:
         return None
     already = f", less {have} bytes of checkpoints already there" if have else ""

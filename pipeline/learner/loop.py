@@ -576,7 +576,7 @@ class Learner:
         write completed since the last row, reported once."""
         c = self.checkpoints
         m = {"checkpoints_skipped": float(c.skipped), "checkpoint_failures": float(c.failures),
-             "checkpoint_disk_free_gb": disk_free(self.run_dir) / 1e9}
+             "checkpoint_disk_free_gb": disk_free(self.run_dir / "checkpoints") / 1e9}
         if c.completed == self._write_s_reported or c.write_s is None:
             return m
         self._write_s_reported = c.completed

@@ -35,6 +35,14 @@ def test_empty_or_missing_run_dir_stays(tmp_path):
     assert (tmp_path / "cfg-only" / "config.yaml").exists()
 
 
+def test_an_empty_checkpoints_directory_is_no_earlier_run(tmp_path):
+    """It may be the mount point of the disk the user gave this run's checkpoints."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert set_aside_previous_run(tmp_path / "run") is None
+    (tmp_path / "run" / "checkpoints" / "LATEST").write_text("step_1")
+    assert set_aside_previous_run(tmp_path / "run") is not None
+
+
 def _group(inc: str, seq: int, version: int) -> RolloutGroup:
     c = Completion(token_ids=np.array([1, 2], np.int32), logprobs=np.array([-1, -2], np.float32),
                    version_segments=[(0, version)], reward=1.0)
