@@ -5,7 +5,8 @@ same run, without and with ``train.checkpoint_every=1``, side by side.
 
 Prints one Markdown table: samples/s of each (gpu_bench's steady window) and their ratio, and
 from the checkpointing run's ``metrics.jsonl``: the stall per checkpoint (largest and median,
-the first included), checkpoints written, skipped and failed, and the write's GB/s.
+the first included), checkpoints written, skipped and failed, and the write's GB/s; then each
+checkpoint's stall in its parts.
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ def table(none: Path, every: Path, run: str = "async1") -> str:
         f"| {fmt(statistics.median(gbps) if gbps else None)} |"])
 
 
+PARTS = ("checkpoint_thread_wait_s", "checkpoint_state_s", "checkpoint_copy_start_s",
+         "checkpoint_resume_s")
+
+
+def parts_table(every: Path, run: str = "async1") -> str:
+    """Each checkpoint's stall in its parts (``CheckpointWriter.stall_parts``), by step."""
+    m = [r for r in rows(every, run) if r.get("checkpoint_stall_s")]
+    head = ["step", "stall s", *(p.removeprefix("checkpoint_").removesuffix("_s") + " s"
+                                  for p in PARTS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in m:
+        cells = [str(r["step"]), f"{r['checkpoint_stall_s']:.3f}",
+                 *(f"{r[p]:.3f}" if p in r else "n/a" for p in PARTS)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("none", type=Path)
@@ -58,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", default="async1")
     args = ap.parse_args(argv)
     print(table(args.none, args.every, args.run))
+    print()
+    print(parts_table(args.every, args.run))
 
 
 if __name__ == "__main__":

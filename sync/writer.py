@@ -54,6 +54,15 @@ class SnapshotWriter:
         self._pinned: torch.Tensor | None = None  # reused host buffer for device copies
         self._stream = None  # side CUDA stream for the device -> host copy
 
+    def prepare(self, nbytes: int) -> None:
+        """Allocate the pinned host buffer for versions packed on a GPU (``nbytes`` of them; 0:
+        none) before training starts. Page-locking gigabytes takes seconds and holds the CUDA
+        driver; at the first version it would stall the training thread's CUDA calls."""
+        if nbytes > 0 and torch.cuda.is_available() and (
+                self._pinned is None or self._pinned.numel() < nbytes):
+            self._pinned = None
+            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
     # ------------------------------------------------------------------ training side
     def submit(self, version: int, flat: torch.Tensor, layout: Layout) -> None:
         """Queue ``version`` for writing (returns at once). ``flat`` must not change after."""

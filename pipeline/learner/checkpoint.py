@@ -525,6 +525,7 @@ class CheckpointWriter:
         self.completed = 0                 # writes completed (a new write_s each)
         self.skipped = 0                   # checkpoints not taken: a write was in flight
         self.failures = 0                  # writes that failed
+        self.stall_parts: dict[str, float] = {}  # the newest background save's stall, in parts
         self.staging = Staging()
         self._streams: dict[torch.device, Any] = {}
         self._pending: HostCopy | None = None  # the copy the next optimiser step must wait for
@@ -584,10 +585,27 @@ class CheckpointWriter:
             else:
                 self._done(path, time.monotonic() - t0, 0, on_durable)
             return time.monotonic() - t0
-        self._copy = asyncio.ensure_future(asyncio.to_thread(
-            lambda: begin_host_copy(tensors(), self.staging, self._streams)))
+        marks: list[float] = []
+
+        def start() -> tuple[Any, HostCopy]:
+            marks.append(time.monotonic())  # the thread runs
+            live = tensors()
+            marks.append(time.monotonic())  # the state is read
+            out = begin_host_copy(live, self.staging, self._streams)
+            marks.append(time.monotonic())  # every copy is queued
+            return out
+
+        self._copy = asyncio.ensure_future(asyncio.to_thread(start))
         host, pending = await asyncio.shield(self._copy)
         self._copy = None
+        t1 = time.monotonic()
+        # Where the stall went (metrics of the step): waiting for a thread, reading the trainer's
+        # state (it waits for a command holding the trainer), queueing the copies, and the
+        # event loop coming back to this coroutine.
+        self.stall_parts = {"checkpoint_thread_wait_s": marks[0] - t0,
+                            "checkpoint_state_s": marks[1] - marks[0],
+                            "checkpoint_copy_start_s": marks[2] - marks[1],
+                            "checkpoint_resume_s": t1 - marks[2]}
         self._pending = pending
         self._task = asyncio.get_running_loop().create_task(
             self._write(state, host, pending, buffer_bytes, on_durable))

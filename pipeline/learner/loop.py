@@ -486,6 +486,9 @@ class Learner:
                 if stall is None:  # skipped: a write is in flight; a leaver's retried next step
                     self._checkpoint_soon = soon
                 m["checkpoint_stall_s"] = stall or 0.0
+                if stall:
+                    m.update(self.checkpoints.stall_parts)
+                    self.checkpoints.stall_parts = {}
             self._checkpoint_failed()
             m.update(self._take_checkpoint_write())
             self.metrics.log(st.step, m)
@@ -607,6 +610,9 @@ class Learner:
         log.info("learner pid %d, session %s, step %d, version %d", os.getpid(), self.session,
                  self.state.step, self.state.version)
         self.routes.start()
+        # The writer's pinned buffer now, not at the first version: allocating page-locked
+        # memory holds the CUDA driver, which would stall the first checkpoint's copy.
+        self.writer.prepare(self.routes.device_capture_bytes())
         # Restarted from an older checkpoint: the dead learner's newer files are gone weights.
         drop_newer(self.snapshot_dir, self.state.version)
         if self.state.version > 0:  # resumed: producers must load this version first

@@ -110,6 +110,17 @@ class LearnerRoutes:
             self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s,
                                              bucket_bytes=int(self.cfg.sync.bucket_mb * 2**20))
 
+    def device_capture_bytes(self) -> int:
+        """Bytes of a version's buffer when ``capture`` puts it on a GPU (the writer then
+        copies it to host memory through a pinned buffer of this size), else 0."""
+        tr = self.trainer
+        plan = tr.snapshot_plan()
+        if plan is None or tr.device.type != "cuda":
+            return 0
+        device = capture_device(tr.device, getattr(self.publisher, "device", None),
+                                self.publisher is not None, tr.sharded)
+        return total_bytes(plan_layout_of(plan)) if device.type == "cuda" else 0
+
     def close(self) -> None:
         if self.publisher is not None:
             self.publisher.close()

@@ -140,6 +140,10 @@ def test_durable_only_after_the_write_completes(tmp_path, monkeypatch):
         live = _live()
         stall = await w.save(_state(1), lambda: live, b"buf", done.append)
         assert stall < 10
+        parts = w.stall_parts  # where the stall went: its parts add up to it
+        assert set(parts) == {"checkpoint_thread_wait_s", "checkpoint_state_s",
+                              "checkpoint_copy_start_s", "checkpoint_resume_s"}
+        assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= stall + 1e-6
         w.fence()  # the next optimiser step waits for the copy, then changes the state
         _train_on(live)  # training goes on while the write is held
         await _until(gate.reached)

@@ -105,3 +105,18 @@ def test_plan_buckets_cuts_in_order_within_the_budget():
     assert plan_buckets(layout, 800) == [["a", "b"], ["c"], ["d"]]
     assert plan_buckets(layout, 1 << 20) == [["a", "b", "c", "d"]]
     assert plan_buckets(layout, 1) == [["a"], ["b"], ["c"], ["d"]]
+
+
+def test_device_capture_bytes_only_for_a_buffer_on_a_gpu_fake_trainer():
+    """The writer's pinned buffer is allocated before training only when versions are packed
+    on a GPU: the size of the packed layout, else 0 (CPU learner, LoRA, sharded)."""
+    from sync.packing import plan_layout_of, total_bytes
+
+    me = _fake({}, None)
+    assert LearnerRoutes.device_capture_bytes(me) == 0  # a CPU learner
+    me.trainer.device = torch.device("cuda", 0)  # only read, never used: no GPU needed
+    want = total_bytes(plan_layout_of(me.trainer.snapshot_plan()))
+    assert want > 0 and LearnerRoutes.device_capture_bytes(me) == want
+    me.trainer.sharded = True  # a sharded learner packs in host memory
+    assert LearnerRoutes.device_capture_bytes(me) == 0
+    assert LearnerRoutes.device_capture_bytes(_fake({}, None, lora=True)) == 0
