@@ -50,7 +50,8 @@ class LossConfig:
 
     # A cap below 1 would down-weight even perfectly on-policy tokens.
     is_cap: float = opt(2.0, ge=1)
-    """Truncation of the behaviour→proximal importance weight in ``"decoupled"`` mode (>= 1)."""
+    """Truncation of the behaviour→proximal importance weight in ``"decoupled"`` mode (>= 1); in
+    sync mode this is TIS's cap on the learner/engine mismatch."""
 
     kl_coef: float = opt(0.0, ge=0)
     """Coefficient of the per-token KL to a frozen reference (k3 estimator); 0 disables it."""
@@ -62,8 +63,48 @@ class LossConfig:
     std_eps: float = opt(1e-6, gt=0)
     """Added to the group std before dividing, for groups with a tiny but non-zero spread."""
 
+    objective: Literal["ppo_clip", "gspo", "cispo"] = "ppo_clip"
+    """Policy objective. ``"ppo_clip"``: PPO's clipped per-token ratio (``clip_eps_low/high``).
+    ``"gspo"``: one length-normalised ratio per completion, exp(mean of logp - old logp over its
+    tokens), clipped at ``gspo_eps_low/high``; each token's gradient is scaled by it.
+    ``"cispo"``: REINFORCE weighted by the per-token ratio clipped at ``cispo_eps_low/high`` and
+    detached, so no token loses its gradient. Both need ``off_policy: ppo`` (docs/loss.md)."""
+
+    gspo_eps_low: float = opt(3e-4, gt=0, lt=1)
+    """``gspo``: the sequence ratio is clipped at ``1 - gspo_eps_low``. A mean over tokens stays
+    far closer to 1 than one token's ratio, hence defaults about 1000x below PPO's."""
+
+    gspo_eps_high: float = opt(4e-4, gt=0)
+    """``gspo``: the sequence ratio is clipped at ``1 + gspo_eps_high``."""
+
+    cispo_eps_low: float = opt(1.0, gt=0, le=1)
+    """``cispo``: the importance weight is clipped below at ``1 - cispo_eps_low``; the default
+    1 sets no lower bound (a small weight only shrinks that token's step)."""
+
+    cispo_eps_high: float = opt(4.0, gt=0)
+    """``cispo``: the importance weight is clipped above at ``1 + cispo_eps_high`` (5 by
+    default); the bound to tune."""
+
+    is_correction: Literal["truncate", "mask"] = "truncate"
+    """What bounds w = proximal / behaviour probability of each token (in sync mode: learner /
+    engine, their mismatch). ``"truncate"`` (TIS): ``"decoupled"`` weights the token by
+    min(w, is_cap); ``"ppo"`` has no separate weight. ``"mask"`` (IcePop, masked IS): a token with
+    w outside [is_mask_low, is_mask_high] gets no policy gradient (loss/is_masked_frac); the
+    others keep w uncapped (``"decoupled"``) or their ratio to the behaviour (``"ppo"``)."""
+
+    is_mask_low: float = opt(0.5, gt=0, lt=1)
+    """``is_correction: mask``: tokens with w below this are masked out of the loss."""
+
+    is_mask_high: float = opt(5.0, gt=1)
+    """``is_correction: mask``: tokens with w above this are masked out of the loss."""
+
     def __post_init__(self) -> None:
         enforce(self, "train.loss")
+        # With one optimiser step per batch the proximal logprobs are the current ones, so under
+        # "decoupled" their ratio is exactly 1: gspo and cispo would train as ppo_clip does.
+        check(self.objective == "ppo_clip" or self.off_policy == "ppo", "train.loss.objective",
+              f"{self.objective} needs off_policy ppo (its ratio is to the behaviour logprobs; "
+              "under decoupled it would train exactly as ppo_clip)")
 
 
 @dataclass
