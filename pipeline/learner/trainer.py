@@ -369,8 +369,10 @@ class PolicyTrainer:
             return {}
         if self.fsdp2:
             sd = fsdp.full_state(self.policy)
-        else:
+        elif self.deepspeed is not None:
             sd = self.accelerator.get_state_dict(self.policy) or {}
+        else:  # not accelerate's unwrap_model: it imports DeepSpeed (seconds) to test for it
+            sd = _unwrap(self.policy).state_dict()
         if self.rank != 0:
             return {}
         return {k.removeprefix("model."): v for k, v in sd.items()}
@@ -550,3 +552,10 @@ def _add_loss_metrics(acc: dict[str, torch.Tensor], metrics: dict[str, torch.Ten
             acc[k] = torch.maximum(acc[k], v) if k in acc else v
         else:
             acc[k] = acc.get(k, 0.0) + v * (1.0 if k == "loss" else weight)
+
+
+def _unwrap(policy: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP (multi-process) and ``torch.compile`` wrappers."""
+    inner = policy.module if isinstance(policy, torch.nn.parallel.DistributedDataParallel) \
+        else policy
+    return getattr(inner, "_orig_mod", inner)

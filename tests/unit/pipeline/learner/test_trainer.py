@@ -390,3 +390,20 @@ def test_a_checkpoint_holds_its_steps_state_while_the_next_step_trains(trainer, 
                                                    zip(flat_w, flat_g, strict=True))
     now = trainer.model.state_dict()
     assert any(not _same(now[k], want["model"][k]) for k in now)  # the next step changed them
+
+
+def test_plain_model_state_is_accelerates_without_its_unwrap(trainer):
+    """The plain learner reads its state dict itself (accelerate's unwrap_model imports
+    DeepSpeed to test for it: seconds in every learner process that checkpoints)."""
+    from pipeline.learner.trainer import _unwrap
+
+    ours = trainer.state()["model"]
+    theirs = {k.removeprefix("model."): v
+              for k, v in trainer.accelerator.get_state_dict(trainer.policy).items()}
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    ddp_like = torch.nn.parallel.DistributedDataParallel.__new__(
+        torch.nn.parallel.DistributedDataParallel)
+    torch.nn.Module.__init__(ddp_like)
+    ddp_like.module = trainer.policy
+    assert _unwrap(ddp_like) is trainer.policy and _unwrap(trainer.policy) is trainer.policy
