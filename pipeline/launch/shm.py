@@ -135,6 +135,20 @@ def _size(path: Path) -> int:
     return 0
 
 
+def recorded_by_live_owners(shm_dir: Path = SHM_DIR) -> set[str]:
+    """Segments in the records of launchers still running: theirs to reclaim (a killed engine's
+    until its launcher restarts it or exits), not leaked by anyone else."""
+    out: set[str] = set()
+    if not shm_dir.is_dir():
+        return out
+    for p in shm_dir.glob(f"{OWNED}segments.owner-*"):
+        m = _OWNED_NAME.fullmatch(p.name)
+        with contextlib.suppress(OSError):
+            if m and owner_alive(m.group(1)):
+                out |= {n for n in p.read_text().split() if n.startswith(PREFIX)}
+    return out
+
+
 def dead_owned(shm_dir: Path = SHM_DIR) -> list[Path]:
     """This user's owned entries (snapshot dirs, segment records) whose owner is dead."""
     if not shm_dir.is_dir():

@@ -75,6 +75,16 @@ def sum_dicts(d: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def shutdown() -> None:
+    """Tear the process group down before the interpreter exits: left to the C++ destructors at
+    exit, a rank of a gloo group can abort ("terminate called without an active exception")
+    after its work is done, and the launcher sees a failed learner."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     """Every rank has reached this point (no-op with one process)."""
     if is_distributed():

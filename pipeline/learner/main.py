@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         PolicyTrainer(cfg, args.model).follow()
+        D.shutdown()
         return
     from pipeline.learner.loop import Learner
 
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         log.info("learner stopped")
     finally:
         learner.trainer.release_followers()
+        D.shutdown()
 
 
 if __name__ == "__main__":

@@ -19,9 +19,16 @@ import pytest
 from bench.soak import tally
 from buffer.checks import REASONS
 from buffer.store import RolloutBuffer
-from pipeline.launch.shm import list_segments, segments_in_use
+from pipeline.launch.shm import list_segments
 from pipeline.learner.checkpoint import latest_checkpoint, load_checkpoint
-from tests.e2e.support.launcher import ENGINE_START_S, REPO, Launcher, assert_gone, read_metrics
+from tests.e2e.support.launcher import (
+    ENGINE_START_S,
+    REPO,
+    Launcher,
+    assert_gone,
+    leaked_segments,
+    read_metrics,
+)
 from tests.e2e.support.rogue import FORGERIES  # the process the fuzz test runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -50,7 +57,7 @@ def test_producer_killed_is_restarted_and_run_completes(tiny_model, tmp_path):
                     ENGINE_START_S, "the restarted producer p0 to reconnect")
         # The killed engine's shared memory (nobody unlinks it after SIGKILL; Python's resource
         # tracker would only at the launcher's exit) was reclaimed before the restart.
-        assert (list_segments() - shm_before) - segments_in_use() == set()
+        assert leaked_segments(shm_before) == set()
         code = la.wait(300)
         assert code == 0, la.tail()
     finally:
@@ -76,7 +83,7 @@ def test_producer_killed_is_restarted_and_run_completes(tiny_model, tmp_path):
     assert state["received"].get("p0", 0) >= served
     assert_gone(victim_group)  # the killed producer's engine core was reaped too
     assert_gone(la.descendants)  # learner, producers and their vLLM engine cores
-    assert (list_segments() - shm_before) - segments_in_use() == set()
+    assert leaked_segments(shm_before) == set()
 
 
 def test_learner_killed_stops_everything_then_resume_continues(tiny_model, tmp_path):

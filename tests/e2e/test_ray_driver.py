@@ -20,8 +20,8 @@ import pytest
 from conftest import assert_no_process_left
 
 from bench.soak import tally
-from pipeline.launch.shm import list_segments, segments_in_use
-from tests.e2e.support.launcher import Launcher, assert_gone, read_metrics
+from pipeline.launch.shm import list_segments
+from tests.e2e.support.launcher import Launcher, assert_gone, leaked_segments, read_metrics
 from tests.e2e.support.ray_runs import ray_args, stop_and_keep_log
 
 ray = pytest.importorskip("ray")
@@ -80,4 +80,4 @@ def test_driver_killed_leaves_nothing_running_and_resume_finishes_the_run(
     assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
     assert t["steps"] == steps, t
     assert_no_process_left(tag)
-    assert (list_segments() - shm_before) - segments_in_use() == set()
+    assert leaked_segments(shm_before) == set()

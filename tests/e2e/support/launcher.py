@@ -127,6 +127,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
             if line.strip()]
 
 
+def leaked_segments(before: set[str]) -> set[str]:
+    """Engine segments created since ``before`` that no process holds and no running launcher
+    has recorded as its own: a run beside this one (pytest-xdist's other worker) may hold a
+    killed engine's segments until it reclaims them, which is not this run's leak."""
+    from pipeline.launch.shm import list_segments, recorded_by_live_owners, segments_in_use
+
+    return (list_segments() - before) - segments_in_use() - recorded_by_live_owners()
+
+
 def assert_gone(pids, what: str = "processes", timeout: float = 15.0) -> None:
     """Every process of ``pids`` has exited within ``timeout`` (those already gone count)."""
     procs = []

@@ -9,8 +9,7 @@ from typing import Any
 
 from conftest import assert_no_process_left
 
-from pipeline.launch.shm import list_segments, segments_in_use
-from tests.e2e.support.launcher import REPO, Launcher, assert_gone
+from tests.e2e.support.launcher import REPO, Launcher, assert_gone, leaked_segments
 
 # The head's GCS health-checks every raylet each second and gives up after 3 failures.
 HEALTH_CHECK = {
@@ -64,4 +63,4 @@ def assert_run_clean(la: Launcher, tag: str, shm_before: set[str], log: str) -> 
     assert f'File "{REPO}/' not in log, log[-3000:]
     assert_gone(la.descendants, "driver children")
     assert_no_process_left(tag)
-    assert (list_segments() - shm_before) - segments_in_use() == set()
+    assert leaked_segments(shm_before) == set()

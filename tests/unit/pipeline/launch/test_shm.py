@@ -220,3 +220,17 @@ def test_owner_tags_see_through_reused_pids_and_zombies():
     assert not owner_alive(tag)
     child.wait()
     assert not owner_alive(tag)
+
+
+def test_segments_recorded_by_a_live_owner_are_its_own(tmp_path):
+    """A running launcher's record names its segments (a killed engine's among them, until it
+    reclaims them); a dead launcher's record does not count."""
+    import os
+
+    from pipeline.launch.shm import recorded_by_live_owners
+    from pipeline.owner import owned_name, owner_tag
+
+    (tmp_path / owned_name("segments", owner_tag(os.getpid()))).write_text("psm_live\n")
+    (tmp_path / owned_name("segments", "999999999-1")).write_text("psm_dead\n")
+    assert recorded_by_live_owners(tmp_path) == {"psm_live"}
+    assert recorded_by_live_owners(tmp_path / "absent") == set()
