@@ -61,20 +61,25 @@ def trainable_parameters(hf: dict[str, Any], params: int, lora: bool, freeze_lay
     return max(0, params - frozen)
 
 
-def space_shortfall(run_dir: Path, each: int, keep: int, free: int | None = None) -> str | None:
+def space_shortfall(run_dir: Path, each: int, keep: int, free: int | None = None,
+                    final_only: bool = False) -> str | None:
     """None if ``keep`` + 1 checkpoints of ``each`` bytes fit under ``run_dir`` (the kept ones
     and the one written beside them before the oldest goes; those already there count as
     written), else the one-line reason naming bytes needed, bytes free, run_dir and
-    train.keep_checkpoints."""
+    train.keep_checkpoints. ``final_only``: the run writes no checkpoint before its final one
+    (no ``checkpoint_every``, no elastic producers), so one more beside those held is the peak."""
     held = sorted(step_dirs(Path(run_dir) / "checkpoints"))[-keep:]
     have = sum(dir_bytes(p) for _s, p in held)
-    need = max(0, (keep + 1) * each - have)
+    need = each if final_only else max(0, (keep + 1) * each - have)
     # The checkpoints' own filesystem: run_dir/checkpoints may be a mount or link elsewhere.
     free = disk_free(Path(run_dir) / "checkpoints") if free is None else free
     if need <= free:
         return None
     already = f", less {have} bytes of checkpoints already there" if have else ""
     size = f"{each / 1e9:.1f} GB" if each >= 1e8 else f"{each / 1e6:.1f} MB"
+    if final_only:
+        return (f"the final checkpoint needs {need} bytes free under run_dir {run_dir} but "
+                f"{free} bytes are free (about {size}); free space or choose another run_dir")
     return (f"checkpoints need {need} bytes free under run_dir {run_dir} but {free} bytes are "
             f"free: train.keep_checkpoints {keep} kept + 1 being written, about {size} "
             f"each{already}; lower train.keep_checkpoints, free space or choose another run_dir")
@@ -99,5 +104,6 @@ def check_run_space(cfg: Any, model_path: str) -> str | None:
         return None
     ds = learner_setup(t.accelerate_config, t.learner_processes, t.lora_rank > 0).zero_stage > 0
     run_dir = Path(cfg.run_dir or f"runs/{cfg.name}")
+    final_only = t.checkpoint_every == 0 and cfg.max_producers == 0
     return space_shortfall(run_dir, estimate_checkpoint_bytes(params, trainable, ds),
-                           t.keep_checkpoints)
+                           t.keep_checkpoints, final_only=final_only)

@@ -312,6 +312,36 @@ def test_space_shortfall_names_bytes_run_dir_and_the_option(tmp_path):
     assert space_shortfall(tmp_path, 10_000, keep=2, free=30_000 - have - 1) is not None
 
 
+def test_a_run_that_writes_only_its_final_checkpoint_needs_room_for_one(tmp_path, monkeypatch):
+    from pipeline.config import load_config
+    from pipeline.learner.disk import check_run_space, space_shortfall
+
+    assert space_shortfall(tmp_path, 100, keep=2, free=100, final_only=True) is None
+    why = space_shortfall(tmp_path, 100, keep=2, free=99, final_only=True)
+    assert "final checkpoint needs 100 bytes" in why and "\n" not in why
+
+    def cfg(**over):
+        return load_config(overrides={"run_dir": str(tmp_path), "data.path": "arithmetic:10",
+                                      **over})
+
+    import json
+
+    import pipeline.learner.disk as disk
+    from pipeline.memory import model_parameters
+
+    hf = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 1000}
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(hf))
+    each = disk.estimate_checkpoint_bytes(model_parameters(hf), model_parameters(hf))
+    monkeypatch.setattr(disk, "disk_free", lambda _p: int(1.5 * each))  # one fits, not two
+    assert check_run_space(cfg(), str(model)) is None
+    for over in ({"train.checkpoint_every": 1}, {"max_producers": 2}):
+        short = check_run_space(cfg(**over), str(model))
+        assert short is not None and "train.keep_checkpoints" in short, over
+
+
 def test_the_estimate_from_the_config_is_the_checkpoint_written(tiny_model, tmp_path):
     """The preflight's size of a checkpoint, from config.json alone, against the bytes of the
     state the trainer checkpoints after a step (fp32 weights and AdamW's two moments)."""
@@ -345,7 +375,8 @@ def test_a_run_whose_disk_cannot_hold_its_checkpoints_is_refused_first(small_tmp
 
     def cfg(run_dir, keep):
         return load_config(overrides={"model.path": str(tiny_model), "data.path": "arithmetic:10",
-                                      "run_dir": str(run_dir), "train.keep_checkpoints": keep})
+                                      "run_dir": str(run_dir), "train.keep_checkpoints": keep,
+                                      "train.checkpoint_every": 1})
 
     why = check_run_space(cfg(small_tmpfs / "run", 2), str(tiny_model))
     assert why is not None and "\n" not in why
