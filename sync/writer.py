@@ -58,10 +58,15 @@ class SnapshotWriter:
         """Allocate the pinned host buffer for versions packed on a GPU (``nbytes`` of them; 0:
         none) before training starts. Page-locking gigabytes takes seconds and holds the CUDA
         driver; at the first version it would stall the training thread's CUDA calls."""
-        if nbytes > 0 and torch.cuda.is_available() and (
-                self._pinned is None or self._pinned.numel() < nbytes):
-            self._pinned = None
-            self._pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if nbytes > 0 and torch.cuda.is_available():
+            self._pinned_of(nbytes)
+
+    def _pinned_of(self, n: int) -> torch.Tensor:
+        """The reused pinned host buffer, grown to ``n`` bytes if smaller."""
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = None  # free the old one before asking for a larger one
+            self._pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return self._pinned
 
     # ------------------------------------------------------------------ training side
     def submit(self, version: int, flat: torch.Tensor, layout: Layout) -> None:
@@ -130,12 +135,9 @@ class SnapshotWriter:
         if flat.device.type == "cpu":
             return flat
         n = flat.numel()
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = None  # free the old one before asking for a larger one
-            self._pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        host = self._pinned_of(n)[:n]
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=flat.device)
-        host = self._pinned[:n]
         with torch.cuda.stream(self._stream):
             host.copy_(flat[:n], non_blocking=True)
         self._stream.synchronize()

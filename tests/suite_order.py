@@ -1,8 +1,8 @@
 """How ``scripts/test.sh`` spreads the suite over two pytest-xdist workers (``--dist loadgroup``).
 
-Why: one end-to-end test keeps about 1.1 of CI's two cores busy (engine start-up is one process
-importing vLLM, a step waits on another process), so two tests at once finish the suite in about
-half the wall time. A group is what one worker runs in a row:
+Why: one end-to-end test alone leaves part of CI's two cores idle (a process waits on another);
+two at a time fill them (89% busy over a whole run, BENCHMARKS.md), though not at half the
+wall time: the suite is CPU-bound then. A group is what one worker runs in a row:
 - every test of one file (module-scoped fixtures, e.g. a shared engine or Ray cluster, start once);
 - every test marked ``ray``: their loopback clusters all put the head on 127.0.0.2, so they run
   one after another.

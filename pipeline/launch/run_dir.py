@@ -7,7 +7,7 @@ import logging
 import time
 from pathlib import Path
 
-from pipeline.learner.disk import STEP_DIR
+from pipeline.learner.disk import step_dirs
 
 log = logging.getLogger("pipeline")
 
@@ -19,8 +19,7 @@ def set_aside_previous_run(run_dir: Path) -> Path | None:
     Nothing is deleted. An empty ``checkpoints`` directory is no earlier run: it may be where
     the user mounted the disk for this run's checkpoints."""
     ckpts = run_dir / "checkpoints"
-    held = ckpts.is_dir() and any(p.name == "LATEST" or STEP_DIR.match(p.name)
-                                  for p in ckpts.iterdir())
+    held = bool(step_dirs(ckpts)) or (ckpts / "LATEST").exists()
     if not ((run_dir / "metrics.jsonl").exists() or held):
         return None
     dest = run_dir.with_name(f"{run_dir.name}.prev-{time.strftime('%Y%m%d-%H%M%S')}")
