@@ -161,6 +161,12 @@ def build_engine(model: ModelConfig, eng: EngineConfig, model_path: str, seed: i
         cores = cpu_cores(*share, sorted(os.sched_getaffinity(0)))
         if cores is not None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
+        # One engine process instead of two: AsyncLLM still runs its EngineCore in a process of
+        # its own, but vLLM's CPU platform then keeps the worker inside it (the uni executor, as
+        # on a GPU with one rank) rather than spawning a third process that imports vLLM again.
+        # Measured here: 16 CPU-s less per engine start, 359 vs 287 tokens/s (bench.producer).
+        if eng.tensor_parallel_size == 1:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     kw = engine_kwargs(model, eng, model_path, seed, current_platform, lora_rank, max_loras)
     log.info("%s %s AsyncLLM: %s", ENGINE_START, vllm.__version__, kw)
     # The producer is a batch generator, not a latency-bound server: take the batch defaults vLLM
