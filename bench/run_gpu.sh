@@ -41,7 +41,9 @@
 #                  checkpoint at a time: stall and write GB/s vs one torch.save stream; then ours
 #                  async1 colocated at RUN_MODEL (default 1.5b) without and with
 #                  train.checkpoint_every=1 (keep_checkpoints 1, run dirs there too), the ratio
-#                  and stalls by bench.checkpoint_runs (1 GPU)
+#                  and stalls by bench.checkpoint_runs (1 GPU); CKPT_BENCH=0 leaves the bench
+#                  out, LAYOUT=split runs the pair on the split layout (2 GPUs: a 3B pair,
+#                  whose staging and checkpoints need more host memory than one-GPU machines')
 #   learner7b      the learner alone over 2 GPUs, no engines (bench.learner_bench --processes 2,
 #                  MODEL default 7b, drawn at random on the GPUs): every variant of its
 #                  DIST_DEFAULT (or VARIANTS=a,b,...) in a fresh process group, in that order,
@@ -265,9 +267,11 @@ for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
     ckdir=${CKPT_DIR:-$( [ "$(df -B1 --output=avail /dev/shm | tail -1)" -ge 45000000000 ] \
       && echo /dev/shm || echo /tmp)}
     echo "checkpoint: writing under $ckdir"
-    t=$(budget 210) || exit 1
-    timeout -k 10 "$t" python3 -m bench.checkpoint_bench --model "${CKPT_MODEL:-3b}" \
-      --device cuda --dir "$ckdir" --saves 3 2>&1 | tee "$out/checkpoint-bench.log" | quiet
+    if [ "${CKPT_BENCH:-1}" = 1 ]; then
+      t=$(budget 210) || exit 1
+      timeout -k 10 "$t" python3 -m bench.checkpoint_bench --model "${CKPT_MODEL:-3b}" \
+        --device cuda --dir "$ckdir" --saves 3 2>&1 | tee "$out/checkpoint-bench.log" | quiet
+    fi
     left=$(left)
     run_to=$(( (left - 30) / 2 ))
     [ "$run_to" -le "${RUN_TIMEOUT:-190}" ] || run_to=${RUN_TIMEOUT:-190}
@@ -276,7 +280,7 @@ for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
     rm -rf "$runs"
     for v in none every1; do
       extra=(); [ "$v" = none ] || extra=(--set train.checkpoint_every=1 --set train.keep_checkpoints=1)
-      timeout -k 15 "$run_to" python3 -m bench.gpu_bench --out "$runs/$v" --layout colocated \
+      timeout -k 15 "$run_to" python3 -m bench.gpu_bench --out "$runs/$v" --layout "${LAYOUT:-colocated}" \
         --model "${RUN_MODEL:-1.5b}" --steps "$steps" --set engine.enforce_eager=false \
         --set "sync.transport=${TRANSPORT:-auto}" --runs async1 --gpu-mem 0.35 \
         --set train.packing=true --run-timeout "$run_to" "${extra[@]}" 2>&1 | quiet
