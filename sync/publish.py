@@ -243,6 +243,17 @@ class WeightPublisher:
                 self._held.popitem(last=False)
         torch.cuda.ipc_collect()  # free old buffers no producer maps any more
 
+    def drop_host_versions(self) -> int:
+        """Let go of the versions held in host memory (a sharded learner's) and return how
+        many: at the end of a run they are pinned memory nobody will ask for again, which the
+        final checkpoint's copy of the training state needs (at 7B, 15 GB each). A producer
+        that asks for one afterwards is told it is gone and loads the snapshot file."""
+        with self._lock:
+            gone = [v for v, entry in self._held.items() if not entry[0].is_cuda]
+            for v in gone:
+                del self._held[v]
+        return len(gone)
+
     def newest(self, at_most: int) -> int | None:
         """The newest version held that is not newer than ``at_most``."""
         with self._lock:

@@ -633,6 +633,8 @@ class Learner:
                     task.cancel()
         finally:
             with contextlib.suppress(Exception):
+                self.routes.release_host_memory()
+            with contextlib.suppress(Exception):
                 await asyncio.shield(self._final_checkpoint())
             if finished:  # producers of other launchers (--role producer) exit on this
                 with contextlib.suppress(Exception):

@@ -186,3 +186,15 @@ def test_a_late_join_of_an_expired_offer_is_completed_and_aborted_fake_nccl(monk
         assert len(fake.comms) == 1
 
     asyncio.run(main())
+
+
+def test_drop_host_versions_leaves_gpu_versions_and_counts_the_dropped():
+    """Before the final checkpoint the learner lets go of versions held in host memory (a
+    sharded learner's); a version on the GPU (``is_cuda``, faked here) stays offered."""
+    pub = _publisher()
+    on_gpu = SimpleNamespace(is_cuda=True)
+    pub._held.update({1: (torch.zeros(4), None, {}, []), 2: (on_gpu, None, {}, []),
+                      3: (torch.zeros(4), None, {}, [])})
+    assert pub.drop_host_versions() == 2
+    assert pub.held() == [2]
+    assert pub.drop_host_versions() == 0
