@@ -131,14 +131,14 @@ class LearnerRoutes:
 
         if not torch.cuda.is_available():
             return
-        before = _pinned_bytes()
+        before = _resident_bytes()
         dropped = self.publisher.drop_host_versions() if self.publisher is not None else 0
         gc.collect()
         empty = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds only
         if empty is not None:
             empty()
-        log.info("before the final checkpoint: %d host-held version(s) dropped, pinned host "
-                 "memory %.1f -> %.1f GB", dropped, before / 1e9, _pinned_bytes() / 1e9)
+        log.info("before the final checkpoint: %d host-held version(s) dropped, resident "
+                 "memory %.1f -> %.1f GB", dropped, before / 1e9, _resident_bytes() / 1e9)
 
     def close(self) -> None:
         if self.publisher is not None:
@@ -275,12 +275,8 @@ def serve_stream(cfg: RunConfig, directory: Path) -> Any:
     return server
 
 
-def _pinned_bytes() -> int:
-    """Pinned host memory torch's caching host allocator holds (in use or cached)."""
-    import torch
+def _resident_bytes() -> int:
+    """This process's resident memory (pinned buffers included)."""
+    import psutil
 
-    try:
-        stats = torch.cuda.host_memory_stats()
-    except Exception:  # older torch, or no CUDA
-        return 0
-    return int(stats.get("reserved_bytes.current", stats.get("segment.current", 0)))
+    return int(psutil.Process().memory_info().rss)
