@@ -17,7 +17,7 @@ and 1, learner on GPU 1; ``split-3x1`` = producers on GPUs 0-2, learner on GPU 3
 one producer with tensor parallelism over GPUs 0 and 1, learner on GPU 2; ``colocated`` = both on
 GPU 0 (the engine gets ``--gpu-mem`` of it); ``colocated-2`` = a producer on each of GPUs 0
 and 1, the learner sharded over both (FSDP2, packed and checkpointed micro-batches: the 7B
-path; engine share 0.25). ``--gpus`` says which of the machine's GPUs the
+path; engine share 0.15). ``--gpus`` says which of the machine's GPUs the
 layout's 0, 1, ... are, so two layouts can run side by side on disjoint GPUs of one machine.
 A run named ``ray-<mode>`` is ``<mode>`` started with ``--launcher ray`` on a private Ray node
 that sees only the layout's GPUs; Ray picks which GPU each actor gets, so its busy columns are
@@ -79,14 +79,17 @@ LAYOUTS = {  # name -> (producer_gpus, one producer per entry; learner_gpus; GPU
     "cpu": ([], "", {}),
 }
 # The sharded learner of a layout with several learner GPUs, unless --set names the key: FSDP2
-# with packed, checkpointed micro-batches of 16k tokens, the fastest learner at 7B on 2 H200
-# (36.0% MFU alone, 91.3 GB a rank; ZeRO-3 at 4 rows 7.7%; BENCHMARKS.md, "The learner alone,
-# 7B"). --set train.accelerate_config=... runs ZeRO-3 instead, with the same micro-batches.
-SHARDED_LEARNER = ("train.fsdp2=true", "train.packing=true", "train.micro_batch_tokens=16384",
+# with packed, checkpointed micro-batches of 8k tokens (BENCHMARKS.md, "The learner alone, 7B":
+# FSDP2 is 36% MFU at 16k alone, ZeRO-3 at 4 rows 7.7%). Beside the engines 8k rather than 16k:
+# GPU 0, which also holds the buffers rank 0 publishes versions from, peaked at 90% of an H200
+# with 8k and engines at 0.15 (7% fewer samples/s than 16k, which left no room). --set
+# train.accelerate_config=... runs ZeRO-3 instead, with the same micro-batches.
+SHARDED_LEARNER = ("train.fsdp2=true", "train.packing=true", "train.micro_batch_tokens=8192",
                    "train.gradient_checkpointing=true")
-# Engine share per layout when --gpu-mem is not given: at 7B the learner peaks at 91.3 GB of a
-# 143.8 GB H200, so 0.25 (36 GB) leaves 11% of each card free; other layouts 0.5.
-GPU_MEM = {"colocated-2": 0.25}
+# Engine share per layout when --gpu-mem is not given: at 7B an engine needs 14.3 GiB of weights
+# and a few of KV cache for the job's 128 sequences, so 0.15 of a 143.8 GB H200; other layouts
+# 0.5.
+GPU_MEM = {"colocated-2": 0.15}
 
 
 @dataclass
@@ -699,7 +702,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="reward: a fixed level instead (overrides --reward-frac)")
     p.add_argument("--lr", type=float, default=1e-6, help="learning rate of every run")
     p.add_argument("--gpu-mem", type=float, default=None,
-                   help="engine.gpu_memory_utilization of each engine's GPU (default 0.25 on "
+                   help="engine.gpu_memory_utilization of each engine's GPU (default 0.15 on "
                         "colocated-2, 0.5 elsewhere)")
     p.add_argument("--config", type=Path, default=Path(__file__).with_name("bench.yaml"))
     p.add_argument("--set", action="append", default=[], help="extra KEY=VALUE for our runs")

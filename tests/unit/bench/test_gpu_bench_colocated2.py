@@ -1,6 +1,6 @@
 """bench.gpu_bench's colocated-2 layout (the 7B path): a producer on each of GPUs 0 and 1 and the
-learner sharded over both, FSDP2 with packed, checkpointed 16k-token micro-batches and an engine
-share of 0.25 unless ``--set``/``--gpu-mem`` say otherwise (the subprocess is replaced: pure
+learner sharded over both, FSDP2 with packed, checkpointed 8k-token micro-batches and an engine
+share of 0.15 unless ``--set``/``--gpu-mem`` say otherwise (the subprocess is replaced: pure
 argument logic)."""
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ def test_colocated_2_puts_a_producer_on_each_gpu_and_fsdp2_over_both(monkeypatch
     assert opts["--train.learner_processes"] == "2"
     assert "--train.accelerate_config" not in opts
     assert _sets(cmd) == ["train.fsdp2=true", "train.packing=true",
-                          "train.micro_batch_tokens=16384", "train.gradient_checkpointing=true"]
-    assert opts["--engine.gpu_memory_utilization"] == "0.25"
+                          "train.micro_batch_tokens=8192", "train.gradient_checkpointing=true"]
+    assert opts["--engine.gpu_memory_utilization"] == "0.15"
 
 
 def test_colocated_2_keeps_the_measured_command_as_it_was(monkeypatch, tmp_path):
