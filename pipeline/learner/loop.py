@@ -135,6 +135,10 @@ class Learner:
         self._read: dict[str, int] = {}  # data cursor per producer, from its heartbeats
         self._started = time.monotonic()
         self._checkpoint_soon = False  # a producer left: its groups go in the next checkpoint
+        # The newest trained step and its metrics row as built so far, until the row is logged:
+        # a stop between the optimiser step and the row (a signal during the snapshot or the
+        # checkpoint) logs it before the final checkpoint, so no checkpointed step lacks its row.
+        self._unlogged: tuple[int, dict[str, float]] | None = None
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):
             self.counters.setdefault(k, 0)
@@ -437,6 +441,7 @@ class Learner:
                 self._steps_taken = st.step  # the batch was dropped: its step needs another
                 continue
             st.step += 1
+            self._unlogged = (st.step, m)
             if m["skipped_nonfinite"]:
                 self.counters["skipped_nonfinite"] = self.counters.get("skipped_nonfinite", 0) + 1
                 log.error("step %d: non-finite loss or gradient; update skipped, no snapshot",
@@ -492,6 +497,7 @@ class Learner:
             self._checkpoint_failed()
             m.update(self._take_checkpoint_write())
             self.metrics.log(st.step, m)
+            self._unlogged = None
         await self.evals.await_last(st.version)
         await self.writer.flush()  # a failed write raises here, not silently
 
@@ -593,6 +599,10 @@ class Learner:
         its times in one console line (no metrics row: the last row is the last step's)."""
         t0 = time.monotonic()
         c = self.checkpoints
+        if self._unlogged is not None:  # stopped mid-step: the checkpoint holds this step
+            step, m = self._unlogged
+            self._unlogged = None
+            self.metrics.log(step, {**m, "interrupted": 1.0}, progress=False)
         try:
             stall = await self.checkpoint(final=True)
         except Exception as e:
