@@ -40,6 +40,8 @@ class Evaluations:
         """A dedicated evaluator introduced itself (``new``: a new process)."""
         info = self.evaluators.setdefault(msg.producer_id, ProducerInfo())
         info.pid, info.version = msg.pid, msg.policy_version
+        # Heard from now: a Hello just before the final wait is not a silent evaluator.
+        info.last_seen = time.monotonic()
         if new:
             info.stats = {}
             log.info("evaluator %s (pid %d) connected (incarnation %s)", msg.producer_id,

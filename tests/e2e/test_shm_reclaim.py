@@ -26,7 +26,12 @@ def _owned_by(tag: str) -> list[Path]:
     return sorted(SHM_DIR.glob(f"pipeline-grpo-*.owner-{tag}"))
 
 
-def test_leftovers_of_a_killed_launcher_are_reclaimed_by_the_next_run(tiny_model, tmp_path):
+def test_leftovers_of_a_killed_launcher_are_reclaimed_by_the_next_run(tiny_model, tmp_path,
+                                                                     monkeypatch):
+    # vLLM's multiprocess executor (a worker process beside the engine core, talking through
+    # psm_* segments): what an engine over several ranks runs; a one-rank CPU engine keeps its
+    # worker in the core and has no such segments (``pipeline.producer.engine.build_engine``).
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     shm_before = list_segments()
     la = Launcher(tiny_model, tmp_path / "killed", "--mode", "async", "--steps", "200",
                   "--num-producers", "1")

@@ -153,3 +153,18 @@ def test_the_final_wait_goes_on_while_a_restarted_evaluator_starts(tmp_path):
 
     asyncio.run(run())
     assert 2 in evals.evaluated
+
+
+def test_an_evaluator_that_just_said_hello_is_not_silent(tmp_path):
+    """Its Hello counts as hearing from it: a final wait that starts right after (before the
+    first heartbeat) waits for its evaluation instead of giving up at once."""
+    from pipeline.learner.evaluations import Evaluations
+    from pipeline.schedule import EVALUATOR_ID
+
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
+                                 "eval.data": "arithmetic:8", "eval.every": 1,
+                                 "eval.producer": "dedicated", "eval.timeout_s": 60})
+    evals = Evaluations(cfg, metrics=None)
+    evals.hello(Hello(producer_id=EVALUATOR_ID, incarnation="e-1", policy_version=0, pid=7),
+                new=True)
+    assert not evals.evaluator_gone()
