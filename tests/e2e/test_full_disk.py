@@ -2,7 +2,8 @@
 checkpoints directory, filled by the test once the first checkpoint is saved): the failed write
 is one console line, its partial directory is removed, ``LATEST`` keeps naming the previous
 checkpoint, training goes on (``train.on_checkpoint_error: continue``), and once space is back
-the run writes its later checkpoints and reaches its last step with no group left behind.
+the run writes its later checkpoints; stopped by Ctrl-C, it writes its final one and loses no
+group.
 Real `pipeline-train` run (vLLM CPU engine, tiny model)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 
 import pytest
 
+from bench.soak import tally
 from pipeline.learner.checkpoint import load_checkpoint
 from tests.e2e.support.launcher import ENGINE_START_S, Launcher, read_metrics
 
@@ -39,43 +41,58 @@ def small_filesystem(path, megabytes: int):
 
 
 def test_a_full_disk_mid_run_is_one_line_and_the_run_goes_on(tiny_model, tmp_path):
+    """The run has no last step of its own: each phase waits for its event (the first
+    checkpoint, the failure line, a checkpoint written once space is back), then Ctrl-C ends it
+    with its final checkpoint; no assertion depends on how many steps a phase took."""
     run_dir = tmp_path / "full"
     ckpts = run_dir / "checkpoints"
-    steps = 10
     with small_filesystem(ckpts, 32):
         la = Launcher(tiny_model, run_dir, "--mode", "async", "--max-staleness", "1",
-                      "--steps", str(steps), "--num-producers", "1",
+                      "--steps", "100000", "--num-producers", "1",
                       "--train.checkpoint_every", "1", "--train.keep_checkpoints", "2")
         filler = ckpts / "filler"
+
+        def latest_step() -> int:
+            """The step of the checkpoint LATEST names (step_N, or step_N-K for one rewritten
+            at the same step), 0 before the first."""
+            with contextlib.suppress(OSError):
+                m = re.fullmatch(r"step_(\d+)(-\d+)?", (ckpts / "LATEST").read_text().strip())
+                return int(m[1]) if m else 0
+            return 0
+
         try:
-            la.wait_for(lambda: (ckpts / "LATEST").exists(), ENGINE_START_S,
-                        "the first checkpoint")
+            la.wait_for(lambda: latest_step() > 0, ENGINE_START_S, "the first checkpoint")
             free = shutil.disk_usage(ckpts).free
             with open(filler, "wb") as f, contextlib.suppress(OSError):
                 f.write(b"\0" * (free - 65536))  # leave 64 KB: no checkpoint fits
             failed = la.wait_for(lambda: [m for ln in la.lines if (m := FAILED.search(ln))],
                                  300, "the failed checkpoint's console line")
+            step = int(failed[0][1])
             filler.unlink()  # space is back: the next checkpoints are written
-            code = la.wait(ENGINE_START_S)
+            la.wait_for(lambda: latest_step() > step, 300, "a checkpoint after the failed one")
         finally:
             with contextlib.suppress(FileNotFoundError):
                 filler.unlink()
-            la.stop()
-        assert code == 0, la.tail()
-        step, previous = int(failed[0][1]), failed[0][2]
+            la.stop()  # Ctrl-C: the learner's final checkpoint, then every process stops
+        assert la.proc.returncode == 130, la.tail()
+        previous = failed[0][2]
         assert re.search(r"/checkpoints/step_(\d+)$", previous), previous
         assert int(previous.rsplit("_", 1)[1]) < step  # an older, complete checkpoint
         assert not any(p.name.startswith(".tmp_step_") for p in ckpts.iterdir())
         rows = read_metrics(run_dir)
-        assert [r["step"] for r in rows] == list(range(1, steps + 1))
-        assert rows[-1]["checkpoint_failures"] >= 1
-        free_gb = [r["checkpoint_disk_free_gb"] for r in rows]  # the tmpfs's, not run_dir's
-        assert all(0 <= f < 0.04 for f in free_gb) and min(free_gb) < 0.001, free_gb
-        # After the space came back: the final checkpoint is written and LATEST names it.
-        latest = (ckpts / "LATEST").read_text().strip()
-        assert latest == f"step_{steps}", latest
-        state, _tensors, _buffer = load_checkpoint(ckpts / latest)
-        assert state.step == steps
-        assert "not delivered" not in la.stdout + "\n".join(la.lines)  # no group left behind
-        assert "final checkpoint " in la.stdout, la.stdout
+        last = rows[-1]["step"]
+        assert [r["step"] for r in rows] == list(range(1, last + 1))
+        assert last > step and rows[-1]["checkpoint_failures"] >= 1
+        # The free-space figure is the checkpoints' 32 MB filesystem's (not run_dir's), and
+        # moves with what is written there.
+        free_gb = [r["checkpoint_disk_free_gb"] for r in rows if "checkpoint_disk_free_gb" in r]
+        assert all(0 <= f < 0.04 for f in free_gb) and min(free_gb) < free_gb[0], free_gb
+        assert next(r for r in rows if r.get("checkpoint_failures", 0) >= 1)["step"] >= step
+        # The final checkpoint holds the last step, which has its row, and LATEST names it.
+        assert latest_step() == last, (sorted(p.name for p in ckpts.iterdir()), last)
+        state, _tensors, _buffer = load_checkpoint(ckpts / (ckpts / "LATEST").read_text().strip())
+        assert state.step == last
+        # Nothing lost: every group sent is trained, dropped (by reason) or held.
+        t = tally(run_dir)
+        assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
         assert not os.path.exists(filler)
