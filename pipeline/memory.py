@@ -14,8 +14,10 @@ The plan is a lower bound, not the peak. At 7B on 2 H200 the FSDP2 learner with 
 checkpointed micro-batches (the 7B path: ``train.fsdp2``, ``train.packing``,
 ``train.gradient_checkpointing``) holds 61 GB of model state a rank and peaks at 89.6-91.3 GB
 reserved (BENCHMARKS.md, "The learner alone, 7B"): 30 GB on top, more than the 10% kept free.
-So the engine share of that layout comes from the measured peak: 0.25 of 143.8 GB (36 GB) beside
-91.3 GB is 88% of the card; 0.3 would be 94%, which this plan still passes.
+Beside the engines rank 0 holds about 19 GB more than rank 1 (the buffers it publishes versions
+from): the whole run measured 90.3% of GPU 0 with engines at 0.15 and 8k-token micro-batches, 99.6%
+with 0.25 and 16k, both of which this plan passes; so that layout's defaults come from the
+measured runs, not from this plan.
 
 Bytes per parameter of the learner (Adam, fp32 master weights and gradients):
   plain or DDP (fp32 weights, autocast)           4 + 4 + 8                = 16
