@@ -226,12 +226,18 @@ def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool
 
 def _stop(proc: mp.Process, sig: int, group: bool = True) -> None:
     """Signal ``proc``'s process group (``group``; the process itself if it has none yet), or
-    the process alone."""
+    the process alone. Once, never both: a learner that gets SIGINT twice takes the second as
+    "stop now" (asyncio) and its final checkpoint is cut short."""
     if proc.pid is None:
         return
-    for kill in (os.killpg, os.kill) if group else (os.kill,):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            kill(proc.pid, sig)
+    if group:
+        try:
+            os.killpg(proc.pid, sig)
+            return
+        except (ProcessLookupError, PermissionError):
+            pass  # no group of its own yet: the process alone
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(proc.pid, sig)
 
 
 def _reap(procs: list[mp.Process], grace_s: float) -> None:

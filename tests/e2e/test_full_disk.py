@@ -92,6 +92,7 @@ def test_a_full_disk_mid_run_is_one_line_and_the_run_goes_on(tiny_model, tmp_pat
         assert latest_step() == last, (sorted(p.name for p in ckpts.iterdir()), last)
         state, _tensors, _buffer = load_checkpoint(ckpts / (ckpts / "LATEST").read_text().strip())
         assert state.step == last
+        assert "final checkpoint " in la.stdout, la.stdout
         # Nothing lost: every group sent is trained, dropped (by reason) or held.
         t = tally(run_dir)
         assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
