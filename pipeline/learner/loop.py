@@ -139,6 +139,7 @@ class Learner:
         # a stop between the optimiser step and the row (a signal during the snapshot or the
         # checkpoint) logs it before the final checkpoint, so no checkpointed step lacks its row.
         self._unlogged: tuple[int, dict[str, float]] | None = None
+        self.final_checkpoint_failed = False  # a multi-rank learner's ranks must then end at once
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):
             self.counters.setdefault(k, 0)
@@ -606,10 +607,12 @@ class Learner:
         try:
             stall = await self.checkpoint(final=True)
         except Exception as e:
+            self.final_checkpoint_failed = True
             log.error("final checkpoint at step %d failed: %s", self.state.step, e)
             return
         error = c.take_error()
         if error is not None:
+            self.final_checkpoint_failed = True
             log.error("final checkpoint failed: %s", error)
             return
         total = time.monotonic() - t0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -48,8 +49,22 @@ def main(argv: list[str] | None = None) -> None:
     except (KeyboardInterrupt, asyncio.CancelledError):
         log.info("learner stopped")
     finally:
+        if learner.final_checkpoint_failed and D.world_size() > 1:
+            end_every_rank()
         learner.trainer.release_followers()
         D.shutdown()
+
+
+def end_every_rank() -> None:
+    """The final checkpoint of a multi-rank learner failed part-way (e.g. a collective failed
+    on a full GPU): the other ranks may be inside a collective that will never complete, and
+    releasing them would be one more collective, which then hangs until the process group's
+    timeout. Exit at once with code 1: accelerate's launcher then stops the other ranks, and the
+    run keeps its previous checkpoint."""
+    log.error("the final checkpoint failed on a learner of %d ranks: ending every rank now "
+              "(the previous checkpoint is kept)", D.world_size())
+    logging.shutdown()
+    os._exit(1)
 
 
 if __name__ == "__main__":
