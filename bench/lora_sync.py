@@ -2,9 +2,10 @@
 throughput on one engine.
 
 For each path: a LoRA PolicyTrainer (peft) gives a version's snapshot (``sync.lora_adapters``
-on: the adapter; off: the targeted weights merged), written as a snapshot file; a real vLLM
-engine then swaps to it through the producer's own code (merged: FileRoute in the sync
-barrier; adapter: AdapterSet.swap, no pause) while requests run. Then the engine generates a
+on and merge: the adapter; off: the targeted weights merged), written as a snapshot file; a real
+vLLM engine then swaps to it through the producer's own code (merged, and merge-on-producer,
+whose workers merge the adapter as they load it: FileRoute in the sync barrier; adapter:
+AdapterSet.swap, no pause) while requests run. Then the engine generates a
 fixed batch on the last version (``--seqs`` requests of ``--gen-tokens`` tokens, ignore_eos,
 best of ``--repeats`` after a warm-up): tokens/s with the adapter and with the merged weights,
 and their ratio. The adapter engine also generates the batch without an adapter (base
@@ -107,9 +108,16 @@ async def generation_rates(engine, loras: dict[str, object], seqs: int, gen_toke
     return best
 
 
-def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path,
+PATHS = ("merged", "adapter", "merge-on-producer")
+
+
+def measure(model_dir: Path, rank: int, versions: int, path: str, work: Path,
             seqs: int = 32, gen_tokens: int = 32, repeats: int = 2,
             cuda_graphs: bool = False) -> dict:
+    """One path of ``PATHS``: merged weights shipped; the adapter served as a LoRARequest; the
+    adapter shipped and merged into the engine's weights as it loads (``sync.lora_adapters``
+    off, on, merge)."""
+    adapter = path == "adapter"
     from pipeline.config import EngineConfig, ModelConfig, load_config
     from pipeline.learner.trainer import PolicyTrainer
     from pipeline.producer.adapters import AdapterSet
@@ -126,7 +134,7 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
             "model.dtype": "bfloat16",
             "train.lora_rank": rank,
             "train.lora_alpha": 2.0 * rank,
-            "sync.lora_adapters": "on" if adapter else "off",
+            "sync.lora_adapters": {"merged": "off", "adapter": "on"}.get(path, "merge"),
         }
     )
     tr = PolicyTrainer(cfg, str(model_dir), device="cpu")
@@ -136,7 +144,7 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
             for n, p in tr.model.named_parameters():
                 if "lora_B" in n:
                     p.add_(0.01)
-        ref = write_snapshot(tr.snapshot_tensors(), v, work / ("a" if adapter else "m"))
+        ref = write_snapshot(tr.snapshot_tensors(), v, work / path)
         refs.append(ref)
         sizes.append(Path(ref.uri).stat().st_size)
     del tr
@@ -162,6 +170,8 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
                 if adapter
                 else None
             )
+            if path == "merge-on-producer":
+                await engine.collective_rpc("sync_lora_merge", args=(2.0,))  # alpha / rank
             timings = await _swaps(engine, refs, ad)
             # The last version: its adapter (and, on the same engine, the base weights
             # without one), or the merged weights.
@@ -180,7 +190,7 @@ def measure(model_dir: Path, rank: int, versions: int, adapter: bool, work: Path
         return statistics.median(t.get(key, 0.0) for t in timings)
 
     return {
-        "path": "adapter" if adapter else "merged",
+        "path": path,
         "bytes_per_version": sizes[-1],
         "swap_total_s": med("total_s"),
         "prepare_s": med("prepare_s"),
@@ -283,15 +293,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         model_dir = resolve_model(args.model, Path(tempfile.gettempdir()) / "pipeline-models")
         rows = []
-        for adapter in (False, True):
-            rows.append(measure(model_dir, args.rank, args.versions, adapter, Path(d),
+        for path in PATHS:
+            rows.append(measure(model_dir, args.rank, args.versions, path, Path(d),
                                 args.seqs, args.gen_tokens, args.repeats, args.cuda_graphs))
             print(json.dumps(rows[-1]), flush=True)
-        merged, ad = rows
+        merged, ad, mp = rows
         print(json.dumps({
             "adapter_over_merged_gen": ad["gen_tokens_per_s"] / merged["gen_tokens_per_s"],
             "adapter_engine_base_over_merged_gen":
                 ad["gen_tokens_per_s_base"] / merged["gen_tokens_per_s"],
+            "merge_on_producer_over_merged_gen":
+                mp["gen_tokens_per_s"] / merged["gen_tokens_per_s"],
+            "merge_on_producer_bytes_over_adapter":
+                mp["bytes_per_version"] / ad["bytes_per_version"],
         }), flush=True)
 
 

@@ -325,12 +325,15 @@ class SyncConfig:
     snapshot_dir: str = ""
     """where snapshots are written ('' = /dev/shm/<run> when keep_snapshots + 1 of them fit
     there, else run_dir/snapshots)"""
-    lora_adapters: Literal["auto", "on", "off"] = "auto"
+    lora_adapters: Literal["auto", "on", "off", "merge"] = "auto"
     """with train.lora_rank > 0: 'on' ships each version as the LoRA adapter alone (peft format)
     and producers serve it through vLLM's LoRA support, falling back to merged full weights
     (one warning naming why) where vLLM cannot serve the targeted modules; 'off' always ships
-    merged weights; 'auto' is 'on' where the launcher sees a GPU and 'off' on CPU, where
-    vLLM's LoRA kernels generate several times slower than merged weights (docs/lora.md)"""
+    merged weights; 'merge' ships the adapter alone and each producer merges it into its
+    engine's weights (W0 + alpha/r * B @ A, W0 read once from the model's files): an adapter's
+    bytes per version, merged weights' generation speed; 'auto' is 'on' where the launcher sees
+    a GPU and 'off' on CPU, where vLLM's LoRA kernels generate several times slower than merged
+    weights (docs/lora.md)"""
     sync_every: int = opt(1, ge=1)
     """publish a snapshot every k learner steps"""
     # The previous snapshot is the rollback target, so two are always kept.

@@ -16,13 +16,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
-from sync.snapshot import SnapshotError, SnapshotRef, read_snapshot
+from sync.snapshot import SnapshotError, SnapshotRef, base_snapshot_files, read_snapshot
 
 # Modules vLLM's LoRA layers serve for the decoder models this project trains (Llama, Qwen2,
 # Mistral...): the attention and MLP projections. Embeddings and lm_head need extra vocab
@@ -38,8 +40,10 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 
 def adapter_sync_plan(mode: str, lora_rank: int, target_modules: list[str]) -> tuple[bool, str]:
     """(on, reason): whether versions travel as LoRA adapters; ``reason`` says why not (empty
-    when on, or when nothing is asked: ``mode`` off or a full fine-tune). ``mode`` "auto" and
-    "on" ask alike: the run config resolves "auto" to "off" on CPU before anyone asks."""
+    when on, or when nothing is asked: ``mode`` off or a full fine-tune). ``mode`` "auto", "on"
+    and "merge" ask alike (the run config resolves "auto" to "off" on CPU before anyone asks);
+    with "merge" the producers merge each adapter into their engine's weights
+    (``merge_adapter``) instead of serving it through vLLM's LoRA support."""
     if mode == "off" or lora_rank <= 0:
         return False, ""
     unsupported = sorted(set(target_modules) - VLLM_LORA_MODULES)
@@ -55,6 +59,14 @@ def adapter_sync_plan(mode: str, lora_rank: int, target_modules: list[str]) -> t
             f"{VLLM_LORA_RANKS[-1]}"
         )
     return True, ""
+
+
+def adapter_serving(mode: str, lora_rank: int, target_modules: list[str]) -> str:
+    """How a producer takes a run's versions: "lora" (each adapter a vLLM ``LoRARequest``),
+    "merge" (each adapter merged into the engine's weights), or "" (full weights)."""
+    if not adapter_sync_plan(mode, lora_rank, target_modules)[0]:
+        return ""
+    return "merge" if mode == "merge" else "lora"
 
 
 def vllm_max_lora_rank(lora_rank: int) -> int:
@@ -131,3 +143,62 @@ def stage_adapter(ref: SnapshotRef, config: dict[str, Any], directory: str | Pat
     tensors = read_snapshot(ref)
     check_adapter_names(sorted(tensors))
     return write_adapter(tensors, config, directory)
+
+
+# ------------------------------------------------------------------ merged on the producer
+def base_name(adapter_name: str) -> str:
+    """peft's saved name of a module's A or B tensor -> its base weight's name in the model's
+    files (``base_model.model.model.layers.0.mlp.up_proj.lora_A.weight`` ->
+    ``model.layers.0.mlp.up_proj.weight``)."""
+    module = adapter_name.removesuffix(".lora_A.weight").removesuffix(".lora_B.weight")
+    return module.removeprefix("base_model.model.") + ".weight"
+
+
+def merge_adapter(adapter: dict[str, torch.Tensor], base: Callable[[str], torch.Tensor],
+                  scale: float, device: torch.device | str | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """W0 + scale * B @ A for every module ``adapter`` names, under the base weights' names:
+    the weights a learner merging the same adapter would ship (``merge_lora``), computed where
+    they are served. ``base(name)`` gives W0; each merge runs in fp32 on ``device`` and is cast
+    to W0's dtype at once. Refuses an adapter with a module missing its A or B, or whose B @ A
+    does not have W0's shape, before anything is returned."""
+    check_adapter_names(sorted(adapter))
+    modules = sorted({n.rsplit(".lora_", 1)[0] for n in adapter})
+    out: dict[str, torch.Tensor] = {}
+    for m in modules:
+        a, b = adapter.get(f"{m}.lora_A.weight"), adapter.get(f"{m}.lora_B.weight")
+        if a is None or b is None:
+            raise SnapshotError(f"LoRA module {m} lacks its {'A' if a is None else 'B'} tensor")
+        name = base_name(f"{m}.lora_A.weight")
+        w0 = base(name)
+        delta = b.to(device, torch.float32) @ a.to(device, torch.float32)
+        if tuple(delta.shape) != tuple(w0.shape):
+            raise SnapshotError(f"LoRA module {m}: B @ A is {tuple(delta.shape)}, the model's "
+                                f"{name} is {tuple(w0.shape)}")
+        out[name] = (w0.to(device, torch.float32) + scale * delta).to(w0.dtype)
+    return out
+
+
+class BaseWeights:
+    """The model's own tensors by name, read from its safetensors files on first use and kept in
+    host memory: the W0 of the modules the adapters target, read once per engine."""
+
+    def __init__(self, model_dir: str | Path):
+        self.files = base_snapshot_files(model_dir)
+        self._where: dict[str, str] | None = None
+        self._held: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self._held:
+            if self._where is None:
+                self._where = {}
+                for f in self.files:
+                    with safe_open(f, framework="pt") as fh:
+                        self._where.update(dict.fromkeys(fh.keys(), f))
+            if name not in self._where:
+                raise SnapshotError(f"the adapter targets {name}, which is not in the model's "
+                                    f"files")
+            with safe_open(self._where[name], framework="pt") as fh:
+                self._held[name] = fh.get_tensor(name)
+        return self._held[name]
+

@@ -29,6 +29,7 @@ from typing import Any
 
 from safetensors.torch import load_file
 
+from sync.lora import BaseWeights, merge_adapter
 from sync.packing import (
     bucket_layout,
     check_layout,
@@ -87,10 +88,31 @@ class WeightSyncExtension:
         else:
             runner.model.load_weights(weights=list(tensors.items()))
 
+    def sync_lora_merge(self, scale: float) -> None:
+        """From now on every snapshot file is a LoRA adapter to merge into the model's own
+        weights (W0 + ``scale`` * B @ A, ``sync.lora.merge_adapter``) before it is loaded:
+        versions cost an adapter's bytes and the engine serves merged weights, without vLLM's
+        LoRA kernels (``sync.lora_adapters: merge``)."""
+        self._sync_lora_scale = float(scale)
+
+    def _sync_read(self, ref: SnapshotRef) -> dict:
+        """The tensors of snapshot ``ref`` to load: as written, or merged from its adapter."""
+        tensors = read_snapshot(ref)
+        scale = getattr(self, "_sync_lora_scale", None)
+        if scale is None:
+            return tensors
+        base = getattr(self, "_sync_lora_base", None)
+        if base is None:
+            base = self._sync_lora_base = BaseWeights(self._sync_model_dir())
+        import torch
+
+        device = self._sync_device() if torch.cuda.is_available() else None
+        return merge_adapter(tensors, base, scale, device)
+
     def _sync_restore_previous(self) -> None:
         prev: SnapshotRef | None = getattr(self, "_sync_last_good", None)
         if prev is not None:
-            self._sync_apply(read_snapshot(prev))
+            self._sync_apply(self._sync_read(prev))
             return
         for path in base_snapshot_files(self._sync_model_dir()):
             self._sync_apply(load_file(path))
@@ -342,7 +364,7 @@ class WeightSyncExtension:
         t0 = time.perf_counter()
         ref = SnapshotRef(version=version, uri=uri, checksum=checksum)
         self._sync_staged = None
-        tensors = read_snapshot(ref)
+        tensors = self._sync_read(ref)
         manifest = getattr(self, "_sync_manifest", None)
         if manifest is None:
             manifest = model_manifest(self._sync_model_dir())

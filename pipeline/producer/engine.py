@@ -220,6 +220,15 @@ def weight_routes(engine: Any, cfg: RunConfig, producer_id: str,
     return routes
 
 
+async def merge_adapters_on_load(engine: Any, cfg: RunConfig, producer_id: str) -> None:
+    """``sync.lora_adapters: merge``: the engine's workers merge each adapter file they load
+    into the model's weights (``WeightSyncExtension.sync_lora_merge``)."""
+    t = cfg.train
+    await engine.collective_rpc("sync_lora_merge", args=(t.lora_alpha / t.lora_rank,))
+    log.info("%s: merges each version's LoRA adapter (rank %d) into its weights as it loads "
+             "(sync.lora_adapters merge)", producer_id, t.lora_rank)
+
+
 async def engine_devices(engine: Any) -> list[str]:
     """GPU UUID of each vLLM worker ([] on CPU, or if the engine cannot say)."""
     try:

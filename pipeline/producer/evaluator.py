@@ -30,7 +30,7 @@ from buffer.protocol import Announce, EvalResult, Heartbeat, Hello
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
 from pipeline.producer.adapters import AdapterSet
-from pipeline.producer.engine import weight_routes
+from pipeline.producer.engine import merge_adapters_on_load, weight_routes
 from pipeline.producer.episode import load_episode
 from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
 from pipeline.producer.process import engine_process
@@ -38,7 +38,7 @@ from pipeline.producer.rewards.runner import RewardSet
 from pipeline.producer.session import LearnerFinished, LearnerSession, run_tasks
 from pipeline.schedule import EVALUATOR_ID, is_due, last_version, skipped
 from sync.barrier import RequestTracker, SwapBarrier, SwapReport
-from sync.lora import adapter_config, adapter_sync_plan
+from sync.lora import adapter_config, adapter_serving
 from sync.routes.base import swap_with_fallback
 from sync.snapshot import SnapshotRef
 
@@ -70,7 +70,8 @@ class Evaluator:
         self.routes = weight_routes(engine, cfg, self.producer_id, self._no_link)
         self.adapters: AdapterSet | None = None
         t = cfg.train
-        if adapter_sync_plan(s.lora_adapters, t.lora_rank, list(t.lora_target_modules))[0]:
+        self.serving = adapter_serving(s.lora_adapters, t.lora_rank, list(t.lora_target_modules))
+        if self.serving == "lora":
             self.adapters = AdapterSet(
                 engine, f"lora-{self.producer_id}-{os.getpid()}",
                 adapter_config(t.lora_rank, t.lora_alpha, list(t.lora_target_modules)))
@@ -173,6 +174,8 @@ class Evaluator:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def run(self) -> None:
+        if self.serving == "merge":
+            await merge_adapters_on_load(self.engine, self.cfg, self.producer_id)
         log.info("%s: engine ready; %d held-out prompts; waiting for the learner's announces",
                  self.producer_id, len(self.records))
         await self.session.hello()

@@ -60,6 +60,7 @@ from pipeline.producer.data import PromptSource, render_prompt
 from pipeline.producer.engine import (
     engine_devices,
     engine_progress,
+    merge_adapters_on_load,
     weight_routes,
 )
 from pipeline.producer.episode import FailureLog, load_episode
@@ -80,7 +81,7 @@ from pipeline.producer.session import (
 from pipeline.producer.stats import ProducerStats
 from pipeline.schedule import engine_count, evaluator_index, is_due, last_version
 from sync.barrier import RequestTracker, SwapBarrier
-from sync.lora import adapter_config, adapter_sync_plan
+from sync.lora import adapter_config, adapter_serving
 from sync.routes import plan_route, route_class
 from sync.routes.base import swap_with_fallback
 from sync.snapshot import SnapshotRef
@@ -117,10 +118,12 @@ class Producer(GroupRollout):
         # where the learner wrote it, or streamed to this node first (sync.stream_from).
         self.routes = weight_routes(engine, cfg, self.producer_id, self._send_ready)
         self.devices: list[str] = []  # GPU UUID per worker, from sync_device_info
-        # Adapter-only LoRA sync (sync.lora): versions are LoRARequests, not weight loads.
+        # Adapter-only LoRA sync (sync.lora): versions are LoRARequests, not weight loads; or,
+        # with sync.lora_adapters merge, adapter files merged into the weights as they load.
         self.adapters: AdapterSet | None = None
         t = cfg.train
-        if adapter_sync_plan(s.lora_adapters, t.lora_rank, list(t.lora_target_modules))[0]:
+        self.serving = adapter_serving(s.lora_adapters, t.lora_rank, list(t.lora_target_modules))
+        if self.serving == "lora":
             self.adapters = AdapterSet(
                 engine, f"lora-{self.producer_id}-{os.getpid()}",
                 adapter_config(t.lora_rank, t.lora_alpha, list(t.lora_target_modules)))
@@ -429,6 +432,8 @@ class Producer(GroupRollout):
                                self.routes["nccl"].joined)
         if used != "file" and transfer.get("version") != ref.version:
             used, why = "file", f"the GPU copy on offer is v{transfer.get('version')}"
+        if self.serving == "merge":  # an adapter's file, merged as it loads: no GPU route
+            used, why = "file", ""
         if self.adapters is not None:
             # A new adapter for new requests, no pause (AdapterSet.swap says why that is safe).
             if not ref.uri:
@@ -534,6 +539,8 @@ class Producer(GroupRollout):
 
     async def run(self) -> None:
         self.devices = await engine_devices(self.engine)
+        if self.serving == "merge":
+            await merge_adapters_on_load(self.engine, self.cfg, self.producer_id)
         log.info("%s: engine ready; waiting for the learner's first announce", self.producer_id)
         await self._hello()
         try:

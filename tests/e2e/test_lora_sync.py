@@ -209,3 +209,87 @@ def test_readme_lora_line_on_the_demo_config_trains_and_ends_quietly(tiny_model,
     assert [r["step"] for r in rows] == [1, 2, 3]
     _assert_console_ends_with_the_summary(proc.stdout + proc.stderr)
     _assert_engine_shut_down_in_order(run_dir)
+
+
+def test_adapter_merged_on_the_producer_matches_weights_merged_on_the_learner(tiny_model,
+                                                                            tmp_path):
+    """``sync.lora_adapters: merge`` on a real engine (bf16, no LoRA support enabled): a version
+    shipped as the adapter alone and merged by the engine's workers gives the prompt logprobs of
+    the same version shipped as weights the learner merged, within bf16 rounding; both differ
+    from the base weights'. The adapter file is a small fraction of the merged one."""
+    from vllm import SamplingParams
+
+    from pipeline.config import EngineConfig, ModelConfig, load_config
+    from pipeline.learner.trainer import PolicyTrainer
+    from pipeline.producer.engine import build_engine
+    from sync.snapshot import write_snapshot
+
+    cfg = load_config(overrides={
+        "model.path": str(tiny_model), "data.path": "arithmetic:10", "run_dir": str(tmp_path),
+        "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward", "weight": 1.0}],
+        "model.dtype": "bfloat16", "train.lora_rank": 8, "train.lora_alpha": 16.0,
+        "sync.lora_adapters": "merge"})
+    tr = PolicyTrainer(cfg, str(tiny_model), device="cpu")
+    assert tr.adapter_sync  # merge ships the adapter alone, as 'on' does
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in tr.model.named_parameters():
+            if "lora_" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    adapter = write_snapshot(tr.snapshot_tensors(), 2, tmp_path / "adapter")
+    tr.adapter_sync = False  # the same version as the learner merges it (lora_adapters off)
+    merged = write_snapshot(tr.snapshot_tensors(), 1, tmp_path / "merged")
+    del tr
+    assert Path(adapter.uri).stat().st_size < 0.5 * Path(merged.uri).stat().st_size
+
+    async def main() -> dict[str, np.ndarray]:
+        engine = build_engine(ModelConfig(dtype="bfloat16"),
+                              EngineConfig(max_model_len=256, cpu_kvcache_space_gib=1),
+                              str(tiny_model), seed=0)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+        async def probe(tag: str) -> np.ndarray:
+            final = None
+            async for out in engine.generate({"prompt_token_ids": PROBE}, sp, tag):
+                final = out
+            return _prompt_logprobs(final)
+
+        try:
+            got = {"base": await probe("base")}
+            await engine.collective_rpc("sync_load_snapshot",
+                                        args=(merged.version, merged.uri, merged.checksum))
+            got["learner"] = await probe("learner")
+            await engine.collective_rpc("sync_lora_merge", args=(16.0 / 8,))
+            await engine.collective_rpc("sync_load_snapshot",
+                                        args=(adapter.version, adapter.uri, adapter.checksum))
+            got["producer"] = await probe("producer")
+            return got
+        finally:
+            engine.shutdown()
+
+    got = asyncio.run(main())
+    effect = np.abs(got["learner"] - got["base"])
+    assert effect.max() > 0.05, "the adapter had no effect"
+    # The two merges round differently (the learner merges its fp32 A and B and casts the sum to
+    # bf16; the producer merges the bf16 A and B of the file), so the logprobs differ by bf16
+    # rounding, far below the adapter's own effect.
+    diff = np.abs(got["producer"] - got["learner"])
+    assert diff.max() < 0.15 * effect.max() and diff.mean() < 0.1 * effect.mean(), \
+        (diff.max(), diff.mean(), effect.max(), effect.mean())
+
+
+def test_lora_run_merges_adapters_on_the_producer(tiny_model, tmp_path):
+    """The launcher with ``sync.lora_adapters merge``: every version's file holds the adapter
+    alone, the producer merged each one into its weights (no LoRARequest, no failed swap)."""
+    run_dir, snaps, logs, console = _lora_run(tiny_model, tmp_path, "--train.lora_rank", "8",
+                                              "--sync.lora_adapters", "merge")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert any(r.get("producers_acked", 0) >= 1 for r in rows), rows
+    assert "merges each version's LoRA adapter (rank 8) into its weights" in logs
+    assert "serves each version as a LoRA adapter" not in logs
+    assert "swap to v" not in logs, logs[-4000:]
+    names = _snapshot_names(snaps)
+    if names is not None:
+        assert names and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in names)
+    _assert_console_ends_with_the_summary(console)
