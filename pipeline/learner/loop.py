@@ -597,7 +597,8 @@ class Learner:
 
     async def _final_checkpoint(self) -> None:
         """The checkpoint at the end (or stop) of the run, written before the process exits;
-        its times in one console line (no metrics row: the last row is the last step's)."""
+        its times in one console line (no metrics row of its own; a step stopped before its row
+        gets that row first)."""
         t0 = time.monotonic()
         c = self.checkpoints
         if self._unlogged is not None:  # stopped mid-step: the checkpoint holds this step
