@@ -278,6 +278,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed rounds (best kept)")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="engine.enforce_eager=false (GPU: CUDA graphs, as training runs use)")
+    ap.add_argument("--paths", default=",".join(PATHS),
+                    help=f"comma-separated, of {', '.join(PATHS)} (merged always runs: the "
+                         "ratios are against it)")
     ap.add_argument("--ops", action="store_true",
                     help="only time one decoder layer's LoRA ops on CPU (vLLM's torch ops vs "
                          "two matmuls per slice vs the base matmuls), no engine")
@@ -292,21 +295,24 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as d:
         model_dir = resolve_model(args.model, Path(tempfile.gettempdir()) / "pipeline-models")
-        rows = []
-        for path in PATHS:
-            rows.append(measure(model_dir, args.rank, args.versions, path, Path(d),
-                                args.seqs, args.gen_tokens, args.repeats, args.cuda_graphs))
-            print(json.dumps(rows[-1]), flush=True)
-        merged, ad, mp = rows
-        print(json.dumps({
-            "adapter_over_merged_gen": ad["gen_tokens_per_s"] / merged["gen_tokens_per_s"],
-            "adapter_engine_base_over_merged_gen":
-                ad["gen_tokens_per_s_base"] / merged["gen_tokens_per_s"],
-            "merge_on_producer_over_merged_gen":
-                mp["gen_tokens_per_s"] / merged["gen_tokens_per_s"],
-            "merge_on_producer_bytes_over_adapter":
-                mp["bytes_per_version"] / ad["bytes_per_version"],
-        }), flush=True)
+        wanted = [p for p in PATHS if p == "merged" or p in args.paths.split(",")]
+        rows = {}
+        for path in wanted:
+            rows[path] = measure(model_dir, args.rank, args.versions, path, Path(d),
+                                 args.seqs, args.gen_tokens, args.repeats, args.cuda_graphs)
+            print(json.dumps(rows[path]), flush=True)
+        merged, ad, mp = rows["merged"], rows.get("adapter"), rows.get("merge-on-producer")
+        ratios = {}
+        if ad is not None:
+            ratios["adapter_over_merged_gen"] = ad["gen_tokens_per_s"] / merged["gen_tokens_per_s"]
+            ratios["adapter_engine_base_over_merged_gen"] = \
+                ad["gen_tokens_per_s_base"] / merged["gen_tokens_per_s"]
+        if mp is not None:
+            ratios["merge_on_producer_over_merged_gen"] = \
+                mp["gen_tokens_per_s"] / merged["gen_tokens_per_s"]
+            ratios["merge_on_producer_bytes_over_merged"] = \
+                mp["bytes_per_version"] / merged["bytes_per_version"]
+        print(json.dumps(ratios), flush=True)
 
 
 if __name__ == "__main__":
