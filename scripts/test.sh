@@ -7,11 +7,11 @@ bash scripts/setup.sh
 export VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
 # --durations=25: every run shows where the time goes (the budget: tests/time_budget.py).
-# Three tests at once (pytest-xdist) on CI's two cores: an end-to-end test spends much of its
-# time waiting (engines and nodes starting, a process stopping), so two at a time left the cores
-# a third idle. tests/suite_order.py groups them (a file, or every Ray test, stays on one worker)
-# and hands out the costliest groups first. TEST_WORKERS=0 runs everything in this one process.
-workers=${TEST_WORKERS:-3}
+# Two tests at once (pytest-xdist) on CI's two cores: they keep the cores about 86% busy; three
+# were slower (BENCHMARKS.md, "Test suite duration"). tests/suite_order.py groups them (a file,
+# or every Ray test, stays on one worker) and hands out the costliest groups first.
+# TEST_WORKERS=0 runs everything in this one process.
+workers=${TEST_WORKERS:-2}
 xdist=()
 if [ "$workers" != 0 ]; then
     xdist=(-n "$workers" --dist loadgroup --no-loadscope-reorder)

@@ -7,7 +7,7 @@ grew, never a busy moment: an end-to-end test (tests/e2e) gets ``E2E_S`` (one la
 one engine takes 45-65 s on 2 cores), a unit test ``UNIT_S``, and the tests that need more are
 listed in ``OVER`` with their own budget and the reason.
 
-Under pytest-xdist (``scripts/test.sh`` runs three workers) each budget is multiplied by the
+Under pytest-xdist (``scripts/test.sh`` runs two workers) each budget is multiplied by the
 number of workers: two tests then share the two cores.
 
 ``pytest --no-time-budget`` reports overruns without failing (a developer's loaded laptop).
