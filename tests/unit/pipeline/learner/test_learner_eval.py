@@ -103,15 +103,10 @@ def test_the_final_wait_ends_when_the_evaluator_is_gone(tmp_path):
     its restarts): the learner's final wait stops at once instead of waiting eval.timeout_s."""
     import time
 
-    from pipeline.learner.evaluations import EVALUATOR_RESTART_S, Evaluations
+    from pipeline.learner.evaluations import EVALUATOR_RESTART_S
     from pipeline.schedule import EVALUATOR_ID
 
-    cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
-                                 "eval.data": "arithmetic:8", "eval.every": 1,
-                                 "eval.producer": "dedicated", "eval.timeout_s": 60})
-    evals = Evaluations(cfg, metrics=None)
-    evals.hello(Hello(producer_id=EVALUATOR_ID, incarnation="e-1", policy_version=0, pid=7),
-                new=True)
+    evals = _evaluator_said_hello(tmp_path)
     evals.evaluators[EVALUATOR_ID].last_seen = time.monotonic() - EVALUATOR_RESTART_S - 1
     assert evals.evaluator_gone()
     t0 = time.monotonic()
@@ -158,6 +153,11 @@ def test_the_final_wait_goes_on_while_a_restarted_evaluator_starts(tmp_path):
 def test_an_evaluator_that_just_said_hello_is_not_silent(tmp_path):
     """Its Hello counts as hearing from it: a final wait that starts right after (before the
     first heartbeat) waits for its evaluation instead of giving up at once."""
+    assert not _evaluator_said_hello(tmp_path).evaluator_gone()
+
+
+def _evaluator_said_hello(tmp_path):
+    """Evaluations of a 3-step run with a dedicated evaluator that has just said Hello."""
     from pipeline.learner.evaluations import Evaluations
     from pipeline.schedule import EVALUATOR_ID
 
@@ -167,4 +167,4 @@ def test_an_evaluator_that_just_said_hello_is_not_silent(tmp_path):
     evals = Evaluations(cfg, metrics=None)
     evals.hello(Hello(producer_id=EVALUATOR_ID, incarnation="e-1", policy_version=0, pid=7),
                 new=True)
-    assert not evals.evaluator_gone()
+    return evals
