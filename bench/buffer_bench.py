@@ -16,9 +16,10 @@ import time
 
 import numpy as np
 
+from buffer.ports import free_tcp_port_pair
 from buffer.schema import Completion, RolloutGroup
 from buffer.store import RolloutBuffer
-from buffer.transport import LearnerEndpoint, ProducerEndpoint, Receiver, free_tcp_port_pair
+from buffer.transport import LearnerEndpoint, ProducerEndpoint, Receiver
 
 
 def make_group(i: int, completions: int, tokens: int, prompt_tokens: int,

@@ -33,13 +33,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from buffer.ports import free_port
 
 clock = time.monotonic  # how main() shares --budget (a test replaces it)
 # train.* options per variant; every variant also gets BASE.
@@ -288,12 +289,6 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(procs, timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch_flags(name: str, out: Path, cuda: bool) -> list[str]:
     """``accelerate launch`` flags of a --processes variant: ZeRO-3 through an accelerate
     config (examples/accelerate/zero3.yaml, bf16 as the variant says), FSDP2 as
@@ -324,7 +319,7 @@ def measure_dist(args: argparse.Namespace, name: str, timeout: float) -> dict[st
         f.unlink()
     cuda = torch.cuda.is_available()
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes",
-           str(args.processes), "--num_machines", "1", "--main_process_port", str(_free_port()),
+           str(args.processes), "--num_machines", "1", "--main_process_port", str(free_port()),
            *launch_flags(name, args.out, cuda), "-m", "bench.learner_bench", "--child",
            "--variant", name, "--model", args.model, "--run-dir", str(run_dir),
            *[f"--{k}={getattr(args, k.replace('-', '_'))}" for k in

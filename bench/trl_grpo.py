@@ -390,7 +390,7 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
     if args.vllm_mode == "colocate" and not os.environ.get("MASTER_PORT"):
         # vLLM's external_launcher rendezvous uses MASTER_PORT; on CPU accelerate would pin it to
         # 29500, which another job on the machine may hold.
-        from pipeline.launch.local import free_port
+        from buffer.ports import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,26 +68,6 @@ def derive_ctl_addr(addr: str) -> str:
         host, _, port = derive_pub_addr(addr)[len("tcp://") :].rpartition(":")
         return f"tcp://{host}:{int(port) + 1}"
     return derive_pub_addr(addr)[: -len(".pub")] + ".ctl"
-
-
-def free_tcp_port_pair(host: str = "127.0.0.1") -> int:
-    """A free TCP port P on ``host`` with P+1 and P+2 free too: ``tcp://host:P`` for the
-    learner's PULL socket and, by ``derive_pub_addr`` / ``derive_ctl_addr``, P+1 for its PUB
-    and P+2 for its ROUTER socket (tests and benchmarks)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind((host, 0))
-            port = a.getsockname()[1]
-            if port >= 65534:
-                continue
-            try:
-                with socket.socket() as b, socket.socket() as c:
-                    b.bind((host, port + 1))
-                    c.bind((host, port + 2))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no three consecutive free TCP ports on {host}")
 
 
 def _is_loopback(addr: str) -> bool:

@@ -145,6 +145,30 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``PIPELINE_TEST_CPU_LOG=FILE``, one JSON line per test: its wall seconds and the CPU
+    seconds of this process and of every child it reaped (where the suite's CPU time goes)."""
+    path = os.environ.get("PIPELINE_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    t0, c0 = time.monotonic(), cpu()
+    yield
+    row = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 1),
+           "cpu_s": round(cpu() - c0, 1)}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     lines = getattr(config, "_budget_lines", [])
     if lines:

@@ -17,7 +17,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from buffer.ports import free_port
 from pipeline.config import RunConfig, flatten, load_config
 from pipeline.launch.console import LogFollower, log_to_run_dir, resource_tracker_to, tell
 from pipeline.launch.placement import learner_gpu_env, producer_gpu_env
@@ -101,13 +101,6 @@ def learner_entry(cfg_dict: dict, model_path: str, resume: bool, log_to_file: bo
         asyncio.run(run_with_sigterm(Learner(cfg, model_path, resume=resume).run()))
     except (KeyboardInterrupt, asyncio.CancelledError):
         log.info("learner stopped")
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (the OS picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _config_names_port(path: str) -> bool:

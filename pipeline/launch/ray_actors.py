@@ -321,8 +321,7 @@ class LearnerActor(RoleActor):
     def _ports(self) -> dict[str, int]:
         """The learner's ports on this node's address: those of the previous incarnation on a
         restart (producers reconnect to them by themselves), else free ones, recorded."""
-        from buffer.transport import free_tcp_port_pair
-        from pipeline.launch.ray_node import free_port
+        from buffer.ports import free_port, free_tcp_port_pair
 
         ports_file = self.workdir / ".ray-learner.json"
         if self.restarted and ports_file.is_file():

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import psutil
 
+from buffer.ports import free_ports
 from pipeline.owner import owner_alive
 
 PORT_OPTIONS = (
@@ -39,22 +39,6 @@ PORT_OPTIONS = (
     "--node-manager-port",
     "--object-manager-port",
 )
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_ports(host: str, n: int) -> list[int]:
-    """``n`` distinct free ports: held open together while the OS picks them (one at a time it
-    may hand out the same port twice, which ``ray start`` refuses)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def worker_range(taken: list[int], width: int = 101) -> tuple[int, int]:

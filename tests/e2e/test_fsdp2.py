@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from buffer.ports import free_port
+
 pytestmark = [pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,18 +132,10 @@ def launch(out: Path, model: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
            "--num_machines", "1", "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend",
-           "no", "--main_process_port", str(_free_port()), __file__, str(out), str(model)]
+           "no", "--main_process_port", str(free_port()), __file__, str(out), str(model)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     (out / "run.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"failed (log: {out}/run.log):\n{proc.stderr[-6000:]}"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_fsdp2_steps_match_fp32_and_resume_exactly(tiny_model, tmp_path):

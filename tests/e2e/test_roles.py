@@ -19,9 +19,9 @@ import time
 import pytest
 from conftest import assert_no_process_left
 
+from buffer.ports import free_port, free_tcp_port_pair
 from buffer.store import RolloutBuffer
-from buffer.transport import free_tcp_port_pair, generate_curve_keys
-from pipeline.launch.ray_node import free_port
+from buffer.transport import generate_curve_keys
 from tests.e2e.support.launcher import Launcher, assert_gone, read_metrics
 
 pytestmark = pytest.mark.slow

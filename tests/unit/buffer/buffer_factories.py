@@ -43,7 +43,7 @@ def make_group(
 
 def free_tcp_port_pair() -> int:
     """A port p with p, p+1 and p+2 free on 127.0.0.1 (PULL at p, PUB at p+1, ROUTER at p+2)."""
-    from buffer.transport import free_tcp_port_pair as free_ports
+    from buffer.ports import free_tcp_port_pair as free_ports
 
     return free_ports()
 
