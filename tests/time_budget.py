@@ -59,7 +59,8 @@ OVER: dict[str, tuple[float, str]] = {
     "test_drain_waits_only_for_prefills_under_way_and_no_kv_crosses_versions": (
         180, "an engine of its own and a backlog of long prompts queued at the swap"),
     "tests/e2e/test_sync_final_mode.py::test_final_mode_swap_tags_tokens_by_effect": (
-        180, "an engine of its own per mode, 24 requests of 160 tokens across a swap"),
+        180, "the module's engine (the first mode starts it), 24 requests of 160 tokens across a "
+             "swap"),
     # Unit tests that start a process or an engine, or draw many examples.
     "tests/unit/pipeline/test_models.py::test_convert_smollm2_and_generate": (
         360, "converts the GGUF SmolLM2-135M and generates with a vLLM engine"),

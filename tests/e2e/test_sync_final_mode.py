@@ -46,38 +46,52 @@ async def _final(engine, tracker, rid: str, prompt: list[int], max_tokens: int):
     raise AssertionError(f"{rid}: aborted 10 times")
 
 
-@pytest.mark.parametrize("mode", ["drain_prefill", "keep"])
-def test_final_mode_swap_tags_tokens_by_effect(tiny_model, tmp_path, mode):
-    new = dict(model_tensors(tiny_model))
-    new["model.norm.weight"] = new["model.norm.weight"] * 0
-    ref = write_snapshot(new, 1, tmp_path)
-    prompts = [[65 + (i * 7 + k) % 26 for k in range(40 + 13 * i)] for i in range(24)]
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    """One engine for both modes: each test first swaps the base weights back in."""
     e = EngineLoop(tiny_model)
     try:
-        async def scenario():
-            tracker = RequestTracker(probe=partial(engine_progress, e.engine))
-            barrier = SwapBarrier(e.engine, tracker, mode=mode)
-            tasks = [asyncio.create_task(_final(e.engine, tracker, f"r{i}", p, 160))
-                     for i, p in enumerate(prompts)]
-            await asyncio.sleep(0.5)
-            tr = FileRoute(e.engine)
-            report = await barrier.swap(1, partial(tr.apply, 1), prepare=partial(tr.stage, ref))
-            return await asyncio.gather(*tasks), report
-
-        results, report = e.run(scenario(), timeout=600)
-        assert report.ok, report.error
-        spanning = 0
-        for tokens, segs in results:
-            assert len(tokens) == 160
-            assert segs[0][0] == 0 and [v for _, v in segs] == sorted(v for _, v in segs)
-            start_v1 = dict((v, n) for n, v in segs).get(1)
-            if start_v1 is None:
-                continue
-            assert all(t == 0 for t in tokens[start_v1:]), f"a token tagged v1 is not v1's: {segs}"
-            if start_v1 > 0:
-                spanning += 1
-                assert tokens[start_v1 - 1] != 0, f"a v1 token was tagged v0: {segs}"
-        assert spanning >= 3, "too few completions spanned the swap to check anything"
+        yield e
     finally:
         e.close()
     assert_no_children()
+
+
+@pytest.mark.parametrize("mode", ["drain_prefill", "keep"])
+def test_final_mode_swap_tags_tokens_by_effect(tiny_model, tmp_path, mode, engine):
+    e = engine
+    base = dict(model_tensors(tiny_model))
+    new = dict(base)
+    new["model.norm.weight"] = new["model.norm.weight"] * 0
+    base_v, new_v = e.next_version(), e.next_version()
+    tr = FileRoute(e.engine)
+    # The base weights, loaded while the engine is idle (the other mode's test left v_new's).
+    e.run(tr.stage(write_snapshot(base, base_v, tmp_path / "base")))
+    e.run(tr.apply(base_v))
+    ref = write_snapshot(new, new_v, tmp_path / "new")
+    prompts = [[65 + (i * 7 + k) % 26 for k in range(40 + 13 * i)] for i in range(24)]
+
+    async def scenario():
+        tracker = RequestTracker(probe=partial(engine_progress, e.engine), version=base_v)
+        barrier = SwapBarrier(e.engine, tracker, mode=mode)
+        tasks = [asyncio.create_task(_final(e.engine, tracker, f"{mode}{i}", p, 160))
+                 for i, p in enumerate(prompts)]
+        await asyncio.sleep(0.5)
+        report = await barrier.swap(new_v, partial(tr.apply, new_v),
+                                    prepare=partial(tr.stage, ref))
+        return await asyncio.gather(*tasks), report
+
+    results, report = e.run(scenario(), timeout=600)
+    assert report.ok, report.error
+    spanning = 0
+    for tokens, segs in results:
+        assert len(tokens) == 160
+        assert segs[0][0] == 0 and [v for _, v in segs] == sorted(v for _, v in segs)
+        start_new = dict((v, n) for n, v in segs).get(new_v)
+        if start_new is None:
+            continue
+        assert all(t == 0 for t in tokens[start_new:]), f"a token tagged v{new_v} is not: {segs}"
+        if start_new > 0:
+            spanning += 1
+            assert tokens[start_new - 1] != 0, f"a v{new_v} token was tagged v{base_v}: {segs}"
+    assert spanning >= 3, "too few completions spanned the swap to check anything"
