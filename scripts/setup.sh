@@ -13,16 +13,20 @@ stamp=.venv/.pipeline-grpo-installed
 want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing into .venv (first run takes a few minutes)"
-  # uv installs the same packages as pip in a fraction of the time (parallel, no byte-compiling
-  # of every file: a module compiles on its first import). uv does not read pip's configuration,
-  # so the wheel directories pip is told about (PIP_FIND_LINKS, pip.conf) are passed on: that is
-  # where a machine keeps its local CPU build of torch.
+  # uv installs the same packages as pip in a fraction of the time (in parallel). Bytecode is
+  # compiled at install as pip does (--compile-bytecode): with PYTHONDONTWRITEBYTECODE set, as on
+  # CI, no process would cache it, and every one would compile vLLM and torch from source again.
+  # uv does not read pip's configuration, so the wheel directories pip is told about
+  # (PIP_FIND_LINKS, pip.conf) are passed on: that is where a machine keeps its local torch.
   .venv/bin/python -m pip install -q uv
   links=()
   for d in ${PIP_FIND_LINKS:-} $(.venv/bin/python -m pip config get global.find-links 2>/dev/null); do
     links+=(--find-links "$d")
   done
-  install() { UV_LINK_MODE=copy .venv/bin/uv pip install -q --python .venv/bin/python "${links[@]}" "$@"; }
+  install() {
+    UV_LINK_MODE=copy .venv/bin/uv pip install -q --compile-bytecode --python .venv/bin/python \
+      "${links[@]}" "$@"
+  }
   # torch first, pinned, so that the local CPU wheel is taken rather than a CUDA build.
   install torch==2.13.0
   install -e ".[cpu,dev,ray,trackers]"

@@ -89,54 +89,13 @@ def test_eval_during_training_and_of_a_checkpoint(tiny_model, tmp_path):
     assert "eval.data" in bad.stderr
 
 
-def test_a_dedicated_evaluator_in_sync_mode(tiny_model, tmp_path):
-    """eval.producer dedicated: the evaluator evaluates due versions (always the last) with its
-    own engine; producer 0 never evaluates; nothing of it enters the buffer; sync mode trains
-    every step without waiting for it."""
-    heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n"
-                               for a in range(5)))
-    run_dir = tmp_path / "run"
-    proc = pipeline_train(
-        *tiny_args(tiny_model, run_dir, data="arithmetic:64", group_size=2),
-        "--mode", "sync", "--steps", "4", "--name", "eval-dedicated",
-        "--eval.data", str(heldout), "--eval.every", "1", "--eval.samples_per_prompt", "2",
-        "--eval.max_prompts", "3", "--eval.pass_threshold", "0.0",
-        "--eval.producer", "dedicated",
-        tag="evald",
-    )
-    rows = _rows(run_dir / "metrics.jsonl")
-    train = [r for r in rows if "reward_mean" in r]
-    assert [r["step"] for r in train] == [1, 2, 3, 4]
-    evals = [r for r in rows if "eval/version" in r]
-    versions = [int(r["eval/version"]) for r in evals]
-    # Each at most once; it may skip a version announced while it was busy, never the last.
-    assert len(set(versions)) == len(versions) and 3 in versions, versions
-    assert set(versions) <= {0, 1, 2, 3}
-    for r in evals:
-        assert r["eval/prompts"] == 3.0 and r["eval/pass@2"] == 1.0
-        assert r["eval/versions_behind"] >= 0
-    assert "eval v3: reward" in proc.stdout + proc.stderr
-    # Every row reports the evaluator's liveness; its value is not asserted: the evaluator's
-    # engine may come up only after all 4 steps trained (sync mode does not wait for it), and
-    # its evaluation of v3 above is what shows it was alive. The figure's arithmetic is unit-
-    # tested (tests/unit/pipeline/learner/test_learner_eval.py).
-    assert all("evaluator_alive" in r for r in train)
-    logs = run_dir / "logs"
-    assert "eval v3" in (logs / "evaluator.log").read_text()
-    assert "eval v" not in (logs / "producer-0.log").read_text()  # producer 0 never paused
-    # Nothing of the evaluator reaches the buffer; every step trained its batch of p0's groups.
-    last = train[-1]
-    assert all(r.get("rejected_groups", 0) == 0 and "rejected/from_evaluator" not in r
-               for r in train)
-    assert last["received"] == 4 * 2 + last["dropped_stale"] + last["buffer_size"]
-    assert all(r.get("producers_acked", 1.0) <= 1.0 for r in train)  # p0's ack only
-
-
-def test_a_dead_evaluator_is_reported_and_training_goes_on(tiny_model, tmp_path):
-    """kill -9 of the evaluator: one error line, no restart left, the run goes on training
-    (two more steps after the line, then Ctrl-C), and nothing of the evaluator is left
-    running. The run has no last step of its own: the kill cannot race with its end."""
+def test_a_dedicated_evaluator_in_sync_mode_then_killed(tiny_model, tmp_path):
+    """eval.producer dedicated, sync mode: the evaluator evaluates due versions with its own
+    engine, each at most once; producer 0 never evaluates; nothing of it enters the buffer; every
+    step trains without waiting for it. Then kill -9 of the evaluator: one error line, no restart
+    left, the run goes on training (two more steps after the line, then Ctrl-C), and nothing of
+    it is left running. (That the last version is always evaluated: the Ray test below.) The run
+    has no last step of its own: the kill cannot race with its end."""
     import os
     import re
     import signal
@@ -144,29 +103,59 @@ def test_a_dead_evaluator_is_reported_and_training_goes_on(tiny_model, tmp_path)
     from tests.e2e.support.launcher import ENGINE_START_S, Launcher, assert_gone
 
     heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    heldout.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n"
+                               for a in range(5)))
     run_dir = tmp_path / "run"
-    la = Launcher(tiny_model, run_dir, "--num-producers", "1", "--mode", "async",
-                  "--max-staleness", "1", "--steps", "100000", "--eval.data", str(heldout),
-                  "--eval.every", "1", "--eval.max_prompts", "1", "--eval.timeout_s", "20",
+    la = Launcher(tiny_model, run_dir, "--num-producers", "1", "--data", "arithmetic:64",
+                  "--group-size", "2", "--mode", "sync", "--steps", "100000",
+                  "--eval.data", str(heldout), "--eval.every", "1",
+                  "--eval.samples_per_prompt", "2", "--eval.max_prompts", "3",
+                  "--eval.pass_threshold", "0.0", "--eval.timeout_s", "20",
                   "--eval.producer", "dedicated")
+
+    def rows() -> list[dict]:
+        path = run_dir / "metrics.jsonl"
+        return _rows(path) if path.exists() else []
+
     try:
         pattern = re.compile(r"evaluator eval \(pid (\d+)\) connected")
         pid = la.wait_for(lambda: next((int(m[1]) for ln in la.lines
                                         if (m := pattern.search(ln))), None),
                           ENGINE_START_S, "the evaluator's Hello")
+        la.wait_for(lambda: any("eval/version" in r for r in rows()), ENGINE_START_S,
+                    "the evaluator's first evaluation")
         os.kill(pid, signal.SIGKILL)
         la.wait_for(lambda: any("the evaluator died" in ln for ln in la.lines), 120,
                     "the launcher to report the evaluator's death")
-        target = la.steps_done() + 2
-        la.wait_for(lambda: la.steps_done() >= target, 300, "two more steps after the death")
+        target = len([r for r in rows() if "reward_mean" in r]) + 2
+        la.wait_for(lambda: len([r for r in rows() if "reward_mean" in r]) >= target, 300,
+                    "two more steps after the death")
     finally:
         la.stop()  # Ctrl-C: the final checkpoint, then every process stops
     died = [ln for ln in la.lines if "the evaluator died" in ln]
     assert len(died) == 1 and "training goes on without evaluation" in died[0], la.tail()
-    train = [r for r in _rows(run_dir / "metrics.jsonl") if "reward_mean" in r]
-    assert [r["step"] for r in train] == list(range(1, len(train) + 1))
     assert_gone(la.descendants, "the run's processes")
+
+    all_rows = rows()
+    train = [r for r in all_rows if "reward_mean" in r]
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1))
+    evals = [r for r in all_rows if "eval/version" in r]
+    versions = [int(r["eval/version"]) for r in evals]
+    assert versions and len(set(versions)) == len(versions), versions  # each at most once
+    assert max(versions) <= train[-1]["version"]
+    for r in evals:
+        assert r["eval/prompts"] == 3.0 and r["eval/pass@2"] == 1.0
+        assert r["eval/versions_behind"] >= 0
+    assert all("evaluator_alive" in r for r in train)
+    logs = run_dir / "logs"
+    assert f"eval v{versions[0]}" in (logs / "evaluator.log").read_text()
+    assert "eval v" not in (logs / "producer-0.log").read_text()  # producer 0 never paused
+    # Nothing of the evaluator reaches the buffer; every step trained its batch of p0's groups.
+    last = train[-1]
+    assert all(r.get("rejected_groups", 0) == 0 and "rejected/from_evaluator" not in r
+               for r in train)
+    assert last["received"] == last["step"] * 2 + last["dropped_stale"] + last["buffer_size"]
+    assert all(r.get("producers_acked", 1.0) <= 1.0 for r in train)  # p0's ack only
 
 
 @pytest.mark.ray
