@@ -12,10 +12,11 @@ minus those a killed producer had not delivered and that still wait in its outbo
 successor to resend (reported as pending), with nothing lost; and that no group was trained
 twice. Groups a producer generated but never sent are in the same logs under their reason (a
 failed reward or episode, ``dropped_by_reward``; an uninformative group under
-``generation.dynamic_sampling``, ``dropped_zero_variance``), so every group whose generation
-ended is accounted for:
+``generation.dynamic_sampling``, ``dropped_zero_variance``; one begun before a learner restart
+to an older checkpoint and finished after it, ``dropped_restart``), so every group whose
+generation ended is accounted for:
 
-    generated = produced + dropped by reward + dropped as zero-variance
+    generated = produced + dropped by reward + dropped as zero-variance + dropped at a restart
 
 ``--elastic`` starts one producer of at most two instead: the second joins at a fifth of the
 run (``pipeline-train scale --producers 2``), the first leaves half way (``--remove p0``), and the
@@ -77,7 +78,7 @@ def tally(run_dir: Path) -> dict[str, float]:
     ledger = GroupLedger.from_dict(state.ledger)
     produced: dict[str, set[int]] = {}
     positions: dict[int, int] = {}  # sent groups per position of the run's prompt sequence
-    dropped_by_reward = dropped_zero_variance = 0
+    dropped_by_reward = dropped_zero_variance = dropped_restart = 0
     for f in sorted((run_dir / "producers").glob("*.jsonl")):
         seqs = produced.setdefault(f.stem, set())
         for line in f.read_text().splitlines():
@@ -90,6 +91,8 @@ def tally(run_dir: Path) -> dict[str, float]:
                 dropped_by_reward += 1
             elif "dropped_zero_variance" in rec:
                 dropped_zero_variance += 1
+            elif "dropped_restart" in rec:
+                dropped_restart += 1
     n_produced = sum(len(s) for s in produced.values())
     accepted = {inc: ledger.accepted(inc) for inc in produced}
     missing = {(i, q) for i in produced for q in produced[i] - accepted[i]}
@@ -102,10 +105,11 @@ def tally(run_dir: Path) -> dict[str, float]:
     unknown = sum(len(ledger.accepted(i)) for i in ledger.streams if i not in produced)
     return {
         "incarnations": len(produced),
-        "generated": n_produced + dropped_by_reward + dropped_zero_variance,
+        "generated": n_produced + dropped_by_reward + dropped_zero_variance + dropped_restart,
         "produced": n_produced,
         "dropped_by_reward": dropped_by_reward,
         "dropped_zero_variance": dropped_zero_variance,
+        "dropped_restart": dropped_restart,
         "received_unique": st.received,
         "trained": st.served,
         "dropped_stale": st.dropped_stale,

@@ -17,6 +17,7 @@ adapters, stats, outbox and endpoint, and advances ``seq``; it owns no state of 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -60,6 +61,9 @@ class GroupRollout:
                 self._generate_one(f"{group_id}-{j}", prompt_ids, self._sampling())
                 for j in range(g.group_size)))
         gen_s = time.perf_counter() - t0
+        if any(versions_go_back(c.version_segments) for c, _text in completions):
+            self._drop_across_restart(group_id, record.prompt_id)
+            return
         if episodes is not None:
             scored = await score_episodes(self.rewards, record.prompt, episodes, meta)
         else:
@@ -104,6 +108,17 @@ class GroupRollout:
             self.stats.groups_dropped_episode += 1
         self._log_sent({"dropped_by_reward": group_id, "prompt_id": prompt_id})
         log.warning("group for prompt %s dropped: %s (on_failure=drop)", prompt_id, why)
+        self._counted.set()
+
+    def _drop_across_restart(self, group_id: str, prompt_id: str) -> None:
+        """A group whose tokens went back in version: begun on weights of a learner that was
+        then restarted from an older checkpoint, finished on the restored ones. No version of
+        the restored learner's lineage produced its first tokens, so it is not sent (counted,
+        and in the sent log for conservation)."""
+        self.stats.groups_dropped_restart += 1
+        self._log_sent({"dropped_restart": group_id, "prompt_id": prompt_id})
+        log.info("%s: group for prompt %s dropped: generated across a learner restart to an "
+                 "older version", self.producer_id, prompt_id)
         self._counted.set()
 
     def _uninformative(self, rewards: list[float]) -> bool:
@@ -258,6 +273,11 @@ class GroupRollout:
         if not sp.detokenize:
             return comp, self.tokenizer.decode(tokens, skip_special_tokens=True)
         return comp, "".join(text)
+
+
+def versions_go_back(segments: list[tuple[int, int]]) -> bool:
+    """Whether a completion's (first token, version) runs ever go to an older version."""
+    return any(b[1] < a[1] for a, b in itertools.pairwise(segments))
 
 
 def sampled_logprobs(lp: Any, token_ids: list[int]) -> list[float]:

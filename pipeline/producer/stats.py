@@ -64,6 +64,9 @@ class ProducerStats:
     # generation.dynamic_sampling: groups dropped as uninformative (all rewards equal, or their
     # std below the threshold), and learner steps in which the drop cap was reached.
     groups_dropped_zero_variance: int = 0
+    # groups whose tokens went back in version (begun before a learner restart to an older
+    # checkpoint, finished after it): not sent.
+    groups_dropped_restart: int = 0
     dynamic_sampling_cap_hits: int = 0
     prompts_skipped_too_long: int = 0
     completions_resubmitted: int = 0
