@@ -4,7 +4,7 @@
 Its Hello is repeated until the learner welcomes it. Each later request gets its answer; a
 learner that no longer knows this process (it restarted, or another process said Hello in its
 name) gets the Hello again, then the request once more. The process's coroutines run under
-one TaskGroup until the learner finishes or the producer leaves (``run_tasks``).
+together until the learner finishes or the producer leaves (``run_tasks``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from buffer.protocol import ControlMessage, Hello, Reply, Welcome
 
 log = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 5.0  # the learner answers control requests at once; longer means it is down
+RECANCEL_S = 1.0  # a task still running this long after its cancel is cancelled again
 
 
 class LearnerFinished(Exception):
@@ -62,13 +63,37 @@ class LearnerSession:
 
 
 async def run_tasks(who: str, tasks: list[Coroutine[Any, Any, None]]) -> None:
-    """Run ``tasks`` together until one raises (then the others are cancelled): the learner's
-    end and a clean leave end the run with one console line, anything else propagates."""
+    """Run ``tasks`` together until one raises, then cancel the others and wait for them: the
+    learner's end and a clean leave end the run with one console line, anything else is raised.
+
+    A cancel can be lost in Python 3.11 (``asyncio.wait_for`` returns the inner result when the
+    cancel lands as it completes; a swap runs several of them), and a task that lost it would keep
+    the process running after its end, as a producer that left and went on swapping weights for
+    good. So a task still running ``RECANCEL_S`` after its cancel is cancelled again."""
+    running = [asyncio.ensure_future(t) for t in tasks]
     try:
-        async with asyncio.TaskGroup() as tg:
-            for task in tasks:
-                tg.create_task(task)
-    except* LearnerFinished as eg:
-        log.info("%s: %s; stopping", who, eg.exceptions[0])
-    except* ProducerLeft as eg:
-        log.info("%s: %s", who, eg.exceptions[0])
+        done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        await cancel_all(running)
+    errors = [e for t in running if t in done and not t.cancelled()
+              and (e := t.exception()) is not None]
+    first = next((e for e in errors if not isinstance(e, (LearnerFinished, ProducerLeft))),
+                 errors[0] if errors else None)
+    if isinstance(first, LearnerFinished):
+        log.info("%s: %s; stopping", who, first)
+    elif isinstance(first, ProducerLeft):
+        log.info("%s: %s", who, first)
+    elif first is not None:
+        raise first
+
+
+async def cancel_all(tasks: list[asyncio.Future]) -> None:
+    """Cancel ``tasks`` and wait until each has ended, cancelling again any that goes on."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+    for t in tasks:  # retrieved, so asyncio does not log them as never retrieved
+        if not t.cancelled():
+            t.exception()

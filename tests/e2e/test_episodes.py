@@ -87,10 +87,11 @@ def test_learner_killed_mid_episode_restarts_from_its_checkpoint_nothing_half_co
     tiny_model, tmp_path
 ):
     run_dir, log = tmp_path / "resume", tmp_path / "episodes.jsonl"
-    steps = 8
+    # No last step of its own (the kill cannot race with its end): Ctrl-C ends it two steps
+    # after the restarted learner trained its first.
     la = Launcher(
         tiny_model, run_dir, "--num-producers", "1", "--mode", "async", "--max-staleness", "2",
-        "--steps", str(steps), "--train.checkpoint_every", "1", "--max-learner-restarts", "1",
+        "--steps", "100000", "--train.checkpoint_every", "1", "--max-learner-restarts", "1",
         "--episode.fn", f"{EPISODES}:two_turns",
         "--episode.kwargs", json.dumps({"log": str(log), "tool_delay_s": 1.0}),
         "--episode.max_tokens", "40",
@@ -119,14 +120,20 @@ def test_learner_killed_mid_episode_restarts_from_its_checkpoint_nothing_half_co
         assert len(learner) == 1, [(c.pid, c.cmdline()) for c in kids]
         os.kill(learner[0].pid, signal.SIGKILL)
         flying = in_flight()
-        code = la.wait(ENGINE_START_S)
+        la.wait_for(lambda: "restarting it from its last checkpoint (1/1)" in "\n".join(la.lines),
+                    120, "the launcher to restart the learner")
+        after = la.steps_done() + 2
+        la.wait_for(lambda: la.steps_done() >= after, ENGINE_START_S,
+                    "two steps after the restart")
+        la.proc.send_signal(signal.SIGINT)  # Ctrl-C: the final checkpoint, then all stop
+        code = la.wait(300)
     finally:
         la.stop()
-    assert code == 0, la.tail()
+    assert code == 130, la.tail()
     assert flying > 0
-    assert "restarting it from its last checkpoint (1/1)" in la.tail(400)
 
     rows = read_metrics(run_dir)
+    steps = rows[-1]["step"]
     assert {r["step"] for r in rows} == set(range(1, steps + 1))
     assert rows[-1]["producer/episodes"] >= 2 * 4 * steps / 2
     # Every group the producer sent (each one whole episodes) was trained, dropped as too

@@ -33,7 +33,7 @@ def test_leftovers_of_a_killed_launcher_are_reclaimed_by_the_next_run(tiny_model
     # worker in the core and has no such segments (``pipeline.producer.engine.build_engine``).
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     shm_before = list_segments()
-    la = Launcher(tiny_model, tmp_path / "killed", "--mode", "async", "--steps", "200",
+    la = Launcher(tiny_model, tmp_path / "killed", "--mode", "async", "--steps", "100000",
                   "--num-producers", "1")
     tag = owner_tag(la.proc.pid)
     try:
