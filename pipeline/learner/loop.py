@@ -429,20 +429,9 @@ class Learner:
                                    f"{t.batch_timeout_s:.0f}s (producers alive: {alive or 'none'}"
                                    f"): {e}") from None
             wait_s = time.monotonic() - t0
-            self._steps_taken = st.step + 1  # the batch left the buffer: no more groups for it
-            if (st.step + 1) % self.cfg.sync.sync_every == 0 and st.step + 1 < t.steps:
-                # This step publishes v+1: producers still on v stop starting groups (they
-                # would be too stale), and learn it together with the batch's consumption.
-                self._heading_to = st.version + 1
-                await self.endpoint.publish(self.announcement())
-            m = await self._train_batch(batch, st.version)
-            self._heading_to = st.version if m is None or m["skipped_nonfinite"] else \
-                self._heading_to
+            m = await self._step_to_its_end(batch)
             if m is None:
-                self._steps_taken = st.step  # the batch was dropped: its step needs another
                 continue
-            st.step += 1
-            self._unlogged = (st.step, m)
             if m["skipped_nonfinite"]:
                 self.counters["skipped_nonfinite"] = self.counters.get("skipped_nonfinite", 0) + 1
                 log.error("step %d: non-finite loss or gradient; update skipped, no snapshot",
@@ -508,6 +497,39 @@ class Learner:
         m = producer_metrics({p: {**i.stats, **carry_counters(i.carried, i.stats)}
                               for p, i in self.producers.items()})
         m["gen_tokens_per_s"] = m.pop("producer/gen_tokens_per_s", 0.0)
+        return m
+
+    async def _step_to_its_end(self, batch: list[RolloutGroup]) -> dict[str, float] | None:
+        """Train ``batch`` (``_step``). A stop (Ctrl-C, SIGTERM: this task cancelled) that lands
+        meanwhile waits for the step to end and be counted, then goes on: a batch taken from
+        the buffer is never lost between the buffer and the final checkpoint, and that
+        checkpoint never copies weights an optimiser step is still updating."""
+        step = asyncio.ensure_future(self._step(batch))
+        try:
+            return await asyncio.shield(step)
+        except asyncio.CancelledError:
+            if not step.done():
+                await step
+            raise
+
+    async def _step(self, batch: list[RolloutGroup]) -> dict[str, float] | None:
+        """One step on a batch that has left the buffer, counted in the state (and its row
+        pending in ``_unlogged``); None when the batch was dropped (``_train_batch``)."""
+        st, t = self.state, self.cfg.train
+        self._steps_taken = st.step + 1  # the batch left the buffer: no more groups for it
+        if (st.step + 1) % self.cfg.sync.sync_every == 0 and st.step + 1 < t.steps:
+            # This step publishes v+1: producers still on v stop starting groups (they would
+            # be too stale), and learn it together with the batch's consumption.
+            self._heading_to = st.version + 1
+            await self.endpoint.publish(self.announcement())
+        m = await self._train_batch(batch, st.version)
+        if m is None or m["skipped_nonfinite"]:
+            self._heading_to = st.version
+        if m is None:
+            self._steps_taken = st.step  # the batch was dropped: its step needs another
+            return None
+        st.step += 1
+        self._unlogged = (st.step, m)
         return m
 
     async def _train_batch(self, batch: list[RolloutGroup], version: int

@@ -1,7 +1,8 @@
 """A real Learner (tiny model, CPU trainer, real ZeroMQ socket) fed by a real ProducerEndpoint:
 groups that decode but are wrong for the run are rejected and counted, never trained; a batch on
 which the training step raises is dropped and the run goes on; a resumed checkpoint holding a bad
-group is re-checked. Each bad group here used to end the learner process."""
+group is re-checked. Each bad group here used to end the learner process. And a stop that lands
+while a step trains waits for that step, which the final checkpoint then holds."""
 
 from __future__ import annotations
 
@@ -159,3 +160,54 @@ def test_a_resumed_checkpoint_holding_a_bad_group_is_rechecked(tiny_model, tmp_p
     assert rows[-1]["rejected_groups/group_size"] == 1
     st = resumed.buffer.stats
     assert st.received == st.served + st.dropped_stale + st.dropped_capacity + st.size + 1
+
+
+def test_a_stop_that_lands_mid_step_waits_for_the_step_and_checkpoints_it(tiny_model, tmp_path):
+    """Ctrl-C (the learner's task cancelled) while the second step's optimiser update runs:
+    the step ends and is counted, its row is written (interrupted) and the final checkpoint
+    holds it, so the batch that left the buffer is neither lost nor trained again on resume."""
+    import threading
+
+    from pipeline.learner.checkpoint import load_checkpoint
+
+    learner = Learner(_cfg(tiny_model, tmp_path, steps=5), str(tiny_model))
+    real_step, calls = learner.trainer.step, []
+    in_step, release = threading.Event(), threading.Event()
+
+    def step(batch, version):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            in_step.set()
+            release.wait(60)
+        return real_step(batch, version)
+
+    learner.trainer.step = step
+
+    async def main() -> None:
+        ep = ProducerEndpoint(learner.cfg.bind_addr)
+        task = asyncio.create_task(learner.run())
+        try:
+            hello = Hello(producer_id="p0", incarnation=INCARNATION, policy_version=0,
+                          pid=os.getpid())
+            assert isinstance(await ep.call(hello, 120), Welcome)
+            for i in range(6):
+                g = group(f"s{i}", seed=30 + i)
+                g.metadata = {"incarnation": INCARNATION, "seq": next(_seq)}
+                await ep.send(g, timeout=60)
+            await asyncio.wait_for(asyncio.to_thread(in_step.wait, 120), 130)
+            task.cancel()  # what Ctrl-C does to the learner's loop
+            await asyncio.sleep(0.3)  # the cancel has landed while the step is under way
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 120)
+        finally:
+            release.set()
+            ep.close()
+
+    asyncio.run(main())
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and rows[-1]["interrupted"] == 1.0
+    state, _tensors, buf_bytes = load_checkpoint(latest_checkpoint(tmp_path))
+    st = RolloutBuffer.restore(buf_bytes, 10**6, None).stats
+    assert state.step == 2 and st.served == 2 * 2  # every group that left the buffer trained
+    assert st.received == st.served + st.size
