@@ -139,6 +139,7 @@ class Learner:
         # a stop between the optimiser step and the row (a signal during the snapshot or the
         # checkpoint) logs it before the final checkpoint, so no checkpointed step lacks its row.
         self._unlogged: tuple[int, dict[str, float]] | None = None
+        self._row_start = (0.0, time.monotonic())  # the step's wait for its batch, its start
         self.final_checkpoint_failed = False  # a multi-rank learner's ranks must then end at once
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):
@@ -429,6 +430,7 @@ class Learner:
                                    f"{t.batch_timeout_s:.0f}s (producers alive: {alive or 'none'}"
                                    f"): {e}") from None
             wait_s = time.monotonic() - t0
+            self._row_start = (wait_s, last_end)  # for the row of a step a stop interrupts
             m = await self._step_to_its_end(batch)
             if m is None:
                 continue
@@ -449,27 +451,7 @@ class Learner:
                     await self.endpoint.publish(self.announcement())
                     self._track_acks(st.version)
             now = time.monotonic()
-            bs = self.buffer.stats
-            m.update({
-                "version": float(st.version), "wait_s": wait_s, "step_s": now - last_end,
-                "tokens_per_s": m["trained_tokens"] / max(now - last_end, 1e-9),
-                "samples_per_s": t.batch_groups * self.cfg.generation.group_size
-                / max(now - last_end, 1e-9),
-                "buffer_size": float(len(self.buffer)), "dropped_stale": float(bs.dropped_stale),
-                "rejected_frames": float(bs.rejected), "received": float(bs.received),
-                "rejected_groups": float(sum(bs.rejected_groups.values())),
-                **{f"rejected_groups/{k}": float(v) for k, v in bs.rejected_groups.items()},
-                "producers_alive": float(sum(1 for i in self.producers.values()
-                                             if i.alive(now))),
-                "producers_members": float(len(self.members)),
-                **self._producer_metrics(),
-                **self.evals.step_metrics(),
-                **{k: float(v) for k, v in self.counters.items()},
-                "snapshot_files_skipped": float(self.writer.skipped),
-                "duplicates_ignored": float(self.ledger.duplicates),
-                **self.registry.metrics(),
-                **self._take_sync(),
-            })
+            m.update(self._row_figures(m, wait_s, now - last_end, now))
             last_end = now
             if st.first_reward is None:
                 st.first_reward = m["reward_mean"]
@@ -490,6 +472,30 @@ class Learner:
             self._unlogged = None
         await self.evals.await_last(st.version)
         await self.writer.flush()  # a failed write raises here, not silently
+
+    def _row_figures(self, m: dict[str, float], wait_s: float, step_s: float, now: float
+                     ) -> dict[str, float]:
+        """What a step's metrics row adds to the trainer's figures ``m``: times, the buffer's
+        and the producers' counters, the learner's counters, sync timings."""
+        t, bs = self.cfg.train, self.buffer.stats
+        return {
+            "version": float(self.state.version), "wait_s": wait_s, "step_s": step_s,
+            "tokens_per_s": m["trained_tokens"] / max(step_s, 1e-9),
+            "samples_per_s": t.batch_groups * self.cfg.generation.group_size / max(step_s, 1e-9),
+            "buffer_size": float(len(self.buffer)), "dropped_stale": float(bs.dropped_stale),
+            "rejected_frames": float(bs.rejected), "received": float(bs.received),
+            "rejected_groups": float(sum(bs.rejected_groups.values())),
+            **{f"rejected_groups/{k}": float(v) for k, v in bs.rejected_groups.items()},
+            "producers_alive": float(sum(1 for i in self.producers.values() if i.alive(now))),
+            "producers_members": float(len(self.members)),
+            **self._producer_metrics(),
+            **self.evals.step_metrics(),
+            **{k: float(v) for k, v in self.counters.items()},
+            "snapshot_files_skipped": float(self.writer.skipped),
+            "duplicates_ignored": float(self.ledger.duplicates),
+            **self.registry.metrics(),
+            **self._take_sync(),
+        }
 
     def _producer_metrics(self) -> dict[str, float]:
         """Every producer counter (from heartbeats, restarts carried over), per producer and
@@ -626,6 +632,11 @@ class Learner:
         if self._unlogged is not None:  # stopped mid-step: the checkpoint holds this step
             step, m = self._unlogged
             self._unlogged = None
+            wait_s, since = self._row_start
+            now = time.monotonic()
+            if "version" not in m:  # the stop landed before the row's figures were added
+                m.update(self._row_figures(m, wait_s, now - since, now))
+            m.update(self._take_checkpoint_write())
             self.metrics.log(step, {**m, "interrupted": 1.0}, progress=False)
         try:
             stall = await self.checkpoint(final=True)

@@ -207,6 +207,10 @@ def test_a_stop_that_lands_mid_step_waits_for_the_step_and_checkpoints_it(tiny_m
     asyncio.run(main())
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and rows[-1]["interrupted"] == 1.0
+    # Every figure of a full row, but those of the snapshot it did not publish.
+    assert {k for k in rows[0] if not k.startswith(("snapshot_", "staleness_hist/",
+                                                    "checkpoint_write_"))} <= set(rows[-1])
+    assert rows[-1]["received"] == 6.0 and rows[-1]["version"] == 1.0  # no snapshot after it
     state, _tensors, buf_bytes = load_checkpoint(latest_checkpoint(tmp_path))
     st = RolloutBuffer.restore(buf_bytes, 10**6, None).stats
     assert state.step == 2 and st.served == 2 * 2  # every group that left the buffer trained
