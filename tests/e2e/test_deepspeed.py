@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from buffer.ports import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="deepspeed is not installed (pip install deepspeed; DS_BUILD_OPS=0 is enough)")]
@@ -146,7 +148,7 @@ def launch(config: str | None, n: int, phase: str, out: Path, model: Path, cpu: 
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "examples" / "accelerate" / config), "--num_processes", str(n),
-               "--num_machines", "1",
+               "--num_machines", "1", "--main_process_port", str(free_port()),
                *(["--mixed_precision", "no"] if cpu and not bf16_on_cpu else []),
                __file__, phase, str(out), str(model)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)

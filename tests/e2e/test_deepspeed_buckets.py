@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from buffer.ports import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="deepspeed is not installed (pip install deepspeed; DS_BUILD_OPS=0 is enough)")]
@@ -95,7 +97,8 @@ def test_zero3_bucketed_snapshot_equals_the_whole_gather(tiny_model, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "examples" / "accelerate" / "zero3.yaml"), "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", __file__, str(tmp_path),
+           "--num_machines", "1", "--mixed_precision", "no",
+           "--main_process_port", str(free_port()), __file__, str(tmp_path),
            str(tiny_model)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     (tmp_path / "run.log").write_text(proc.stdout + proc.stderr)

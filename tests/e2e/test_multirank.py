@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from buffer.ports import free_port
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +67,8 @@ def _accelerate(n: int, *args: str, timeout: float, env: dict | None = None
     # (accelerate's --cpu launcher would start one process, or need mpirun, for N > 1).
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(n),
            *(["--multi_gpu"] if n > 1 else ["--cpu"]), "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", *args]
+           "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env=env or dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
