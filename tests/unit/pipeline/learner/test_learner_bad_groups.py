@@ -63,17 +63,21 @@ INCARNATION = "p0-test"
 _seq = itertools.count()  # unique across the learners of a test (the ledger drops repeats)
 
 
-async def _run(learner: Learner, groups: list[RolloutGroup], timeout: float = 240.0) -> None:
+async def _play_p0(ep: ProducerEndpoint, groups: list[RolloutGroup]) -> None:
     """Play producer p0: Hello, then the groups with their incarnation and seq."""
+    hello = Hello(producer_id="p0", incarnation=INCARNATION, policy_version=0, pid=os.getpid())
+    assert isinstance(await ep.call(hello, 120), Welcome)
+    for g in groups:
+        g.metadata = {**g.metadata, "incarnation": INCARNATION, "seq": next(_seq)}
+        await ep.send(g, timeout=60)
+
+
+async def _run(learner: Learner, groups: list[RolloutGroup], timeout: float = 240.0) -> None:
+    """The learner's run with p0's groups, to its end."""
     ep = ProducerEndpoint(learner.cfg.bind_addr)
     task = asyncio.create_task(learner.run())
     try:
-        hello = Hello(producer_id="p0", incarnation=INCARNATION, policy_version=0,
-                      pid=os.getpid())
-        assert isinstance(await ep.call(hello, 120), Welcome)
-        for g in groups:
-            g.metadata = {**g.metadata, "incarnation": INCARNATION, "seq": next(_seq)}
-            await ep.send(g, timeout=60)
+        await _play_p0(ep, groups)
         await asyncio.wait_for(task, timeout)
     finally:
         task.cancel()
@@ -187,13 +191,7 @@ def test_a_stop_that_lands_mid_step_waits_for_the_step_and_checkpoints_it(tiny_m
         ep = ProducerEndpoint(learner.cfg.bind_addr)
         task = asyncio.create_task(learner.run())
         try:
-            hello = Hello(producer_id="p0", incarnation=INCARNATION, policy_version=0,
-                          pid=os.getpid())
-            assert isinstance(await ep.call(hello, 120), Welcome)
-            for i in range(6):
-                g = group(f"s{i}", seed=30 + i)
-                g.metadata = {"incarnation": INCARNATION, "seq": next(_seq)}
-                await ep.send(g, timeout=60)
+            await _play_p0(ep, [group(f"s{i}", seed=30 + i) for i in range(6)])
             await asyncio.wait_for(asyncio.to_thread(in_step.wait, 120), 130)
             task.cancel()  # what Ctrl-C does to the learner's loop
             await asyncio.sleep(0.3)  # the cancel has landed while the step is under way
