@@ -272,4 +272,7 @@ def check_resume_equals_uninterrupted(out: Path, ranks: int, rtol: float, atol: 
 
 
 if __name__ == "__main__":
+    from tests.e2e.support.ranks import end_rank
+
     _run(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
+    end_rank()

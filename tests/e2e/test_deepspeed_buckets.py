@@ -123,4 +123,7 @@ def test_zero3_bucketed_snapshot_equals_the_whole_gather(tiny_model, tmp_path):
 
 
 if __name__ == "__main__":
+    from tests.e2e.support.ranks import end_rank
+
     _run(Path(sys.argv[1]), sys.argv[2])
+    end_rank()

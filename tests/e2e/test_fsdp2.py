@@ -185,4 +185,7 @@ def test_fsdp2_steps_match_fp32_and_resume_exactly(tiny_model, tmp_path):
 
 
 if __name__ == "__main__":
+    from tests.e2e.support.ranks import end_rank
+
     _run(Path(sys.argv[1]), sys.argv[2])
+    end_rank()

@@ -123,4 +123,7 @@ if __name__ == "__main__":
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("model")
     a = p.parse_args()
+    from tests.e2e.support.ranks import end_rank
+
     _grads(a.model, a.grads, a.micro_batch)
+    end_rank()
