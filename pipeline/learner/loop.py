@@ -514,8 +514,7 @@ class Learner:
         try:
             return await asyncio.shield(step)
         except asyncio.CancelledError:
-            if not step.done():
-                await step
+            await step
             raise
 
     async def _step(self, batch: list[RolloutGroup]) -> dict[str, float] | None:

@@ -62,7 +62,11 @@ class GroupRollout:
                 for j in range(g.group_size)))
         gen_s = time.perf_counter() - t0
         if any(versions_go_back(c.version_segments) for c, _text in completions):
-            self._drop_across_restart(group_id, record.prompt_id)
+            # Begun on weights of a learner then restarted from an older checkpoint, finished on
+            # the restored ones: no version of the restored lineage produced its first tokens.
+            self._not_sent("groups_dropped_restart", "dropped_restart", group_id, record.prompt_id)
+            log.info("%s: group for prompt %s dropped: generated across a learner restart to an "
+                     "older version", self.producer_id, record.prompt_id)
             return
         if episodes is not None:
             scored = await score_episodes(self.rewards, record.prompt, episodes, meta)
@@ -75,8 +79,9 @@ class GroupRollout:
             self._drop(group_id, record.prompt_id, "a reward failed")
             return
         totals, breakdowns = scored
-        if self._uninformative(totals):
-            self._drop_zero_variance(group_id, record.prompt_id)
+        if self._uninformative(totals):  # its admission slot frees as it ends
+            self._not_sent("groups_dropped_zero_variance", "dropped_zero_variance", group_id,
+                           record.prompt_id)
             return
         comps = []
         for (comp, _text), total, breakdown in zip(completions, totals, breakdowns, strict=True):
@@ -102,23 +107,17 @@ class GroupRollout:
 
     def _drop(self, group_id: str, prompt_id: str, why: str) -> None:
         """rewards.on_failure=drop: the group is not sent (counted and logged)."""
-        if why == "a reward failed":
-            self.stats.groups_dropped_reward += 1
-        else:
-            self.stats.groups_dropped_episode += 1
-        self._log_sent({"dropped_by_reward": group_id, "prompt_id": prompt_id})
+        counter = "groups_dropped_reward" if why == "a reward failed" else \
+            "groups_dropped_episode"
+        self._not_sent(counter, "dropped_by_reward", group_id, prompt_id)
         log.warning("group for prompt %s dropped: %s (on_failure=drop)", prompt_id, why)
-        self._counted.set()
 
-    def _drop_across_restart(self, group_id: str, prompt_id: str) -> None:
-        """A group whose tokens went back in version: begun on weights of a learner that was
-        then restarted from an older checkpoint, finished on the restored ones. No version of
-        the restored learner's lineage produced its first tokens, so it is not sent (counted,
-        and in the sent log for conservation)."""
-        self.stats.groups_dropped_restart += 1
-        self._log_sent({"dropped_restart": group_id, "prompt_id": prompt_id})
-        log.info("%s: group for prompt %s dropped: generated across a learner restart to an "
-                 "older version", self.producer_id, prompt_id)
+    def _not_sent(self, counter: str, record: str, group_id: str, prompt_id: str) -> None:
+        """A group that ends without being sent: counted in ``stats.<counter>``, written to the
+        sent log under ``record`` (for conservation, ``bench.soak.tally``), and the heartbeat
+        told."""
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        self._log_sent({record: group_id, "prompt_id": prompt_id})
         self._counted.set()
 
     def _uninformative(self, rewards: list[float]) -> bool:
@@ -138,13 +137,6 @@ class GroupRollout:
                     "step's other groups are sent as they are", self.producer_id,
                     self.drop_cap.cap, g.dynamic_sampling_max_extra)
         return False
-
-    def _drop_zero_variance(self, group_id: str, prompt_id: str) -> None:
-        """generation.dynamic_sampling: the group is not sent (counted, and in the sent log for
-        conservation); its admission slot frees as it ends, for a group in its place."""
-        self.stats.groups_dropped_zero_variance += 1
-        self._log_sent({"dropped_zero_variance": group_id, "prompt_id": prompt_id})
-        self._counted.set()
 
     def _sampling(self, **overrides: Any) -> Any:
         """The run's SamplingParams (``generation``), with an episode turn's overrides."""

@@ -3,7 +3,7 @@
 
 Its Hello is repeated until the learner welcomes it. Each later request gets its answer; a
 learner that no longer knows this process (it restarted, or another process said Hello in its
-name) gets the Hello again, then the request once more. The process's coroutines run under
+name) gets the Hello again, then the request once more. The process's coroutines run
 together until the learner finishes or the producer leaves (``run_tasks``).
 """
 
