@@ -47,6 +47,7 @@ from sync.packing import (
     total_bytes,
 )
 from sync.slots import ControlBlock, control_path, serve_buckets, word_sum
+from sync.threads import in_daemon_thread
 
 log = logging.getLogger(__name__)
 LinkState = Literal["offered", "joining", "ready", "dead"]
@@ -122,47 +123,6 @@ def _abort_in_thread(comm: Any) -> None:
     """Abort a communicator without blocking the caller (an abort can wait on the peer)."""
     if comm is not None:
         threading.Thread(target=nccl.abort, args=(comm,), daemon=True).start()
-
-
-def in_daemon_thread(fn: Callable[..., Any], *args: Any,
-                     on_orphan: Callable[[Any], None] | None = None) -> asyncio.Future:
-    """Run ``fn(*args)`` in a daemon thread; await the returned future for its result.
-
-    Not ``asyncio.to_thread``: its executor threads are not daemons and ``asyncio.run`` joins
-    them without limit at exit, so a ``ncclCommInitRank`` whose peer died (it has no timeout)
-    would keep the learner process alive for good. A result that arrives after the future was
-    given up (``wait_for`` timed out) goes to ``on_orphan``, so a late communicator is aborted
-    rather than leaked."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def orphan(value: Any) -> None:
-        if on_orphan is not None:
-            on_orphan(value)
-
-    def deliver(ok: bool, value: Any) -> None:
-        if fut.done():  # cancelled by a timeout meanwhile
-            if ok:
-                orphan(value)
-        elif ok:
-            fut.set_result(value)
-        else:
-            fut.set_exception(value)
-
-    def body() -> None:
-        try:
-            ok, value = True, fn(*args)
-        except Exception as e:  # handed to the awaiting side
-            ok, value = False, e
-        try:
-            loop.call_soon_threadsafe(deliver, ok, value)
-        except RuntimeError:  # the loop is closed: nobody will ever take the result
-            if ok:
-                orphan(value)
-
-    threading.Thread(target=body, daemon=True, name=f"daemon-{getattr(fn, '__name__', 'call')}"
-                     ).start()
-    return fut
 
 
 @dataclass

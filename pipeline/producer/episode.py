@@ -33,17 +33,17 @@ it returns None, the run's reward functions applied to the final transcript text
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
-import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from buffer.schema import Completion
+from sync.threads import in_daemon_thread
 
 log = logging.getLogger(__name__)
 
@@ -201,34 +201,6 @@ def episode_reward(value: Any) -> tuple[float, dict[str, float]] | None:
     raise TypeError(
         f"an episode returns a number, a dict of numbers or None, got {type(value).__name__}"
     )
-
-
-def run_in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future:
-    """``fn(*args, **kwargs)`` in a daemon thread: a sync tool that hangs past its timeout is
-    abandoned there, and neither blocks the event loop nor the process's exit (the default
-    executor's threads are joined at shutdown)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = fn(*args, **kwargs), None
-        except BaseException as e:  # handed to the awaiting coroutine
-            result, error = None, e
-        # RuntimeError: the loop closed while the tool ran, and nobody waits any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=run, daemon=True, name="episode-tool").start()
-    return fut
 
 
 def load_episode(path: str) -> Callable[..., Awaitable[Any]]:
@@ -400,7 +372,8 @@ class EpisodeContext:
             if inspect.iscoroutinefunction(fn):
                 return await asyncio.wait_for(fn(*args, **kwargs), self.limits.tool_timeout_s)
             return await asyncio.wait_for(
-                run_in_daemon_thread(fn, *args, **kwargs), self.limits.tool_timeout_s
+                in_daemon_thread(partial(fn, *args, **kwargs), name="episode-tool"),
+                self.limits.tool_timeout_s
             )
         except TimeoutError:
             raise ToolError(

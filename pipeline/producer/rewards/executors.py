@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -31,34 +30,6 @@ log = logging.getLogger(__name__)
 PoolEntry = tuple[str, Any, dict[str, Any], CallMode]
 """A reward the pool's workers build: (name, function or class or its import path, kwargs,
 calling convention)."""
-
-
-async def in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` on a fresh daemon thread; the awaiting side may give up (wait_for) at any time.
-
-    Not the loop's default executor: a hung call there would hold a pool slot forever and
-    block interpreter exit, whereas a daemon thread is simply abandoned.
-    """
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[Any] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not fut.done():
-            (fut.set_result if ok else fut.set_exception)(value)
-
-    def target() -> None:
-        try:
-            res = fn(*args)
-        except BaseException as e:  # delivered to the awaiting side
-            ok, res = False, e
-        else:
-            ok = True
-        # RuntimeError: the loop closed while we ran (an abandoned call); nobody is waiting.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, ok, res)
-
-    threading.Thread(target=target, name="reward-thread", daemon=True).start()
-    return await fut
 
 
 # Worker side. The registry lives only in spawned worker processes (filled by the pool

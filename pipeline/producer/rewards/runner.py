@@ -45,7 +45,7 @@ from pipeline.producer.rewards.call import (
     coerce,
     trl_kwargs,
 )
-from pipeline.producer.rewards.executors import PoolEntry, ProcessPool, in_daemon_thread
+from pipeline.producer.rewards.executors import PoolEntry, ProcessPool
 from pipeline.producer.rewards.loading import (
     CallMode,
     RewardInfo,
@@ -55,6 +55,7 @@ from pipeline.producer.rewards.loading import (
     validate_specs,
 )
 from pipeline.producer.rewards.ray_replicas import RayRewardClient, batch_items, split_results
+from sync.threads import in_daemon_thread
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class RewardSet:
         else:
             scorer = build_scorer(info.obj, spec.kwargs, info.mode)
             if spec.executor == "thread":
-                run = partial(in_daemon_thread, call_blocking, scorer)
+                run = partial(in_daemon_thread, call_blocking, scorer, name="reward-thread")
             else:
                 run = partial(call_inline, scorer)
         limits = CallLimits(spec.timeout_s, spec.max_concurrency, spec.rate_per_s)

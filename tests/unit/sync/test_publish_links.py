@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sync import nccl
-from sync.publish import EXPIRED, WeightPublisher, in_daemon_thread
+from sync.publish import EXPIRED, WeightPublisher
+from sync.threads import in_daemon_thread
 
 
 class FakeComm:
