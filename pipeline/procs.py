@@ -13,6 +13,7 @@ files and alone writes to the console (``pipeline.launch.console``). Lines meant
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -72,6 +73,28 @@ class ConsoleStream:
 
     def flush(self) -> None:
         pass
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGTERM when the parent dies (even by kill -9), so no child is orphaned."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def child_setup(run_dir: str, process: str, log_to_file: bool) -> None:
+    """What a role process started by a launcher does first: its own process group (stopping
+    it stops what it started: vLLM's engine-core processes), SIGTERM when the launcher dies
+    (even by kill -9, so no child is orphaned), its output into ``run_dir/logs/<process>.log``
+    when ``log_to_file`` (the launcher shows what is for the console), logging, and a SIGINT
+    that raises KeyboardInterrupt (the launcher decides who stops and in which order)."""
+    os.setpgrp()
+    die_with_parent()
+    if log_to_file:
+        to_log_file(log_file(run_dir, process))
+    setup_logging()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def setup_logging(level: int = logging.INFO) -> None:

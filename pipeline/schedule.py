@@ -42,3 +42,21 @@ def evaluator_index(producer_slots: int, every: int, producer: str) -> int | Non
 def engine_count(producer_slots: int, every: int, producer: str) -> int:
     """The engines a run may have at once: its producers' and the dedicated evaluator's."""
     return producer_slots + (evaluator_index(producer_slots, every, producer) is not None)
+
+
+def is_evaluator(cfg_dict: dict, index: int) -> bool:
+    """Whether engine ``index`` of the run (``cfg_dict``: its config as a dict) is the dedicated
+    evaluator, which the launchers start after the producers."""
+    ev = cfg_dict["eval"]
+    slots = max(cfg_dict["num_producers"], cfg_dict.get("max_producers", 0))
+    return index == evaluator_index(slots, ev["every"], ev["producer"])
+
+
+def process_name(cfg_dict: dict, index: int) -> str:
+    """Engine ``index``'s process name: its log file is ``logs/<name>.log``."""
+    return "evaluator" if is_evaluator(cfg_dict, index) else f"producer-{index}"
+
+
+def display_name(cfg_dict: dict, index: int) -> str:
+    """Engine ``index`` as console lines say it: "producer 1", "evaluator"."""
+    return process_name(cfg_dict, index).replace("-", " ")

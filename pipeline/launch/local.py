@@ -11,7 +11,6 @@ beyond the restarts is reported in one line and the run goes on without evaluati
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
@@ -26,7 +25,7 @@ from typing import Any
 import yaml
 
 from buffer.ports import free_port
-from pipeline.config import RunConfig, flatten, load_config
+from pipeline.config import RunConfig
 from pipeline.launch.console import LogFollower, log_to_run_dir, resource_tracker_to, tell
 from pipeline.launch.placement import learner_gpu_env, producer_gpu_env
 from pipeline.launch.preflight import prepare
@@ -44,17 +43,12 @@ from pipeline.launch.shm import (
     reclaim_orphans,
     record_segments,
 )
+from pipeline.learner.main import learner_entry
 from pipeline.options import ConfigError, to_dict
 from pipeline.owner import OWNER_ENV, owner_tag
-from pipeline.procs import (
-    LOGS_DIR,
-    log_file,
-    run_with_sigterm,
-    setup_logging,
-    to_log_file,
-    wait_group_gone,
-)
-from pipeline.schedule import evaluator_index
+from pipeline.procs import LOGS_DIR, die_with_parent, log_file, wait_group_gone
+from pipeline.producer.main import producer_entry
+from pipeline.schedule import display_name, evaluator_index, is_evaluator, process_name
 
 log = logging.getLogger("pipeline")
 
@@ -67,40 +61,6 @@ log = logging.getLogger("pipeline")
 
 
 
-
-
-def _die_with_parent() -> None:
-    """Linux: get SIGTERM if the launcher dies (even by kill -9), so no child is orphaned."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _child_setup(cfg_dict: dict, process: str, log_to_file: bool) -> None:
-    os.setpgrp()  # own process group: killpg stops vLLM's children with us
-    _die_with_parent()
-    if log_to_file:  # run_dir/logs/<process>.log; the launcher shows what is for the console
-        to_log_file(log_file(cfg_dict["run_dir"], process))
-    setup_logging()
-    # Children ignore the terminal's Ctrl-C; the launcher decides who stops and in which order.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def learner_entry(cfg_dict: dict, model_path: str, resume: bool, log_to_file: bool = False
-                  ) -> None:
-    _child_setup(cfg_dict, "learner", log_to_file)
-    # Pinned before the config is built: nothing may initialise CUDA before this.
-    os.environ.update(learner_gpu_env(cfg_dict.get("learner_gpus", "")))
-    cfg = load_config(overrides=flatten(cfg_dict))
-    from pipeline.learner.loop import Learner
-
-    try:
-        asyncio.run(run_with_sigterm(Learner(cfg, model_path, resume=resume).run()))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        log.info("learner stopped")
 
 
 def _config_names_port(path: str) -> bool:
@@ -166,55 +126,15 @@ class LaunchedLearner:
 
 def _popen_setup() -> None:
     os.setpgrp()
-    _die_with_parent()
+    die_with_parent()
 
 
 def _make_learner(ctx: Any, cfg: RunConfig, cfg_dict: dict, model_path: str, resume: bool
                   ) -> Any:
     if cfg.train.learner_processes > 1 or cfg.train.accelerate_config:
         return LaunchedLearner(cfg, model_path, resume)
-    return ctx.Process(target=learner_entry, args=(cfg_dict, model_path, resume, True),
-                       name="learner")
-
-
-def is_evaluator(cfg_dict: dict, index: int) -> bool:
-    """Whether engine ``index`` of the run (``cfg_dict``: its config as a dict) is the dedicated
-    evaluator, which the launchers start after the producers (``pipeline.schedule``)."""
-    ev = cfg_dict["eval"]
-    slots = max(cfg_dict["num_producers"], cfg_dict.get("max_producers", 0))
-    return index == evaluator_index(slots, ev["every"], ev["producer"])
-
-
-def process_name(cfg_dict: dict, index: int) -> str:
-    """Engine ``index``'s process name: its log file is ``logs/<name>.log``."""
-    return "evaluator" if is_evaluator(cfg_dict, index) else f"producer-{index}"
-
-
-def display_name(cfg_dict: dict, index: int) -> str:
-    """Engine ``index`` as console lines say it: "producer 1", "evaluator"."""
-    return process_name(cfg_dict, index).replace("-", " ")
-
-
-def producer_entry(cfg_dict: dict, model_path: str, index: int, standalone: bool = False,
-                   log_to_file: bool = False) -> None:
-    """Producer ``index``, or the dedicated evaluator when ``index`` is its."""
-    name = process_name(cfg_dict, index)
-    _child_setup(cfg_dict, name, log_to_file)
-    # Pinned before the config is built: nothing may initialise CUDA before this.
-    os.environ.update(producer_gpu_env(cfg_dict.get("producer_gpus", []), index))
-    cfg = load_config(overrides=flatten(cfg_dict))
-    from pipeline.producer.evaluator import evaluator_main
-    from pipeline.producer.loop import producer_main
-
-    if is_evaluator(cfg_dict, index):
-        main = evaluator_main(cfg, index, model_path, index + 1,
-                              stop_when_learner_done=standalone)
-    else:
-        main = producer_main(cfg, index, model_path, stop_when_learner_done=standalone)
-    try:
-        asyncio.run(run_with_sigterm(main))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        log.info("%s stopped", display_name(cfg_dict, index))
+    return ctx.Process(target=learner_entry, name="learner",
+                       args=(cfg_dict, model_path, resume, learner_gpu_env(cfg.learner_gpus), True))
 
 
 def _stop(proc: mp.Process, sig: int, group: bool = True) -> None:
@@ -371,7 +291,7 @@ class _Supervisor:
         # --role producer: its producer exits when the learner announces its last step.
         self.producers = {i: self.ctx.Process(target=producer_entry, name=f"producer{i}",
                                               args=(self.cfg_dict, model_path, i,
-                                                    role == "producer", True))
+                                                    self._gpu_env(i), role == "producer", True))
                           for i in indices}
         # Elastic runs (max_producers): `pipeline-train scale` requests, and who is leaving.
         self.scale = ScaleWatch(self.run_dir) \
@@ -457,9 +377,14 @@ class _Supervisor:
         self._bury(p)
         self._start_producer(i)
 
+    def _gpu_env(self, i: int) -> dict[str, str]:
+        """Engine ``i``'s GPU pin (``pipeline.launch.placement``)."""
+        return producer_gpu_env(self.cfg.producer_gpus, i)
+
     def _start_producer(self, i: int) -> None:
         new = self.ctx.Process(target=producer_entry,
-                               args=(self.cfg_dict, self.model_path, i, False, True),
+                               args=(self.cfg_dict, self.model_path, i, self._gpu_env(i), False,
+                                     True),
                                name=f"producer{i}")
         new.start()
         self.producers[i] = new

@@ -9,7 +9,7 @@ resends what its outbox holds; a restarted learner resumes from its last checkpo
 ports, so producers reconnect by themselves.
 
 A ``ProducerActor`` whose index is the dedicated evaluator's (``eval.producer: dedicated``, index
-``num_producers``) runs the evaluator instead (``pipeline.launch.local.producer_entry``).
+``num_producers``) runs the evaluator instead (``pipeline.producer.main.producer_entry``).
 
 ``LearnerActor`` picks the learner's ports on its node's address and serves its snapshot files to
 other nodes (``sync.serve_stream``); ``ProducerActor`` k connects producer k to the learner's
@@ -84,17 +84,21 @@ def _watch_parent(parent: int, keys_dir: str) -> None:
 
 
 def _learner_child(parent: int, cfg_dict: dict, model_path: str, resume: bool) -> None:
-    from pipeline.launch.local import learner_entry
+    from pipeline.launch.placement import learner_gpu_env
+    from pipeline.learner.main import learner_entry
 
     _watch_parent(parent, cfg_dict["curve_keys"])
-    learner_entry(cfg_dict, model_path, resume, log_to_file=True)
+    learner_entry(cfg_dict, model_path, resume, learner_gpu_env(cfg_dict.get("learner_gpus", "")),
+                  log_to_file=True)
 
 
 def _producer_child(parent: int, cfg_dict: dict, model_path: str, index: int) -> None:
-    from pipeline.launch.local import producer_entry
+    from pipeline.launch.placement import producer_gpu_env
+    from pipeline.producer.main import producer_entry
 
     _watch_parent(parent, cfg_dict["curve_keys"])
-    producer_entry(cfg_dict, model_path, index, log_to_file=True)
+    producer_entry(cfg_dict, model_path, index,
+                   producer_gpu_env(cfg_dict.get("producer_gpus", []), index), log_to_file=True)
 
 
 def _local_model(model_path: str, cfg: RunConfig) -> str:
@@ -410,9 +414,9 @@ class ProducerActor(RoleActor):
         import ray
 
         learner = ray.get(learner.get_endpoints.remote())
-        from pipeline.launch.local import process_name
+        from pipeline.schedule import display_name, process_name
 
-        self.name = process_name(cfg_dict, index).replace("-", " ")
+        self.name = display_name(cfg_dict, index)
         self.log_name = f"{process_name(cfg_dict, index)}.log"
         from pipeline.owner import OWNER_ENV, owner_tag
 

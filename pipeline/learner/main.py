@@ -1,11 +1,14 @@
-"""Entry of a learner started by ``accelerate launch`` (``train.learner_processes`` > 1 or a
-``train.accelerate_config``): ``python -m pipeline.learner.main CONFIG.yaml --model DIR``
-(``--resume`` to continue from the last checkpoint).
+"""The learner role's entry points: ``learner_entry``, the process a launcher starts (the local
+supervisor's child, a Ray actor's child), and ``main``, every rank of a learner started by
+``accelerate launch`` (``train.learner_processes`` > 1 or a ``train.accelerate_config``):
+``python -m pipeline.learner.main CONFIG.yaml --model DIR`` (``--resume`` to continue from the
+last checkpoint).
 
-Rank 0 runs the whole Learner (I/O, buffer, snapshots, checkpoints, metrics); the other ranks
-only build the PolicyTrainer and follow rank 0's commands. The other ranks ignore SIGINT: a stop
-reaches the whole process group, and rank 0 still needs them for its final checkpoint; it releases
-them when it is done (and accelerate's launcher stops them with SIGTERM if rank 0 dies).
+Under accelerate, rank 0 runs the whole Learner (I/O, buffer, snapshots, checkpoints, metrics);
+the other ranks only build the PolicyTrainer and follow rank 0's commands. The other ranks ignore
+SIGINT: a stop reaches the whole process group, and rank 0 still needs them for its final
+checkpoint; it releases them when it is done (and accelerate's launcher stops them with SIGTERM if
+rank 0 dies).
 """
 
 from __future__ import annotations
@@ -21,9 +24,24 @@ import yaml
 
 from pipeline.config import flatten, load_config
 from pipeline.learner import distributed as D
-from pipeline.procs import run_with_sigterm, setup_logging
+from pipeline.procs import child_setup, run_with_sigterm, setup_logging
 
 log = logging.getLogger("pipeline")
+
+
+def learner_entry(cfg_dict: dict, model_path: str, resume: bool, gpu_env: dict[str, str],
+                  log_to_file: bool = False) -> None:
+    """The learner process of a launcher: ``gpu_env`` pins it to its GPUs (the launcher's
+    placement) before the config is built, as nothing may initialise CUDA before the pin."""
+    child_setup(cfg_dict["run_dir"], "learner", log_to_file)
+    os.environ.update(gpu_env)
+    cfg = load_config(overrides=flatten(cfg_dict))
+    from pipeline.learner.loop import Learner
+
+    try:
+        asyncio.run(run_with_sigterm(Learner(cfg, model_path, resume=resume).run()))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.info("learner stopped")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -117,32 +117,38 @@ def test_gpu_placement_pins_each_producer_and_the_learner():
     assert learner_gpu_env(default.learner_gpus) == {}
 
 
-@pytest.mark.parametrize("entry,index,want", [("learner_entry", None, "3"),
-                                              ("producer_entry", 1, "2")])
-def test_children_pin_their_gpus_before_building_the_config_fake_load(monkeypatch, entry,
-                                                                       index, want):
+@pytest.mark.parametrize("role,index,want", [("learner", None, "3"), ("producer", 1, "2")])
+def test_children_pin_their_gpus_before_building_the_config_fake_load(monkeypatch, tmp_path,
+                                                                       role, index, want):
     """Building the config may touch CUDA (an explicit ipc/nccl transport counts GPUs); once
-    CUDA is up, CUDA_VISIBLE_DEVICES no longer moves the process. The pin must come first.
-    (load_config is replaced by a recorder: pure ordering logic.)"""
+    CUDA is up, CUDA_VISIBLE_DEVICES no longer moves the process. The pin the launcher passes
+    (its placement) must come first. (load_config is replaced by a recorder: pure ordering
+    logic.)"""
     import os
 
-    import pipeline.launch.local as launch
+    import pipeline.learner.main as learner_main
+    import pipeline.producer.main as producer_main
+    from pipeline.launch.placement import learner_gpu_env, producer_gpu_env
     from pipeline.options import to_dict
 
     cfg = to_dict(load_config(overrides={"num_producers": 2, "producer_gpus": ["1", "2"],
-                                         "learner_gpus": "3"}))
+                                         "learner_gpus": "3", "run_dir": str(tmp_path)}))
     seen = {}
 
     def recorder(**_kw):
         seen["cuda_visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise SystemExit(0)
 
-    monkeypatch.setattr(launch, "load_config", recorder)
-    monkeypatch.setattr(launch, "_child_setup", lambda *_a, **_k: None)
+    module = learner_main if role == "learner" else producer_main
+    monkeypatch.setattr(module, "load_config", recorder)
+    monkeypatch.setattr(module, "child_setup", lambda *_a, **_k: None)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    args = (cfg, "/model", False) if index is None else (cfg, "/model", index)
     with pytest.raises(SystemExit):
-        getattr(launch, entry)(*args)
+        if role == "learner":
+            learner_main.learner_entry(cfg, "/model", False, learner_gpu_env(cfg["learner_gpus"]))
+        else:
+            producer_main.producer_entry(cfg, "/model", index,
+                                         producer_gpu_env(cfg["producer_gpus"], index))
     assert seen["cuda_visible"] == want
 
 

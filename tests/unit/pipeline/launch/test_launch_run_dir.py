@@ -97,8 +97,8 @@ def test_the_dedicated_evaluator_is_the_engine_after_the_producers(tmp_path):
     """Its index (num_producers) starts the evaluator, logging to logs/evaluator.log; a shared
     run has no such engine."""
     from pipeline.config import load_config
-    from pipeline.launch.local import display_name, is_evaluator, process_name
     from pipeline.options import to_dict
+    from pipeline.schedule import display_name, is_evaluator, process_name
 
     over = {"run_dir": str(tmp_path), "num_producers": 2, "train.batch_groups": 4,
             "eval.data": "arithmetic:8", "eval.every": 1}
