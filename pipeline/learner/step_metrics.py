@@ -1,9 +1,11 @@
-"""The numbers one training step reports about its batch: rewards, completion lengths,
-staleness, and the learner's throughput (tokens per second, MFU through
-``pipeline.learner.flops``).
+"""The numbers one training step reports: about its batch (rewards, completion lengths,
+staleness), the learner's throughput (tokens per second, MFU through
+``pipeline.learner.flops``), and the step's metrics row as the learner logs it (``step_row``:
+times, the buffer's counters, the producers' figures, the learner's counters).
 
-Pure functions of the batch (``pipeline.learner.batching.PackedBatch``) and its groups; the
-optimiser's own numbers (loss terms, gradient norm, learning rate) are the trainer's.
+Pure functions of the batch (``pipeline.learner.batching.PackedBatch``), its groups and the
+figures handed in; the optimiser's own numbers (loss terms, gradient norm, learning rate) are the
+trainer's.
 Invariants: tool/environment tokens of an episode are context, counted apart from the trained
 (loss) tokens; a reward that returned None for a completion leaves it out of its breakdown.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from buffer.schema import RolloutGroup
+from buffer.store import BufferStats
 from pipeline.learner.batching import PackedBatch
 from pipeline.learner.flops import ModelShape, train_flops
 
@@ -77,3 +80,25 @@ def throughput(pb: PackedBatch, loss_tokens: int, seconds: float, shape: ModelSh
         out["learner_tflops"] = flops / max(seconds, 1e-9) / 1e12
         out["mfu"] = flops / (max(seconds, 1e-9) * peak * world)
     return out
+
+
+def step_row(m: dict[str, float], *, version: int, wait_s: float, step_s: float, samples: int,
+             buffer_size: int, buffer_stats: BufferStats, producers: dict[str, float],
+             counters: dict[str, float]) -> dict[str, float]:
+    """What a step's metrics row adds to the trainer's figures ``m``: the version it ends on,
+    its wait for the batch and its whole time (``step_s``: from the previous step's end, so a
+    snapshot copy or checkpoint stall counts), throughput over that time (``samples``
+    completions), the buffer's size and counters, the producers' figures (the control
+    channel's) and the learner's counters."""
+    bs = buffer_stats
+    return {
+        "version": float(version), "wait_s": wait_s, "step_s": step_s,
+        "tokens_per_s": m["trained_tokens"] / max(step_s, 1e-9),
+        "samples_per_s": samples / max(step_s, 1e-9),
+        "buffer_size": float(buffer_size), "dropped_stale": float(bs.dropped_stale),
+        "rejected_frames": float(bs.rejected), "received": float(bs.received),
+        "rejected_groups": float(sum(bs.rejected_groups.values())),
+        **{f"rejected_groups/{k}": float(v) for k, v in bs.rejected_groups.items()},
+        **producers,
+        **{k: float(v) for k, v in counters.items()},
+    }

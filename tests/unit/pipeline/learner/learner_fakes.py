@@ -41,8 +41,8 @@ class Running:
 
     async def __aenter__(self) -> Running:
         lr = self.learner
-        lr.endpoint = LearnerEndpoint(lr.cfg.bind_addr)
-        self.tasks = [asyncio.create_task(lr._receive()), asyncio.create_task(lr._control())]
+        lr.endpoint = lr.control.endpoint = LearnerEndpoint(lr.cfg.bind_addr)
+        self.tasks = [asyncio.create_task(lr._receive()), asyncio.create_task(lr.control.serve())]
         return self
 
     async def __aexit__(self, *exc) -> None:

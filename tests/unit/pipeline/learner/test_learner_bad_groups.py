@@ -117,7 +117,7 @@ def test_a_batch_that_raises_in_the_trainer_is_dropped_and_the_run_goes_on_check
     get_batch, train_batch = learner.buffer.get_batch, learner._train_batch
 
     def told(when: str) -> None:
-        a = learner.announcement()
+        a = learner.control.announcement()
         seen.append((when, learner.state.step, a.steps_taken, a.last_step))
 
     async def waiting(*args, **kw):
@@ -133,7 +133,7 @@ def test_a_batch_that_raises_in_the_trainer_is_dropped_and_the_run_goes_on_check
     asyncio.run(_run(learner, [bad("token_out_of_vocab"), *goods]))
     assert seen == [("wait", 0, 0, 2), ("train", 0, 1, 2), ("wait", 0, 0, 2),
                     ("train", 0, 1, 2), ("wait", 1, 1, 2), ("train", 1, 2, 2)]
-    assert learner.announcement().steps_taken == 2
+    assert learner.control.announcement().steps_taken == 2
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[-1]["dropped_batches"] == 1 and rows[-1]["dropped_batch_groups"] == 2

@@ -102,7 +102,7 @@ def test_control_round_trip_within_100ms_while_the_buffer_is_full(learner_factor
                 # socket (blocked for good here: that would be the 5 s call timeout).
                 assert sorted(times)[len(times) // 2] < 0.1, times
                 assert max(times) < 1.0, times
-                assert learner.producers["p0"].version == 1 and 1 in learner.acks
+                assert learner.control.producers["p0"].version == 1 and 1 in learner.control.acks
                 assert len(learner.buffer) == CAPACITY  # still full: control did not wait
             finally:
                 ep.close()
@@ -123,12 +123,12 @@ def test_forged_hello_from_an_unknown_producer_is_refused(learner_factory, tmp_p
                         assert answer == Reply(ok=False, reason="unexpected_producer")
             finally:
                 ep.close()
-        assert "evil-producer" not in learner.producers
-        assert learner.registry.metrics() == {"rejected/unexpected_producer": 3.0}
+        assert "evil-producer" not in learner.control.producers
+        assert learner.control.registry.metrics() == {"rejected/unexpected_producer": 3.0}
         assert sum("evil-producer" in r.getMessage() for r in caplog.records) == 1
         # Nothing to wait for: no producer was ever seen alive.
         t0 = time.monotonic()
-        await learner._collect_acks(1, time.monotonic())
+        await learner.control.collect_acks(1, time.monotonic())
         assert time.monotonic() - t0 < 1.0
 
     asyncio.run(main())
@@ -144,11 +144,11 @@ def test_the_learner_never_waits_for_a_producer_it_has_not_seen_alive(learner_fa
             try:
                 assert isinstance(await ep.call(hello(), 5), Welcome)
                 t0 = time.monotonic()
-                await learner._collect_acks(1, time.monotonic())
+                await learner.control.collect_acks(1, time.monotonic())
                 assert time.monotonic() - t0 < 1.0
                 hb = Heartbeat(producer_id="p0", incarnation="p0-1", policy_version=0, stats={})
                 assert await ep.call(hb, 5) == Reply(ok=True)
-                waiter = asyncio.create_task(learner._collect_acks(2, time.monotonic()))
+                waiter = asyncio.create_task(learner.control.collect_acks(2, time.monotonic()))
                 await asyncio.sleep(0.3)
                 assert not waiter.done()  # alive and behind: waits for its ack
                 ack = Ack(producer_id="p0", incarnation="p0-1", version=2, ok=True,
@@ -156,7 +156,7 @@ def test_the_learner_never_waits_for_a_producer_it_has_not_seen_alive(learner_fa
                 assert await ep.call(ack, 5) == Reply(ok=True)
                 await asyncio.wait_for(waiter, 2)
                 # A long drain's row says what it waited for.
-                got = {k: learner.last_sync[k] for k in
+                got = {k: learner.control.last_sync[k] for k in
                        ("swap_drain_s", "swap_drain_waited", "swap_drain_resubmitted")}
                 assert got == {"swap_drain_s": 2.5, "swap_drain_waited": 3.0,
                                "swap_drain_resubmitted": 5.0}
@@ -187,16 +187,16 @@ def test_forged_negative_ack_is_refused_and_not_counted_as_a_sync_failure(
                     ),  # the real id, a made-up incarnation
                     Ack(producer_id="p1", incarnation="p1-1", version=1, ok=False, error="forged"),
                 ]  # an id that never said Hello
-                with caplog.at_level(logging.ERROR, logger="pipeline.learner.loop"):
+                with caplog.at_level(logging.ERROR, logger="pipeline.learner.control"):
                     for msg in bad:
                         answer = await forger.call(msg, 5)
                         assert answer is not None and not answer.ok
             finally:
                 real.close()
                 forger.close()
-        assert "sync_failures" not in learner.counters and not learner.acks
+        assert "sync_failures" not in learner.counters and not learner.control.acks
         assert not [r for r in caplog.records if "failed to sync" in r.getMessage()]
-        assert learner.registry.metrics() == {
+        assert learner.control.registry.metrics() == {
             "rejected/stale_incarnation": 1.0,
             "rejected/unknown_producer": 1.0,
         }
@@ -245,7 +245,7 @@ def test_groups_without_metadata_or_identity_and_control_frames_on_data_are_reje
                 ctx.term()
                 ep.close()
         assert [g.group_id for g in await learner.buffer.get_batch(1, 0, timeout=1)] == ["g4"]
-        assert learner.registry.metrics() == {
+        assert learner.control.registry.metrics() == {
             "rejected/no_metadata": 1.0,
             "rejected/not_a_group": 2.0,
             "rejected/unknown_incarnation": 1.0,

@@ -83,9 +83,9 @@ def test_a_dedicated_evaluator_is_welcomed_but_is_no_producer(tiny_model, tmp_pa
     asyncio.run(main())
     learner.metrics.close()
     assert learner.evals.evaluated == {3: STATS}
-    assert EVALUATOR_ID not in learner.producers  # no ack, route, share or shard for it
+    assert EVALUATOR_ID not in learner.control.producers  # no ack, route, share or shard for it
     assert learner.buffer.stats.rejected == 1 and len(learner.buffer) == 0
-    assert learner.registry.metrics() == {"rejected/from_evaluator": 1.0}
+    assert learner.control.registry.metrics() == {"rejected/from_evaluator": 1.0}
     m = learner.evals.step_metrics()
     assert m == {"evaluator_alive": 1.0, "evaluator/evaluations": 2.0,
                  "evaluator/versions_skipped": 1.0}
@@ -94,7 +94,8 @@ def test_a_dedicated_evaluator_is_welcomed_but_is_no_producer(tiny_model, tmp_pa
 def test_a_shared_run_refuses_an_evaluator_and_logs_no_evaluator_keys(tiny_model, tmp_path):
     learner = make_learner(tmp_path, tiny_model, **{"eval.data": "arithmetic:8", "eval.every": 1})
     learner.metrics.close()
-    assert learner._answer(hello("eval", "eval-1")) == Reply(ok=False, reason="unexpected_producer")
+    assert learner.control.answer(hello("eval", "eval-1")) == \
+        Reply(ok=False, reason="unexpected_producer")
     assert learner.evals.step_metrics() == {}
 
 

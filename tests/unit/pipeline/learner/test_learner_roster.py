@@ -19,10 +19,10 @@ def test_a_producer_that_left_is_no_member_of_the_restarted_learner(tiny_model, 
     learner = make_learner(tmp_path, tiny_model, **conf)
     learner.metrics.close()
     for pid in ("p0", "p1"):
-        learner._answer(hello(pid, f"{pid}-1"))
-    learner.announcement()
+        learner.control.answer(hello(pid, f"{pid}-1"))
+    learner.control.announcement()
     leave = Leave(producer_id="p1", incarnation="p1-1", sent=0, cursor=3)
-    assert learner._answer(leave) == Reply(ok=True)
+    assert learner.control.answer(leave) == Reply(ok=True)
 
     # kill -9: a new learner on the same run_dir (the launcher restarts it)
     again = make_learner(tmp_path, tiny_model, **conf)
