@@ -59,7 +59,7 @@ MIRROR_MAX_BYTES = 64 << 20  # files the driver copies back at the end (checkpoi
 def make_keys() -> dict[str, bytes]:
     """The run's CurveZMQ keys, made by the driver: the certificate files of the roles'
     ``curve_keys`` directories."""
-    from buffer.transport import generate_curve_keys
+    from buffer.keys import generate_curve_keys
 
     with tempfile.TemporaryDirectory(prefix="pipeline-keys-") as d:  # 0700, removed at once
         generate_curve_keys(d)

@@ -7,7 +7,7 @@ shared filesystem would.
 
 The learner binds all interfaces with CURVE keys (--curve-keys); producers hold a copy of only
 the public server key and the client pair. (The bind-address checks are covered without engines
-in tests/unit/pipeline/test_cli.py, the key handling in tests/unit/buffer/test_buffer_transport.py.)
+in tests/unit/pipeline/launch/test_cli.py, the key files in tests/unit/buffer/test_keys.py.)
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import time
 import pytest
 from conftest import assert_no_process_left
 
+from buffer.keys import generate_curve_keys
 from buffer.ports import free_port, free_tcp_port_pair
 from buffer.store import RolloutBuffer
-from buffer.transport import generate_curve_keys
 from tests.e2e.support.launcher import Launcher, assert_gone, read_metrics
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,6 @@
-"""CURVE key files: created private (0700 directory, 0600 secrets) and refused when others can
-read a secret, as ssh refuses an unprotected private key. Real files, real zmq.auth keys."""
+"""``buffer.keys``: CURVE key files created private (0700 directory, 0600 secrets) and refused
+when others can read a secret, as ssh refuses an unprotected private key; a producer node never
+makes keys of its own. Real files, real zmq.auth keys."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import stat
 
 import pytest
 
-from buffer.transport import generate_curve_keys, load_curve_keys
+from buffer.keys import generate_curve_keys, load_curve_keys
 
 
 @pytest.fixture
@@ -60,14 +61,9 @@ def test_a_secret_key_others_can_access_is_refused(tmp_path, role, secret, mode)
     assert load_curve_keys(d, role).client_secret is not None
 
 
-def test_the_launcher_turns_it_into_a_config_error(tmp_path):
-    from pipeline.config import load_config
-    from pipeline.keys import curve_keys
-    from pipeline.options import ConfigError
-
-    d = tmp_path / "keys"
-    generate_curve_keys(d)
-    (d / "client.key_secret").chmod(0o644)
-    cfg = load_config(overrides={"curve_keys": str(d), "run_dir": str(tmp_path / "run")})
-    with pytest.raises(ConfigError, match=r"^curve_keys: secret key .* chmod 600"):
-        curve_keys(cfg, "producer")
+def test_a_producer_node_never_makes_keys(tmp_path):
+    d = tmp_path / "node"
+    d.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"CURVE keys missing: .*server\.key"):
+        load_curve_keys(d, "producer")
+    assert not list(d.iterdir())
