@@ -123,11 +123,12 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from pipeline.config import load_config
+    from pipeline.launch.derive import resolve
     from pipeline.learner.trainer import PolicyTrainer
 
     over = {**BASE, "model.path": args.model, "run_dir": args.run_dir,
             "generation.group_size": args.group_size, **json.loads(args.options)}
-    cfg = load_config(overrides=over)
+    cfg = resolve(load_config(overrides=over))
     trainer = PolicyTrainer(cfg, args.model)
     groups = synthetic_groups(args.batch, args.group_size, args.prompt, args.max_tokens,
                               args.lengths, trainer.vocab_size)

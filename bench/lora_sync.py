@@ -119,13 +119,14 @@ def measure(model_dir: Path, rank: int, versions: int, path: str, work: Path,
     off, on, merge)."""
     adapter = path == "adapter"
     from pipeline.config import EngineConfig, ModelConfig, load_config
+    from pipeline.launch.derive import resolve
     from pipeline.learner.trainer import PolicyTrainer
     from pipeline.producer.adapters import AdapterSet
     from pipeline.producer.engine import build_engine
     from sync.lora import adapter_config
     from sync.snapshot import write_snapshot
 
-    cfg = load_config(
+    cfg = resolve(load_config(
         overrides={
             "model.path": str(model_dir),
             "data.path": "arithmetic:10",
@@ -136,7 +137,7 @@ def measure(model_dir: Path, rank: int, versions: int, path: str, work: Path,
             "train.lora_alpha": 2.0 * rank,
             "sync.lora_adapters": {"merged": "off", "adapter": "on"}.get(path, "merge"),
         }
-    )
+    ))
     tr = PolicyTrainer(cfg, str(model_dir), device="cpu")
     refs, sizes = [], []
     for v in range(1, versions + 1):

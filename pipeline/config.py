@@ -6,23 +6,25 @@ declarations, so ``pipeline-train --help`` documents every option without a seco
 in sync. Each section's ``__post_init__`` first has ``pipeline.options.enforce`` check every
 field's type and bounds, then checks what those cannot say (patterns, relations between
 options), so a bad value fails before any process starts, with one ConfigError naming the option.
+
+This module only declares and checks: no check needs hardware (GPU counts and placement are
+``pipeline.launch.placement``'s), and no value is computed from others. The values that follow
+from other options (the buffer capacity, sync mode's staleness, the LoRA adapter plan) are
+decided once, by the launcher, in ``pipeline.launch.derive``; ``run_dir/config.yaml`` carries
+them to every role.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from buffer.staleness import admission_budget
 from pipeline import options
 from pipeline.config_launch import LaunchConfig
 from pipeline.config_rewards import RewardSpec
 from pipeline.options import check, enforce, opt
-
-log = logging.getLogger(__name__)
 
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 _GPU_LIST = re.compile(r"\d+(,\d+)*")
@@ -270,15 +272,6 @@ class RewardsConfig:
         enforce(self, "rewards")  # builds each spec mapping into a RewardSpec: rewards.specs[i]
 
 
-def _cuda_device_count() -> int:
-    """GPUs this process sees (torch imported only for an explicit GPU transport). Through
-    NVML, never ``torch.cuda.is_available()``: that initialises CUDA, after which a child can no
-    longer be pinned to its GPUs with CUDA_VISIBLE_DEVICES, and vLLM may fork after cuInit."""
-    import torch
-
-    return torch.cuda.device_count()
-
-
 @dataclass
 class EpisodeConfig:
     fn: str = ""
@@ -333,7 +326,8 @@ class SyncConfig:
     engine's weights (W0 + alpha/r * B @ A, W0 read once from the model's files): an adapter's
     bytes per version, merged weights' generation speed; 'auto' is 'on' where the launcher sees
     a GPU and 'off' on CPU, where vLLM's LoRA kernels generate several times slower than merged
-    weights (docs/lora.md)"""
+    weights (docs/lora.md). The launcher resolves 'auto', and 'on' or 'merge' where vLLM cannot
+    serve the adapter, to what the run does (``RunConfig.adapter_plan``)"""
     sync_every: int = opt(1, ge=1)
     """publish a snapshot every k learner steps"""
     # The previous snapshot is the rollback target, so two are always kept.
@@ -364,12 +358,6 @@ class SyncConfig:
             value = getattr(self, name)
             check(not value or _TCP_ADDR.fullmatch(value) is not None, f"sync.{name}",
                   f"must look like tcp://HOST:PORT, got {value!r}")
-        # Only "no GPU at all" is checked here: this also runs in children that launch pinned
-        # to one GPU each (CUDA_VISIBLE_DEVICES), where the device count says nothing about
-        # placement; pipeline.launch.placement checks that, once, in the launcher.
-        check(self.transport not in ("ipc", "nccl") or _cuda_device_count() > 0,
-              "sync.transport", f"{self.transport!r} needs NVIDIA GPUs and none is visible "
-                               f"(CPU build?); use 'file' or 'auto'")
 
 
 @dataclass
@@ -381,7 +369,7 @@ class TrainConfig:
     batch_groups: int = opt(8, ge=1)
     """groups per learner step"""
     max_staleness: int = opt(1, ge=0)
-    """max learner_version - policy_version trained on (async)"""
+    """max learner_version - policy_version trained on (async; sync mode runs with 0)"""
     lr: float = opt(1e-5, gt=0)
     """AdamW learning rate of a full fine-tune (LoRA runs use train.lora_lr)"""
     weight_decay: float = opt(0.0, ge=0)
@@ -394,7 +382,8 @@ class TrainConfig:
     """completions per forward/backward (gradient accumulation)"""
     freeze_layers: int = opt(0, ge=0)
     """freeze the embeddings and the first k decoder layers (cheap partial fine-tune: backward
-    stops at layer k; 0 trains all); ignored, with one warning, when train.lora_rank > 0"""
+    stops at layer k; 0 trains all); ignored, with one line on the console, when
+    train.lora_rank > 0"""
     micro_batch_tokens: int = opt(0, ge=0)
     """token budget per forward/backward: completions are grouped by length up to this many
     tokens (padded tokens count unless packed); 0: train.micro_batch rows"""
@@ -451,13 +440,6 @@ class TrainConfig:
         enforce(self, "train")
         check(bool(self.lora_target_modules), "train.lora_target_modules",
               "must be a non-empty list of module names")
-        if self.lora_rank and self.freeze_layers:
-            # LoRA freezes the whole base already, so a config that sets freeze_layers (the
-            # demo's) still runs as documented with --train.lora_rank; zeroed here, so the
-            # config.yaml the children read has 0 and only this process warns.
-            log.warning("train.freeze_layers %d is ignored: train.lora_rank %d trains LoRA "
-                        "adapters on a frozen base", self.freeze_layers, self.lora_rank)
-            self.freeze_layers = 0
         check(not self.accelerate_config or Path(self.accelerate_config).is_file(),
               "train.accelerate_config", f"file {self.accelerate_config!r} does not exist")
         if self.fsdp2:
@@ -467,8 +449,6 @@ class TrainConfig:
                   "runs under the plain multi-process launcher: unset train.accelerate_config "
                   "(DeepSpeed and FSDP2 are two ways to shard; pick one)")
             check(not self.lora_rank, "train.fsdp2", "not with LoRA (train.lora_rank > 0)")
-        if self.mode == "sync":
-            self.max_staleness = 0  # sync mode is on-policy by definition
 
     @property
     def optimizer_lr(self) -> float:
@@ -560,28 +540,6 @@ class RunConfig:
                   f"got {value!r}")
         check(not self.engine.sleep_when_idle or self.train.mode == "sync",
               "engine.sleep_when_idle", "needs train.mode sync (an async producer is never idle)")
-        if self.train.lora_rank and self.sync.lora_adapters == "auto" and \
-                _cuda_device_count() == 0:
-            # vLLM's CPU build applies an adapter with torch ops that gather every token's A and
-            # B (vllm.lora.ops.torch_ops): SmolLM2-135M generated at 0.12x of merged weights.
-            # Resolved here, once, so config.yaml carries it and learner and producers agree.
-            log.info("sync.lora_adapters auto: merged weights on CPU (vLLM's CPU LoRA kernels "
-                     "are slower than a merged-weight swap); 'on' serves adapters")
-            self.sync.lora_adapters = "off"
-        if self.train.lora_rank and self.sync.lora_adapters in ("auto", "on"):
-            from sync.lora import adapter_sync_plan
-
-            # Adapter-only versions are read from the learner host's snapshot files; a producer
-            # that streams weights from another node (Ray, or sync.stream_from) has no such file.
-            streams = bool(self.sync.stream_from) or (
-                self.launch.backend == "ray" and self.launch.stream_weights != "never")
-            t = self.train
-            check(not streams or not adapter_sync_plan(
-                      self.sync.lora_adapters, t.lora_rank, list(t.lora_target_modules))[0],
-                  "sync.lora_adapters", "adapter-only versions need the learner host's snapshot "
-                  "files: set sync.lora_adapters=off (merged versions) when weights are streamed "
-                  "(sync.stream_from, or --launcher ray with launch.stream_weights other than "
-                  "never)")
         check(self.max_producers == 0 or self.max_producers >= self.num_producers,
               "max_producers", f"must be 0 (no elastic producers) or at least num_producers "
               f"({self.num_producers}), got {self.max_producers}")
@@ -589,11 +547,8 @@ class RunConfig:
             check(self.train.batch_groups % self.num_producers == 0, "train.batch_groups",
                   f"sync mode needs batch_groups ({self.train.batch_groups}) divisible by "
                   f"num_producers ({self.num_producers}) so every step is exactly one batch")
-        if self.buffer_capacity == 0:
-            self.buffer_capacity = 4 * admission_budget(self.train.batch_groups,
-                                                         self.train.max_staleness)
-        check(self.buffer_capacity >= self.train.batch_groups, "buffer_capacity",
-              "must hold at least one batch")
+        check(self.buffer_capacity == 0 or self.buffer_capacity >= self.train.batch_groups,
+              "buffer_capacity", "must hold at least one batch")
         for i, spec in enumerate(self.rewards.specs):
             # The reward actors live on a Ray cluster that the run's driver connects to.
             check(spec.executor != "ray" or self.launch.backend == "ray"
@@ -610,6 +565,35 @@ class RunConfig:
     @property
     def bind_addr(self) -> str:
         return self.addr or f"ipc://{Path(self.run_dir).resolve()}/learner.sock"
+
+    @property
+    def adapter_plan(self) -> AdapterPlan:
+        """How this run's versions travel, read by the learner and every producer alike. It
+        reads ``sync.lora_adapters`` as the launcher resolved it (``pipeline.launch.derive``):
+        with LoRA, 'auto' is undecided until then, and asking is an error."""
+        mode = self.sync.lora_adapters
+        if not self.train.lora_rank or mode == "off":
+            return AdapterPlan("")
+        if mode == "auto":
+            raise RuntimeError("sync.lora_adapters auto is decided when the run's config is "
+                               "resolved (pipeline.launch.derive.resolve); this one was not")
+        return AdapterPlan("merge" if mode == "merge" else "lora")
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """How a run's versions reach the producers (``RunConfig.adapter_plan``)."""
+
+    serving: Literal["lora", "merge", ""]
+    """'lora': each version is the LoRA adapter alone, served through vLLM's LoRA support;
+    'merge': the adapter alone, merged by each producer into its engine's weights as it loads;
+    '': full weights (a full fine-tune, or LoRA merged by the learner)"""
+
+    @property
+    def adapter_only(self) -> bool:
+        """Whether a version's snapshot holds the LoRA adapter alone, not every weight."""
+        return bool(self.serving)
+
 
 
 def completion_max_tokens(cfg: RunConfig) -> int:

@@ -5,8 +5,9 @@ names (``<module>.lora_A.weight`` / ``<module>.lora_B.weight``, no adapter name)
 a valid ``adapter_model.safetensors``. A producer turns a verified snapshot into one adapter
 directory per version (``adapter_config.json`` + ``adapter_model.safetensors``, peft's layout)
 that vLLM's LoRA support loads as a ``LoRARequest``. Invariants:
-- learner and producers decide with the same pure function (``adapter_sync_plan``) from the run
-  config, so both sides always agree on what a snapshot holds;
+- whether a run's versions can travel as adapters is one pure function (``adapter_sync_plan``) of
+  the run's options, decided once per run, so the learner and every producer agree on what a
+  snapshot holds;
 - an adapter directory is complete or absent (written under a temporary name and renamed);
 - a snapshot whose names are not all LoRA A/B tensors is refused before vLLM sees it.
 """
@@ -41,7 +42,7 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 def adapter_sync_plan(mode: str, lora_rank: int, target_modules: list[str]) -> tuple[bool, str]:
     """(on, reason): whether versions travel as LoRA adapters; ``reason`` says why not (empty
     when on, or when nothing is asked: ``mode`` off or a full fine-tune). ``mode`` "auto", "on"
-    and "merge" ask alike (the run config resolves "auto" to "off" on CPU before anyone asks);
+    and "merge" ask alike (whether "auto" asks at all, e.g. not on CPU, is decided before);
     with "merge" the producers merge each adapter into their engine's weights
     (``merge_adapter``) instead of serving it through vLLM's LoRA support."""
     if mode == "off" or lora_rank <= 0:
@@ -59,14 +60,6 @@ def adapter_sync_plan(mode: str, lora_rank: int, target_modules: list[str]) -> t
             f"{VLLM_LORA_RANKS[-1]}"
         )
     return True, ""
-
-
-def adapter_serving(mode: str, lora_rank: int, target_modules: list[str]) -> str:
-    """How a producer takes a run's versions: "lora" (each adapter a vLLM ``LoRARequest``),
-    "merge" (each adapter merged into the engine's weights), or "" (full weights)."""
-    if not adapter_sync_plan(mode, lora_rank, target_modules)[0]:
-        return ""
-    return "merge" if mode == "merge" else "lora"
 
 
 def vllm_max_lora_rank(lora_rank: int) -> int:

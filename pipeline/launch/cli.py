@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeline.config import RunConfig, load_config
 from pipeline.launch.args import OneLineParser
+from pipeline.launch.derive import resolve
 from pipeline.launch.placement import check_placement
 from pipeline.options import ConfigError, iter_help, iter_options, parse_value
 
@@ -148,6 +149,8 @@ def reward_spec(text: str) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
+    """The run's config from the command line, its derived values decided
+    (``pipeline.launch.derive``), and the launcher's own arguments."""
     parser = build_parser()
     args = parser.parse_args(argv)
     types = {name: tp for name, _f, tp in iter_options(RunConfig)}
@@ -173,7 +176,7 @@ def parse(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]
             raise ConfigError(f"--connect {args.connect!r}: expected HOST:PORT with a port in "
                               "1-65535")
         overrides["addr"] = f"tcp://{args.connect}"
-    return load_config(args.config, overrides), args
+    return resolve(load_config(args.config, overrides)), args
 
 
 def check_producer_index(cfg: RunConfig, role: str, index: int) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from pipeline.config import RunConfig, flatten, load_config
 from pipeline.launch.args import OneLineParser
+from pipeline.launch.derive import resolve
 from pipeline.options import ConfigError, iter_options, parse_value
 
 
@@ -79,7 +80,8 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def config_for(ckpt: Path, config: str | None, sets: list[str]) -> RunConfig:
-    """The run's config (``run_dir/config.yaml``) or ``--config``, with ``--set`` overrides."""
+    """The run's config (``run_dir/config.yaml``) or ``--config``, with ``--set`` overrides,
+    resolved as the launcher resolves a run's (``pipeline.launch.derive``)."""
     import yaml
 
     types = {name: tp for name, _f, tp in iter_options(RunConfig)}
@@ -90,7 +92,7 @@ def config_for(ckpt: Path, config: str | None, sets: list[str]) -> RunConfig:
             raise ConfigError(f"--set: expected KEY=VALUE with a known option, got {item!r}")
         overrides[key] = parse_value(text, types[key], key)
     if config is not None:
-        return load_config(config, overrides)
+        return resolve(load_config(config, overrides))
     run_cfg = ckpt.parent.parent / "config.yaml"
     if not run_cfg.is_file():
         raise ConfigError(f"--config: {run_cfg} not found; name the run's config with --config")
@@ -98,7 +100,7 @@ def config_for(ckpt: Path, config: str | None, sets: list[str]) -> RunConfig:
         data = flatten(yaml.safe_load(run_cfg.read_text()))
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"--config: cannot read {run_cfg}: {e}") from None
-    return load_config(None, {**data, **overrides})
+    return resolve(load_config(None, {**data, **overrides}))
 
 
 def checkpoint_snapshot(cfg: RunConfig, model_path: str, ckpt: Path, directory: Path) -> Any:

@@ -67,7 +67,7 @@ from pipeline.learner.logprobs import Policy, device_batch, micro_batch_logprobs
 from pipeline.learner.lora import merge_lora
 from pipeline.learner.loss import grpo_loss
 from pipeline.learner.step_metrics import batch_metrics, reward_means, staleness_hist, throughput
-from sync.lora import adapter_sync_plan, adapter_tensors
+from sync.lora import adapter_tensors
 from sync.packing import plan_buckets, plan_layout_of
 
 log = logging.getLogger(__name__)
@@ -109,12 +109,10 @@ class PolicyTrainer:
         # Packed rows need attention that stays inside each sequence (pipeline.learner.attention).
         self.attn = {"attn_implementation": register_varlen()} if t.packing else {}
         self.model, self._lora = load_policy_model(model_path, t, self.attn)
-        # Adapter sync: each version ships the LoRA tensors alone (sync.lora); producers decide
-        # with the same function, so both sides agree on what a snapshot holds.
-        self.adapter_sync, why = adapter_sync_plan(
-            cfg.sync.lora_adapters, t.lora_rank, list(t.lora_target_modules))
-        if why and self.rank == 0:
-            log.warning("LoRA versions ship as merged full weights: %s", why)
+        # Adapter sync: each version ships the LoRA tensors alone (sync.lora). The producers
+        # read the same plan, decided once by the launcher, so both sides agree on what a
+        # snapshot holds.
+        self.adapter_sync = cfg.adapter_plan.adapter_only
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.eos_token_id or 0)

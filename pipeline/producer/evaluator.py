@@ -38,7 +38,7 @@ from pipeline.producer.rewards.runner import RewardSet
 from pipeline.producer.session import LearnerFinished, LearnerSession, run_tasks
 from pipeline.schedule import EVALUATOR_ID, is_due, last_version, skipped
 from sync.barrier import RequestTracker, SwapBarrier, SwapReport
-from sync.lora import adapter_config, adapter_serving
+from sync.lora import adapter_config
 from sync.routes.base import swap_with_fallback
 from sync.snapshot import SnapshotRef
 
@@ -70,7 +70,7 @@ class Evaluator:
         self.routes = weight_routes(engine, cfg, self.producer_id, self._no_link)
         self.adapters: AdapterSet | None = None
         t = cfg.train
-        self.serving = adapter_serving(s.lora_adapters, t.lora_rank, list(t.lora_target_modules))
+        self.serving = cfg.adapter_plan.serving
         if self.serving == "lora":
             self.adapters = AdapterSet(
                 engine, f"lora-{self.producer_id}-{os.getpid()}",

@@ -81,7 +81,7 @@ from pipeline.producer.session import (
 from pipeline.producer.stats import ProducerStats
 from pipeline.schedule import engine_count, evaluator_index, is_due, last_version
 from sync.barrier import RequestTracker, SwapBarrier
-from sync.lora import adapter_config, adapter_serving
+from sync.lora import adapter_config
 from sync.routes import plan_route, route_class
 from sync.routes.base import swap_with_fallback
 from sync.snapshot import SnapshotRef
@@ -122,7 +122,7 @@ class Producer(GroupRollout):
         # with sync.lora_adapters merge, adapter files merged into the weights as they load.
         self.adapters: AdapterSet | None = None
         t = cfg.train
-        self.serving = adapter_serving(s.lora_adapters, t.lora_rank, list(t.lora_target_modules))
+        self.serving = cfg.adapter_plan.serving
         if self.serving == "lora":
             self.adapters = AdapterSet(
                 engine, f"lora-{self.producer_id}-{os.getpid()}",

@@ -21,7 +21,6 @@ from pipeline.config import RunConfig
 from pipeline.keys import curve_keys
 from pipeline.producer.engine import shutdown_engine
 from pipeline.producer.rewards.runner import RewardSet
-from sync.lora import adapter_serving
 
 
 @dataclass
@@ -46,8 +45,7 @@ async def engine_process(cfg: RunConfig, index: int, model_path: str, share: tup
                         pool_workers=cfg.rewards.pool_workers)
     endpoint = ProducerEndpoint(cfg.bind_addr, curve=curve_keys(cfg, "producer"))
     t = cfg.train
-    lora = adapter_serving(cfg.sync.lora_adapters, t.lora_rank,
-                           list(t.lora_target_modules)) == "lora"
+    lora = cfg.adapter_plan.serving == "lora"
     parts = EngineProcess(tokenizer, rewards, endpoint, build_engine(
         cfg.model, cfg.engine, model_path, cfg.engine.seed + index,
         lora_rank=t.lora_rank if lora else 0, max_loras=versions_in_flight(t.max_staleness),

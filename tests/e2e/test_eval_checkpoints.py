@@ -30,12 +30,12 @@ def _heldout(tmp_path: Path) -> Path:
 
 
 def _train_and_eval(tiny_model: Path, tmp_path: Path, tag: str, *extra: str,
-                    env: dict[str, str] | None = None) -> tuple[dict, dict, str]:
+                    env: dict[str, str] | None = None) -> tuple[dict, dict, str, str]:
     """A 3-step sync run evaluating v0 and v2 in training, then `pipeline-train eval` of its
     step-2 checkpoint; returns (in-training eval rows by version, the command's JSON, its
-    stdout)."""
+    stdout, the training run's stdout)."""
     run_dir = tmp_path / "run"
-    pipeline_train(
+    train = pipeline_train(
         *tiny_args(tiny_model, run_dir, data="arithmetic:64", group_size=2),
         "--reward", "tests.e2e.support.text_rewards:fingerprint", "--mode", "sync", "--steps", "3",
         "--train.lr", "0.01", "--train.checkpoint_every", "2", "--tensorboard", "false",
@@ -50,7 +50,7 @@ def _train_and_eval(tiny_model: Path, tmp_path: Path, tag: str, *extra: str,
     proc = pipeline_train("eval", "--checkpoint", str(run_dir / "checkpoints" / "step_2"),
                           "--out", str(out), tag=tag, env=env)
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
-    return evals, json.loads(out.read_text()), proc.stdout
+    return evals, json.loads(out.read_text()), proc.stdout, train.stdout
 
 
 def _check_same_as_training(evals: dict, result: dict) -> None:
@@ -63,18 +63,19 @@ def _check_same_as_training(evals: dict, result: dict) -> None:
 
 def test_eval_of_a_lora_checkpoint_matches_training(tiny_model, tmp_path):
     """Also: adapters asked for (sync.lora_adapters on) at a rank vLLM cannot serve fall back to
-    merged weights with one warning, from the learner (the producer decides the same, silently).
+    merged weights with one console line, from the launcher, which decides it for every role.
     alpha keeps alpha/rank at 2, so two steps change the texts as at a small rank."""
-    evals, result, stdout = _train_and_eval(
+    evals, result, stdout, train_stdout = _train_and_eval(
         tiny_model, tmp_path, "evallora", "--train.lora_rank", "1024",
         "--train.lora_alpha", "2048", "--sync.lora_adapters", "on")
     assert "LoRA rank 1024 alpha 2048 (14 modules merged)" in stdout, stdout
     _check_same_as_training(evals, result)
     logs = tmp_path / "run" / "logs"
-    warned = [x for x in (logs / "learner.log").read_text(errors="replace").splitlines()
-              if "merged full weights" in x]
-    assert len(warned) == 1 and "train.lora_rank 1024" in warned[0], warned
+    said = [x for x in train_stdout.splitlines() if "merged full weights" in x]
+    assert len(said) == 1 and "sync.lora_adapters on" in said[0], said
+    assert "train.lora_rank 1024" in said[0], said
+    for log in ("learner.log", "producer-0.log"):
+        assert "merged full weights" not in (logs / log).read_text(errors="replace")
     producer_log = (logs / "producer-0.log").read_text(errors="replace")
-    assert "merged full weights" not in producer_log
     assert "serves each version as a LoRA adapter" not in producer_log
     assert "swap to v" not in producer_log

@@ -7,7 +7,7 @@ shared filesystem would.
 
 The learner binds all interfaces with CURVE keys (--curve-keys); producers hold a copy of only
 the public server key and the client pair. (The bind-address checks are covered without engines
-in tests/unit/pipeline/launch/test_cli.py, the key files in tests/unit/buffer/test_keys.py.)
+in tests/unit/pipeline/launch/test_cli.py, the key files in tests/unit/buffer/test_buffer_keys.py.)
 """
 
 from __future__ import annotations

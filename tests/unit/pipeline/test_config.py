@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from buffer.staleness import admission_budget
 from pipeline.config import RunConfig, load_config
 from pipeline.options import ConfigError, parse_value
 
@@ -85,10 +84,11 @@ def test_invalid_values_name_the_option(key, value, match):
         load_config(None, {key: value})
 
 
-def test_sync_mode_is_on_policy_and_checks_divisibility():
+def test_sync_mode_checks_divisibility():
+    # Its staleness (0) is decided by the launcher: tests/unit/pipeline/launch/test_derive.py.
     cfg = load_config(None, {"train.mode": "sync", "train.max_staleness": 3,
                              "train.batch_groups": 4, "num_producers": 2})
-    assert cfg.train.max_staleness == 0
+    assert cfg.train.max_staleness == 3  # as written: the config only declares and checks
     with pytest.raises(ConfigError, match="divisible by num_producers"):
         load_config(None, {"train.mode": "sync", "train.batch_groups": 5, "num_producers": 2})
     # Async mode has no such constraint.
@@ -96,9 +96,10 @@ def test_sync_mode_is_on_policy_and_checks_divisibility():
     assert cfg.train.max_staleness == 1
 
 
-def test_buffer_capacity_default_and_check():
-    cfg = load_config(None, {"train.batch_groups": 4, "train.max_staleness": 2})
-    assert cfg.buffer_capacity == 4 * admission_budget(4, 2) == 48
+def test_buffer_capacity_check():
+    # Its default (0: derived from the admission budget) is the launcher's: test_derive.py.
+    assert load_config(None, {"train.batch_groups": 4}).buffer_capacity == 0
+    assert load_config(None, {"train.batch_groups": 4, "buffer_capacity": 4}).buffer_capacity == 4
     with pytest.raises(ConfigError, match="buffer_capacity"):
         load_config(None, {"train.batch_groups": 4, "buffer_capacity": 3})
 
@@ -167,15 +168,18 @@ def test_sync_transport_defaults_to_auto_and_accepts_file():
 
 
 def test_gpu_transport_without_gpus_is_a_config_error(monkeypatch):
-    import pipeline.config as config
+    import pipeline.launch.placement as placement
 
-    monkeypatch.setattr(config, "_cuda_device_count", lambda: 0)  # mock: a CPU machine
-    for t in ("nccl", "ipc"):
-        with pytest.raises(ConfigError, match=f"sync.transport: '{t}' needs NVIDIA GPUs"):
-            load_config(None, {"sync.transport": t})
-    monkeypatch.setattr(config, "_cuda_device_count", lambda: 1)  # mock: one GPU per child
+    # The config declares it; the launcher's placement check refuses it on this machine.
     for t in ("nccl", "ipc"):
         assert load_config(None, {"sync.transport": t}).sync.transport == t
+    monkeypatch.setattr(placement, "cuda_device_count", lambda: 0)  # mock: a CPU machine
+    for t in ("nccl", "ipc"):
+        with pytest.raises(ConfigError, match=f"sync.transport: '{t}' needs NVIDIA GPUs"):
+            placement.check_placement(t, "", [])
+    monkeypatch.setattr(placement, "cuda_device_count", lambda: 1)  # mock: one GPU
+    for t in ("nccl", "ipc"):
+        placement.check_placement(t, "", [])
     with pytest.raises(ConfigError, match=r"sync\.nccl_timeout_s"):
         load_config(None, {"sync.nccl_timeout_s": 0})
 
@@ -183,15 +187,19 @@ def test_gpu_transport_without_gpus_is_a_config_error(monkeypatch):
 def test_gpu_transport_on_this_cpu_machine_is_refused():
     import torch
 
+    from pipeline.launch.placement import check_placement
+
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     with pytest.raises(ConfigError, match="CPU build"):
-        load_config(None, {"sync.transport": "nccl"})
+        check_placement("nccl", "", [])
 
 
-def test_check_placement_refuses_impossible_gpu_placements():
+def test_check_placement_refuses_impossible_gpu_placements(monkeypatch):
+    import pipeline.launch.placement as placement
     from pipeline.launch.placement import check_placement
 
+    monkeypatch.setattr(placement, "cuda_device_count", lambda: 4)  # mock: this machine has none
     check_placement("nccl", "0", ["1", "2,3"])
     with pytest.raises(ConfigError, match=r"producer_gpus\[1\]: .*NCCL cannot put two ranks"):
         check_placement("nccl", "0", ["1", "0"])
@@ -207,28 +215,6 @@ def test_sleep_when_idle_needs_sync_mode():
         load_config(overrides={"engine.sleep_when_idle": True})
     cfg = load_config(overrides={"engine.sleep_when_idle": True, "train.mode": "sync"})
     assert cfg.engine.sleep_when_idle
-
-
-def test_adapter_only_versions_are_refused_where_weights_are_streamed():
-    lora = {"train.lora_rank": 8, "sync.lora_adapters": "on"}
-    assert load_config(None, lora).sync.lora_adapters == "on"
-    for extra in ({"sync.stream_from": "tcp://10.0.0.1:5000"}, {"launch.backend": "ray"}):
-        with pytest.raises(ConfigError, match=r"sync\.lora_adapters"):
-            load_config(None, {**lora, **extra})
-        load_config(None, {**lora, **extra, "sync.lora_adapters": "off"})
-    load_config(None, {**lora, "launch.backend": "ray", "launch.stream_weights": "never"})
-
-
-@pytest.mark.parametrize("gpus, want", [(0, "off"), (1, "auto")])
-def test_lora_adapters_auto_is_merged_on_cpu_and_adapters_on_gpus(monkeypatch, gpus, want):
-    # vLLM's CPU LoRA kernels generate several times slower than merged weights (BENCHMARKS).
-    import pipeline.config as config
-
-    monkeypatch.setattr(config, "_cuda_device_count", lambda: gpus)
-    assert load_config(None, {"train.lora_rank": 8}).sync.lora_adapters == want
-    assert load_config(None, {"train.lora_rank": 8, "sync.lora_adapters": "on"}
-                       ).sync.lora_adapters == "on"
-    assert load_config(None, {}).sync.lora_adapters == "auto"  # no LoRA: nothing to decide
 
 
 def test_numpy_scalars_and_str_subclasses_stand_for_their_builtin():

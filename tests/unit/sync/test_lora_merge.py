@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline.learner.lora import merge_lora
-from sync.lora import BaseWeights, adapter_serving, base_name, merge_adapter
+from sync.lora import BaseWeights, base_name, merge_adapter
 from sync.snapshot import SnapshotError
 
 MODULES = ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj")
@@ -94,11 +94,3 @@ def test_a_broken_adapter_is_refused(tmp_path):
     other = {k.replace("layers.0", "layers.7"): v for k, v in adapter.items()}
     with pytest.raises(SnapshotError, match="not in the model's files"):
         merge_adapter(other, base, 2.0)
-
-
-def test_adapter_serving_names_how_a_producer_takes_versions():
-    targets = ["q_proj", "v_proj"]
-    assert adapter_serving("on", 8, targets) == "lora"
-    assert adapter_serving("merge", 8, targets) == "merge"
-    assert adapter_serving("off", 8, targets) == ""
-    assert adapter_serving("merge", 0, targets) == ""  # a full fine-tune: full weights

@@ -129,10 +129,10 @@ def test_impossible_pinned_placement_is_a_config_error_fake_gpu_count(monkeypatc
                                                                       tmp_path):
     """nccl with the producer on the learner's GPU is refused before anything starts (the GPU
     count is faked: this machine has none)."""
-    import pipeline.config as config
+    import pipeline.launch.placement as placement
     from pipeline.launch.cli import main
 
-    monkeypatch.setattr(config, "_cuda_device_count", lambda: 2)
+    monkeypatch.setattr(placement, "cuda_device_count", lambda: 2)
     code = main(["--model", "tiny", "--run-dir", str(tmp_path / "run"), "--sync.transport",
                  "nccl", "--producer_gpus", '["0"]', "--learner_gpus", "0"])
     assert code == 2

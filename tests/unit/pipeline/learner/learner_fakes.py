@@ -9,13 +9,15 @@ from pathlib import Path
 from buffer.protocol import Hello
 from buffer.transport import LearnerEndpoint
 from pipeline.config import load_config
+from pipeline.launch.derive import resolve
 from pipeline.learner.loop import Learner
 
 
 def make_learner(tmp_path: Path, model: Path, **overrides) -> Learner:
     """A Learner of ``model`` for a one-producer run in ``tmp_path``, quiet (no progress line, no
-    TensorBoard); ``overrides`` are dotted config keys."""
-    cfg = load_config(
+    TensorBoard); ``overrides`` are dotted config keys. Its config is resolved, as the launcher
+    resolves a run's."""
+    cfg = resolve(load_config(
         overrides={
             "run_dir": str(tmp_path),
             "model.path": str(model),
@@ -24,7 +26,7 @@ def make_learner(tmp_path: Path, model: Path, **overrides) -> Learner:
             "tensorboard": False,
             **overrides,
         }
-    )
+    ))
     return Learner(cfg, str(model))
 
 

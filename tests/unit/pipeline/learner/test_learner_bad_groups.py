@@ -21,6 +21,7 @@ from buffer.schema import Completion, RolloutGroup
 from buffer.store import RolloutBuffer
 from buffer.transport import ProducerEndpoint
 from pipeline.config import load_config
+from pipeline.launch.derive import resolve
 from pipeline.learner.checkpoint import latest_checkpoint
 from pipeline.learner.loop import Learner
 
@@ -28,13 +29,13 @@ G = 4
 
 
 def _cfg(tiny_model: Path, run_dir: Path, steps: int):
-    return load_config(overrides={
+    return resolve(load_config(overrides={
         "model.path": str(tiny_model), "data.path": "arithmetic:10",
         "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward", "weight": 1.0}],
         "run_dir": str(run_dir), "generation.group_size": G, "generation.max_tokens": 8,
         "engine.max_model_len": 64, "train.steps": steps, "train.batch_groups": 2,
         "train.mode": "async", "train.max_staleness": 8, "train.batch_timeout_s": 120.0,
-        "tensorboard": False, "progress": False})
+        "tensorboard": False, "progress": False}))
 
 
 def group(gid: str, n: int = G, plen: int = 5, seed: int = 0) -> RolloutGroup:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from pipeline.config import load_config
+from pipeline.launch.derive import resolve
 from pipeline.producer.loop import Producer
 
 
@@ -21,8 +22,8 @@ class SleepyEngineFake:
 
 
 def _producer(tmp_path, on: bool):
-    cfg = load_config(overrides={"run_dir": str(tmp_path), "train.mode": "sync",
-                                 "engine.sleep_when_idle": on})
+    cfg = resolve(load_config(overrides={"run_dir": str(tmp_path), "train.mode": "sync",
+                                         "engine.sleep_when_idle": on}))
     engine = SleepyEngineFake()
     return Producer(cfg, 0, engine, None, None, None, None), engine
 
