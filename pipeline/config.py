@@ -595,7 +595,6 @@ class AdapterPlan:
         return bool(self.serving)
 
 
-
 def completion_max_tokens(cfg: RunConfig) -> int:
     """Most tokens one completion of this run may carry: an episode's budget (its generated and
     tool tokens) when episodes run, else ``generation.max_tokens``."""
