@@ -4,7 +4,8 @@
                                   [--group-size 4] [--turns 3] [--tokens-per-turn 32]
 
 On one engine (``pipeline.producer.engine.build_engine``), through the producer's own paths
-(``Producer._generate_one`` and ``Producer._run_episodes``; no learner, rewards or ZeroMQ):
+(``GroupRollout._generate_one`` and ``GroupRollout._run_episodes``; no learner, rewards or
+ZeroMQ):
 1. single-turn: G requests per prompt of ``turns x tokens-per-turn`` tokens each (ignore_eos);
 2. episodes: G episodes per prompt of ``turns`` turns of ``tokens-per-turn`` tokens (ignore_eos),
    a tool call (a sync function, run as ``ctx.tool`` runs it) appending a short environment
@@ -109,15 +110,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             probe = CacheProbe(engine)
             producer = Producer(cfg, 0, engine, tokenizer, None, None, None)
-            producer.episode_fn = bench_episode
-            single = producer._sampling(max_tokens=total, ignore_eos=True)
+            rollout = producer.rollout
+            rollout.episode_fn = bench_episode
+            single = rollout._sampling(max_tokens=total, ignore_eos=True)
             meta = {"turns": args.turns, "per_turn": args.tokens_per_turn}
-            await producer._generate_one("warm-single", prompts[0], single)
-            await producer._run_episodes("warm-ep", records[0], prompts[0], dict(meta))
+            await rollout._generate_one("warm-single", prompts[0], single)
+            await rollout._run_episodes("warm-ep", records[0], prompts[0], dict(meta))
             t0 = time.perf_counter()
             outs = await asyncio.gather(
                 *(
-                    producer._generate_one(f"s{i}-{j}", p, single)
+                    rollout._generate_one(f"s{i}-{j}", p, single)
                     for i, p in enumerate(prompts)
                     for j in range(args.group_size)
                 )
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             groups = await asyncio.gather(
                 *(
-                    producer._run_episodes(f"e{i}", r, p, dict(meta))
+                    rollout._run_episodes(f"e{i}", r, p, dict(meta))
                     for i, (r, p) in enumerate(zip(records, prompts, strict=True))
                 )
             )

@@ -10,9 +10,9 @@ In one run, on the same chat-templated prompts and the same engine arguments (bu
    logprob, the share of the gap that any RL trainer using engine logprobs pays); the engine is
    then shut down;
 2. producer: an AsyncLLM from ``pipeline.producer.engine.build_engine`` driven through
-   ``Producer._generate_one`` for each ``generation.stream`` mode (FINAL_ONLY or DELTA,
+   ``GroupRollout._generate_one`` for each ``generation.stream`` mode (FINAL_ONLY or DELTA,
    ``logprobs=0``, per-token version tagging), G requests per prompt as
-   ``Producer._run_group`` issues them, no rewards, no ZMQ.
+   ``GroupRollout.run`` issues them, no rewards, no ZMQ.
 All requests are submitted at once in both (no admission budget), so the ratio measures the cost
 of streaming + logprobs + tagging, not of admission. Each engine gets one untimed warm-up request.
 """
@@ -53,7 +53,7 @@ def _sampling(args: argparse.Namespace, n: int, kind: Any = None, logprobs: bool
 
 
 def _producer_sampling(args: argparse.Namespace, stream: str) -> Any:
-    """Exactly the parameters of Producer._run_group (one request per completion)."""
+    """Exactly the parameters of GroupRollout.run (one request per completion)."""
     from vllm.sampling_params import RequestOutputKind
 
     kind = RequestOutputKind.FINAL_ONLY if stream == "final" else RequestOutputKind.DELTA
@@ -119,10 +119,10 @@ def bench_producer(args, cfg: Any, model_path: Path, tokenizer: Any,
                 # No endpoint, rewards or prompt source: only the generation path is exercised.
                 producer = Producer(mcfg, 0, engine, tokenizer, None, None, None)
                 sp = _producer_sampling(args, mode)
-                await producer._generate_one(f"warmup-{mode}", prompts[0], sp)
+                await producer.rollout._generate_one(f"warmup-{mode}", prompts[0], sp)
                 t0 = time.perf_counter()
                 results = await asyncio.gather(*(
-                    producer._generate_one(f"{mode}{i}-{j}", p, sp)
+                    producer.rollout._generate_one(f"{mode}{i}-{j}", p, sp)
                     for i, p in enumerate(prompts) for j in range(args.group_size)))
                 dt = time.perf_counter() - t0
                 tokens = 0

@@ -120,7 +120,7 @@ class SyncReady(_Message, tag="sync_ready"):
 
 
 class EvalResult(_Message, tag="eval_result"):
-    """The figures of one evaluation on held-out prompts (``pipeline.producer.evaluate``), run
+    """The figures of one evaluation on held-out prompts (``pipeline.producer.evaluation``), run
     on weights ``version``. Evaluation completions never travel: they are not rollout groups."""
 
     producer_id: Name

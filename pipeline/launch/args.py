@@ -1,6 +1,6 @@
 """The argument parser of every ``pipeline-train`` command: mistakes end like every config
 error, with exit code 2 and one line on stderr. Its own module so that the commands
-(``pipeline.launch.cli``, ``pipeline.launch.evaluate``) share it without importing each other."""
+(``pipeline.launch.cli``, ``pipeline.launch.evaluation``) share it without importing each other."""
 
 from __future__ import annotations
 

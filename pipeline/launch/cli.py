@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return scale_main(argv[1:])
     if argv[:1] == ["eval"]:  # `pipeline-train eval --checkpoint DIR`: one checkpoint alone
-        from pipeline.launch.evaluate import main as eval_main
+        from pipeline.launch.evaluation import main as eval_main
 
         return eval_main(argv[1:])
     try:

@@ -42,7 +42,7 @@ from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
 from pipeline.config import RunConfig
 from pipeline.learner.checkpoint import LearnerState
-from pipeline.learner.evaluations import Evaluations
+from pipeline.learner.evaluation import Evaluations
 from pipeline.learner.metrics import carry_counters, producer_metrics
 from pipeline.learner.producers import ALIVE_S, ProducerInfo
 from pipeline.learner.roster import Roster

@@ -49,7 +49,7 @@ from pipeline.learner.checkpoint import (
 )
 from pipeline.learner.control import Control
 from pipeline.learner.disk import disk_free
-from pipeline.learner.evaluations import Evaluations
+from pipeline.learner.evaluation import Evaluations
 from pipeline.learner.metrics import MetricsLogger, plot_run
 from pipeline.learner.producers import ProducerInfo
 from pipeline.learner.roster import Roster

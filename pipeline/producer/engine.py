@@ -1,6 +1,6 @@
 """Build a vLLM AsyncLLM from config, with hardware/version checks that fail in one sentence;
-and the rest of a producer engine's life: its GPUs, the producer end of its weight routes, its
-orderly shutdown.
+and the rest of a producer engine's life: its GPUs, its requests' progress, its orderly shutdown
+(the weights it runs are ``pipeline.producer.weights``'s).
 
 Owns every decision about engine arguments: nothing else in the project constructs engine args.
 Options the user did not set are left to vLLM's defaults (never hard-coded); options that are
@@ -13,18 +13,14 @@ import ast
 import importlib.util
 import logging
 import os
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import EngineConfig, ModelConfig, RunConfig
-from pipeline.keys import curve_keys
+from pipeline.config import EngineConfig, ModelConfig
 from pipeline.procs import ENGINE_SHUTDOWN, ENGINE_START
 from pipeline.producer.vllm_version import VllmVersionError, check_vllm_version
 from sync.barrier import WORKER_EXTENSION
 from sync.lora import vllm_max_lora_rank
-from sync.routes import make_route
-from sync.routes.base import WeightRoute
 
 log = logging.getLogger(__name__)
 
@@ -189,44 +185,6 @@ def engine_progress(engine: Any) -> dict[str, tuple[bool, int]]:
         out[st.external_req_id] = (st.is_prefilling,
                                    det.num_output_tokens() if det is not None else 0)
     return out
-
-
-def weight_routes(engine: Any, cfg: RunConfig, producer_id: str,
-                  send_ready: Callable[[str, int, int], Awaitable[None]]
-                  ) -> dict[str, WeightRoute]:
-    """The producer end of each route the learner may name, by that name. Its ``file`` reads
-    snapshot files where the learner wrote them, or, with ``sync.stream_from`` set (a producer on
-    another machine), is the stream route: each file streamed into a directory of this node
-    first (``sync.routes.stream``)."""
-    s = cfg.sync
-    routes = {"file": make_route("file", engine),
-              "ipc": make_route("ipc", engine, producer_id=producer_id, send_ready=send_ready,
-                                timeout_s=s.nccl_timeout_s),
-              "nccl": make_route("nccl", engine, send_ready=send_ready,
-                                 timeout_s=s.nccl_timeout_s)}
-    if not s.stream_from:
-        return routes
-    import tempfile
-
-    from sync.stream import StreamKeys
-
-    curve = curve_keys(cfg, "producer")
-    keys = StreamKeys(curve.server_public, None, curve.client_public, curve.client_secret) \
-        if curve is not None else None
-    local = Path(tempfile.gettempdir()) / f"pipeline-grpo-stream-{producer_id}-{os.getpid()}"
-    log.info("%s: weights streamed from %s into %s", producer_id, s.stream_from, local)
-    routes["file"] = make_route("stream", engine, addr=s.stream_from, keys=keys,
-                                local_dir=local, timeout_s=s.load_timeout_s)
-    return routes
-
-
-async def merge_adapters_on_load(engine: Any, cfg: RunConfig, producer_id: str) -> None:
-    """``sync.lora_adapters: merge``: the engine's workers merge each adapter file they load
-    into the model's weights (``WeightSyncExtension.sync_lora_merge``)."""
-    t = cfg.train
-    await engine.collective_rpc("sync_lora_merge", args=(t.lora_alpha / t.lora_rank,))
-    log.info("%s: merges each version's LoRA adapter (rank %d) into its weights as it loads "
-             "(sync.lora_adapters merge)", producer_id, t.lora_rank)
 
 
 async def engine_devices(engine: Any) -> list[str]:

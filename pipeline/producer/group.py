@@ -1,7 +1,7 @@
 """The rollout of one group: G completions (or G episodes) generated, scored and sent.
 
-``GroupRollout._run_group`` is what the producer's admission loop (``pipeline.producer.loop``)
-starts for each admitted prompt: it generates the group's completions through the barrier's
+``GroupRollout.run`` is what the producer's admission loop (``pipeline.producer.loop``) starts
+for each admitted prompt: it generates the group's completions through the barrier's
 gate (``_generate_one``: each request waits while a swap is under way, carries its version's
 cache salt and tags every delta with the version the engine holds), or with ``episode.fn`` its
 G multi-turn episodes (``pipeline.producer.episode``); scores them (``rewards``); drops a group
@@ -10,8 +10,10 @@ most a cap per learner step); and hands the rest to the outbox and the data chan
 (``seq``) for exactly-once delivery. Every group sent or dropped is one line in the sent log
 (the producer side of the soak's conservation check).
 
-A mixin of ``Producer``: it reads the producer's configuration, engine, tracker, rewards,
-adapters, stats, outbox and endpoint, and advances ``seq``; it owns no state of its own.
+One ``GroupRollout`` per producer, held by ``Producer``: it owns the numbering of the groups it
+sends (``seq``), the sent log, the dynamic-sampling drop cap and the episode failure log; it
+shares the producer's engine and its weights (``pipeline.producer.weights``: the tracker and the
+adapters every request goes through), rewards, outbox, endpoint and counters.
 """
 
 from __future__ import annotations
@@ -28,22 +30,47 @@ from typing import Any
 import numpy as np
 
 from buffer.schema import Completion, RolloutGroup
+from pipeline.config import RunConfig
 from pipeline.producer.data import PromptRecord
 from pipeline.producer.episode import (
     EpisodeResult,
+    FailureLog,
     episode_limits,
     run_episodes,
     score_episodes,
 )
-from pipeline.producer.sampling import is_uninformative
+from pipeline.producer.outbox import Outbox
+from pipeline.producer.sampling import DropCap, is_uninformative
+from pipeline.producer.stats import ProducerStats
+from pipeline.producer.weights import EngineWeights
 
 log = logging.getLogger(__name__)
 
 
 class GroupRollout:
-    """The per-group half of ``Producer`` (see the module docstring)."""
+    """The rollout of a producer's groups (see the module docstring)."""
 
-    async def _run_group(self, record: PromptRecord, prompt_ids: list[int]) -> None:
+    def __init__(self, cfg: RunConfig, producer_id: str, index: int, incarnation: str,
+                 engine: Any, tokenizer: Any, weights: EngineWeights, rewards: Any,
+                 outbox: Outbox, endpoint: Any, stats: ProducerStats, counted: asyncio.Event,
+                 drop_cap: DropCap | None = None, episode_fn: Any = None):
+        """``counted``: set whenever a group is sent or dropped (the producer then heartbeats
+        its counters); ``drop_cap``: with ``generation.dynamic_sampling``; ``episode_fn``: with
+        ``episode.fn``, G episodes make a group instead of G completions."""
+        self.cfg, self.producer_id, self.index = cfg, producer_id, index
+        self.incarnation = incarnation
+        self.engine, self.tokenizer, self.weights = engine, tokenizer, weights
+        self.rewards, self.outbox, self.endpoint = rewards, outbox, endpoint
+        self.stats, self._counted = stats, counted
+        self.drop_cap, self.episode_fn = drop_cap, episode_fn
+        self.final = cfg.generation.stream == "final"
+        self.episode_failures = FailureLog()
+        self.seq = 0  # groups of this incarnation sent (exactly-once delivery, buffer.ledger)
+        self.sent_log = outbox.dir / f"{incarnation}.jsonl"
+        self.learner_consumed = 0  # groups the learner has taken (Announce): the cap's step
+
+    async def run(self, record: PromptRecord, prompt_ids: list[int]) -> None:
+        """Generate, score and send (or drop) the group of ``record`` (the module docstring)."""
         g = self.cfg.generation
         group_id = f"{self.producer_id}-{uuid.uuid4().hex[:12]}"
         admitted_at = time.time()
@@ -172,7 +199,7 @@ class GroupRollout:
             self.episode_fn, self.cfg.generation.group_size, generate=generate,
             tokenizer=self.tokenizer, prompt_ids=prompt_ids, limits=episode_limits(e),
             max_model_len=self.cfg.engine.max_model_len, request_prefix=group_id,
-            version=lambda: self.tracker.version, prompt=record.prompt,
+            version=lambda: self.weights.version, prompt=record.prompt,
             prompt_id=record.prompt_id, kwargs={**e.kwargs, **meta})
         st = self.stats
         for r in results:
@@ -190,10 +217,10 @@ class GroupRollout:
             return None
         return results
 
-    def _summarise_failures(self) -> None:
+    def summarise_failures(self, version: int) -> None:
         """One warning line counting the episode failures logged to the file only since the
-        last one (``FailureLog``)."""
-        line = self.episode_failures.summary(max(self._failures_version, 0))
+        last one (``FailureLog``); ``version``: the learner's now."""
+        line = self.episode_failures.summary(version)
         if line is not None:
             log.warning("%s: %s", self.producer_id, line)
 
@@ -212,7 +239,8 @@ class GroupRollout:
         attempt = 0
         while True:
             request_id = f"{rid}-a{attempt}"
-            version = await self.tracker.admit(request_id)
+            tracker, adapters = self.weights.tracker, self.weights.adapters
+            version = await tracker.admit(request_id)
             # The salt keeps prefix-cache hits within one weights version: KV computed by old
             # weights is never reused for a request admitted after a swap.
             prompt = {"prompt_token_ids": prompt_ids, "cache_salt": f"v{version}"}
@@ -220,18 +248,18 @@ class GroupRollout:
             self.stats.busy.enter()
             # Adapter sync: the request keeps its version's adapter to the end, so every token
             # is that version's (no swap boundary falls inside it).
-            lora = self.adapters.request_for(version) if self.adapters is not None else None
+            lora = adapters.request_for(version) if adapters is not None else None
             try:
                 async for out in self.engine.generate(prompt, sp, request_id,
                                                       lora_request=lora):
                     c = out.outputs[0]
                     new = list(c.token_ids)
-                    v = self.tracker.on_output(request_id, len(new))
+                    v = tracker.on_output(request_id, len(new))
                     if new:
-                        if self.adapters is not None:
+                        if adapters is not None:
                             segments = [(0, version)]
                         elif self.final:  # the one output: versions from the swap boundaries
-                            segments = self.tracker.segments(request_id, version, len(new))
+                            segments = tracker.segments(request_id, version, len(new))
                         elif not segments or segments[-1][1] != v:
                             segments.append((len(tokens), v))
                         tokens.extend(new)
@@ -244,10 +272,10 @@ class GroupRollout:
                         self.stats.prompt_tokens_cached += int(
                             getattr(out, "num_cached_tokens", 0) or 0)
             finally:
-                self.tracker.finish(request_id)
+                tracker.finish(request_id)
                 self.stats.busy.exit()
-                if self.adapters is not None:
-                    await self.adapters.release(version)
+                if adapters is not None:
+                    await adapters.release(version)
             if finish == "abort" and attempt < 100:
                 # Aborted by a swap (abort mode, or not yet started at a drain_prefill swap):
                 # regenerate from scratch under the new weights and their cache salt.
@@ -258,7 +286,7 @@ class GroupRollout:
             break
         self.stats.tokens += len(tokens)
         if not segments:
-            segments = [(0, self.tracker.version)]
+            segments = [(0, tracker.version)]
         comp = Completion(token_ids=np.asarray(tokens, dtype=np.int32),
                           logprobs=np.asarray(logprobs, dtype=np.float32),
                           version_segments=segments, finish_reason=finish)

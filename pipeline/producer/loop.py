@@ -5,25 +5,26 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
   in-flight + sent-but-not-yet-consumed groups <= this producer's share of
   (max_staleness + 1 - the engine's lag behind the learner) x batch_groups, and of the groups
   the learner's remaining steps train), so no generation is spent on a group that would be too
-  stale to train or that comes after the run's last step. The group itself (generate,
-  score, send or drop) is ``pipeline.producer.group``'s. With ``generation.dynamic_sampling`` a
-  scored group whose rewards are all equal is dropped before it is sent (counted; at most a cap
-  per learner step, ``pipeline.producer.sampling``) and its slot goes to a new admission,
-  checked like any other;
+  stale to train or that comes after the run's last step. The group itself (generate, score,
+  send or drop) is the producer's ``GroupRollout``'s (``pipeline.producer.group``). With
+  ``generation.dynamic_sampling`` a scored group whose rewards are all equal is dropped before
+  it is sent (counted; at most a cap per learner step, ``pipeline.producer.sampling``) and its
+  slot goes to a new admission, checked like any other;
 - ``_listen``: applies announces: new snapshot -> sync barrier -> ack; consumption counts.
-  The weights come by the route the learner names for us (file, ipc or nccl; see
-  ``sync.routes``); a GPU route that fails is followed by a file swap to the same version;
+  The weights come by the route the learner names for us (file, ipc or nccl), loaded by the
+  engine's ``EngineWeights`` (``pipeline.producer.weights``: a GPU route that fails is followed
+  by a file swap to the same version);
 - ``_heartbeat``: liveness and stats for the learner;
 - ``_leave``: in an elastic run (``max_producers``), on SIGUSR1 (``pipeline-train scale``) the
   producer leaves cleanly: it starts no more groups, sends those it started, tells the learner
   (``Leave``) and exits once the learner's checkpoint holds them. The admission share and data
   shard are the producer's rank among ``Announce.members``, so the others take over its share.
 The first of the members also evaluates (``eval.every``, unless ``eval.producer`` is
-'dedicated': then the evaluator does, ``pipeline.producer.evaluator``): on each due version,
-once loaded and before new admissions, it runs the held-out prompts and sends their figures in
-an EvalResult (never as groups: ``pipeline.producer.evaluate``). When it leaves, the next
-member takes the role with the version it runs; a new learner session (a restarted learner
-trains its versions again) evaluates them again.
+'dedicated': then the evaluator does, ``pipeline.producer.evaluation.Evaluator``): on each due
+version, once loaded and before new admissions, it runs the held-out prompts and sends their
+figures in an EvalResult (never as groups: ``pipeline.producer.evaluation``). When it leaves,
+the next member takes the role with the version it runs; a new learner session (a restarted
+learner trains its versions again) evaluates them again.
 Control messages (Hello, Heartbeat, Ack, SyncReady) go on the control channel and each gets an
 answer (``buffer.protocol``); groups go on the data channel only after the learner has welcomed
 this incarnation, and a learner that no longer knows us (restarted) gets a new Hello.
@@ -55,16 +56,10 @@ from buffer.protocol import (
 from buffer.staleness import groups_to_go, may_admit, producer_budget
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
-from pipeline.producer.adapters import AdapterSet
 from pipeline.producer.data import PromptSource, render_prompt
-from pipeline.producer.engine import (
-    engine_devices,
-    engine_progress,
-    merge_adapters_on_load,
-    weight_routes,
-)
-from pipeline.producer.episode import FailureLog, load_episode
-from pipeline.producer.evaluate import EpisodeRun, eval_records, generate_and_score
+from pipeline.producer.engine import engine_devices, engine_progress
+from pipeline.producer.episode import load_episode
+from pipeline.producer.evaluation import EpisodeRun, eval_records, generate_and_score
 from pipeline.producer.group import GroupRollout
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.process import engine_process
@@ -79,18 +74,17 @@ from pipeline.producer.session import (
     run_tasks,
 )
 from pipeline.producer.stats import ProducerStats
+from pipeline.producer.weights import EngineWeights, weight_routes
 from pipeline.schedule import engine_count, evaluator_index, is_due, last_version
-from sync.barrier import RequestTracker, SwapBarrier
-from sync.lora import adapter_config
-from sync.routes import plan_route, route_class
-from sync.routes.base import swap_with_fallback
+from sync.barrier import SwapReport
+from sync.routes import route_class
 from sync.snapshot import SnapshotRef
 
 log = logging.getLogger(__name__)
 LEAVE_DURABLE_S = 300.0  # a leaving producer waits this long for the checkpoint of its groups
 
 
-class Producer(GroupRollout):
+class Producer:
     def __init__(self, cfg: RunConfig, index: int, engine: Any, tokenizer: Any,
                  endpoint: ProducerEndpoint, rewards: RewardSet, prompts: PromptSource,
                  stop_when_learner_done: bool = False):
@@ -101,56 +95,37 @@ class Producer(GroupRollout):
         self.producer_id = f"p{index}"
         self.engine, self.tokenizer, self.endpoint = engine, tokenizer, endpoint
         self.rewards, self.prompts = rewards, prompts
-        self.final = cfg.generation.stream == "final"
-        self.tracker = RequestTracker(probe=partial(engine_progress, engine) if self.final
-                                      else None)
-        s = cfg.sync
-        self.barrier = SwapBarrier(engine, self.tracker, mode=s.barrier,
-                                   drain_timeout_s=s.drain_timeout_s,
-                                   pause_timeout_s=s.pause_timeout_s,
-                                   load_timeout_s=s.load_timeout_s)
+        # The version the engine runs and how the next one gets in: the producer end of each
+        # route the learner may name (sync.routes; "file" is read where the learner wrote it, or
+        # streamed to this node first, sync.stream_from), the barrier, LoRA adapters.
+        final = cfg.generation.stream == "final"
+        self.weights = EngineWeights(
+            engine, cfg, self.producer_id,
+            weight_routes(engine, cfg, self.producer_id, self._send_ready),
+            probe=partial(engine_progress, engine) if final else None)
         # The run's producers now (Announce.members): our rank among them is our admission
         # share and data shard. Until the first announce: the producers the run starts with.
         self.members = [f"p{i}" for i in range(cfg.num_producers)]
         self.leave_requested = asyncio.Event()  # SIGUSR1: leave the run (elastic runs)
         self.leaving = False
-        # The producer end of each route the learner may name (sync.routes); "file" is read
-        # where the learner wrote it, or streamed to this node first (sync.stream_from).
-        self.routes = weight_routes(engine, cfg, self.producer_id, self._send_ready)
-        self.devices: list[str] = []  # GPU UUID per worker, from sync_device_info
-        # Adapter-only LoRA sync (sync.lora): versions are LoRARequests, not weight loads; or,
-        # with sync.lora_adapters merge, adapter files merged into the weights as they load.
-        self.adapters: AdapterSet | None = None
-        t = cfg.train
-        self.serving = cfg.adapter_plan.serving
-        if self.serving == "lora":
-            self.adapters = AdapterSet(
-                engine, f"lora-{self.producer_id}-{os.getpid()}",
-                adapter_config(t.lora_rank, t.lora_alpha, list(t.lora_target_modules)))
-            log.info("%s: serves each version as a LoRA adapter (rank %d, sync.lora_adapters)",
-                     self.producer_id, t.lora_rank)
         self.stats = ProducerStats()
-        # Multi-turn episodes (episode.fn): G of them make a group instead of G completions.
-        self.episode_fn = load_episode(cfg.episode.fn) if cfg.episode.fn else None
-        self.episode_failures = FailureLog()
         self._failures_version = -1  # the learner version of the last failure summary
         self.in_flight_groups = 0
         self.held = 0            # our groups in the learner's buffer (from announces)
         self.accepted = 0        # groups of this process the learner has (from announces)
         self.learner_session = ""
         self._loaded_session = ""  # the learner session whose snapshot the engine runs
-        # Exactly-once delivery across learner restarts: this process numbers its groups and
-        # keeps each until the learner announces it durable (in a checkpoint); a restored learner
-        # gets the rest again and drops what it already has (buffer.ledger).
+        # Exactly-once delivery across learner restarts: this incarnation numbers its groups
+        # (GroupRollout.seq) and the outbox keeps each until the learner announces it durable (in
+        # a checkpoint); a restored learner gets the rest again and drops what it already has
+        # (buffer.ledger).
         self.incarnation = f"{self.producer_id}-{os.getpid()}-{time.time_ns() % 10**12}"
-        self.seq = 0
-        out_dir = Path(cfg.run_dir) / "producers"
-        self.outbox = Outbox(out_dir, self.producer_id, self.incarnation, cfg.sync.retain_groups)
+        self.outbox = Outbox(Path(cfg.run_dir) / "producers", self.producer_id, self.incarnation,
+                             cfg.sync.retain_groups)
         self.session = LearnerSession(
             endpoint, self._make_hello, f"the learner refused {self.producer_id}: its run has "
             "fewer producers (num_producers, or max_producers for one that joins, differs "
             "between the roles?)")
-        self.sent_log = out_dir / f"{self.incarnation}.jsonl"
         self._budget_changed = asyncio.Event()
         self._synced = asyncio.Event()   # set once we hold the learner's current version
         self._group_tasks: set[asyncio.Task] = set()
@@ -161,11 +136,14 @@ class Producer(GroupRollout):
         # generation.dynamic_sampling: uninformative groups dropped, at most a cap per learner
         # step (pipeline.producer.sampling); the step is told by the groups the learner took.
         g = cfg.generation
-        self.drop_cap = DropCap(extra_cap(cfg.train.batch_groups, g.dynamic_sampling_max_extra,
-                                          *self.share() or (1, 0))) \
-            if g.dynamic_sampling else None
-        self.learner_consumed = 0  # groups the learner has taken, all producers (Announce)
+        drop_cap = DropCap(extra_cap(cfg.train.batch_groups, g.dynamic_sampling_max_extra,
+                                     *self.share() or (1, 0))) if g.dynamic_sampling else None
         self._counted = asyncio.Event()  # a group was sent or dropped: heartbeat its counters
+        # Multi-turn episodes (episode.fn): G of them make a group instead of G completions.
+        episode_fn = load_episode(cfg.episode.fn) if cfg.episode.fn else None
+        self.rollout = GroupRollout(cfg, self.producer_id, index, self.incarnation, engine,
+                                    tokenizer, self.weights, rewards, self.outbox, endpoint,
+                                    self.stats, self._counted, drop_cap, episode_fn)
         # Shared evaluation (eval.every, no dedicated evaluator): the first of the members
         # evaluates (one evaluation per version, whatever the producer count), so the role
         # moves on when that producer leaves (every producer holds the held-out prompts).
@@ -173,6 +151,8 @@ class Producer(GroupRollout):
         self.evaluates_shared = bool(ev.every) and \
             evaluator_index(cfg.producer_slots, ev.every, ev.producer) is None
         self.eval_records = eval_records(cfg.data, ev) if self.evaluates_shared else []
+        self.eval_episodes = EpisodeRun(episode_fn, cfg.episode, cfg.rewards.on_failure) \
+            if episode_fn is not None else None
         self.eval_last = last_version(cfg.train.steps, cfg.sync.sync_every)
         self._evaluated: set[int] = set()
 
@@ -199,9 +179,10 @@ class Producer(GroupRollout):
         share = self.share()
         if share is None:
             return
-        if self.drop_cap is not None:
-            self.drop_cap.cap = extra_cap(self.cfg.train.batch_groups,
-                                          self.cfg.generation.dynamic_sampling_max_extra, *share)
+        if self.rollout.drop_cap is not None:
+            self.rollout.drop_cap.cap = extra_cap(
+                self.cfg.train.batch_groups, self.cfg.generation.dynamic_sampling_max_extra,
+                *share)
         log.info("%s: the run has %d producer(s) now (%s); admission share %d of %d",
                  self.producer_id, share[0], ", ".join(members), share[1], share[0])
 
@@ -210,11 +191,11 @@ class Producer(GroupRollout):
         share = self.share()
         return self._synced.is_set() and share is not None and may_admit(
             self.outstanding(), self.cfg.train.batch_groups, self.cfg.train.max_staleness,
-            *share, self.tracker.version, self.learner_heading_to, self.learner_to_go)
+            *share, self.weights.version, self.learner_heading_to, self.learner_to_go)
 
     def outstanding(self) -> int:
         """Groups generating, in transit, or waiting in the learner's buffer."""
-        in_transit = max(self.seq - self.accepted, 0)
+        in_transit = max(self.rollout.seq - self.accepted, 0)
         return self.in_flight_groups + in_transit + self.held
 
     async def _admit(self) -> None:
@@ -243,7 +224,7 @@ class Producer(GroupRollout):
                 continue
             self.in_flight_groups += 1
             self.stats.groups_started += 1
-            task = asyncio.create_task(self._run_group(record, ids))
+            task = asyncio.create_task(self.rollout.run(record, ids))
             self._group_tasks.add(task)
             task.add_done_callback(self._group_done)
 
@@ -303,7 +284,7 @@ class Producer(GroupRollout):
         self.outbox.forget_durable(ann.durable)
         if ann.version != self._failures_version:  # a learner step: one line for its failures
             self._failures_version = ann.version
-            self._summarise_failures()
+            self.rollout.summarise_failures(ann.version)
         if ann.finished and self.stop_when_learner_done:
             raise LearnerFinished(f"learner session {ann.learner_session} trained its last "
                                   f"step (version {ann.version})")
@@ -329,14 +310,13 @@ class Producer(GroupRollout):
             log.info("%s: learner session %s at version %d", self.producer_id,
                      ann.learner_session, ann.version)
         route = ann.routes.get(self.producer_id, "file")
-        if route in self.routes:
-            await self.routes[route].connect(ann.transfer, self.producer_id)
+        await self.weights.connect(route, ann.transfer)
         ref = self._target(ann, route)
-        if ref is not None and ref.version != self.tracker.version:
+        if ref is not None and ref.version != self.weights.version:
             self._synced.clear()  # generate nothing more on weights the learner has left
             await self._wake()
             async with self._engine_lock:
-                report = await self._swap(ref, route, ann.transfer)
+                report = await self.weights.load(ref, route, ann.transfer)
             if report is not None:
                 await self._report(report, ann.learner_session)
         pid = self.producer_id
@@ -347,12 +327,13 @@ class Producer(GroupRollout):
         self.learner_heading_to = ann.heading_to
         self.learner_to_go = groups_to_go(ann.last_step, ann.steps_taken,
                                           self.cfg.train.batch_groups)
-        self.learner_consumed = sum(ann.consumed.values())
+        self.rollout.learner_consumed = sum(ann.consumed.values())
         self.held = max(ann.received.get(pid, 0) - ann.consumed.get(pid, 0), 0)
         self.accepted = ann.accepted.get(self.incarnation, 0)
         if ref is None and self._loaded_session != ann.learner_session:
-            self.tracker.version = ann.version  # the learner's base weights: nothing to load
-        if ref is None or self.tracker.version == ref.version:
+            # The learner's base weights: nothing to load.
+            self.weights.tracker.version = ann.version
+        if ref is None or self.weights.version == ref.version:
             await self._evaluate_if_due()
             self._synced.set()
         self._budget_changed.set()
@@ -361,7 +342,7 @@ class Producer(GroupRollout):
         """Evaluate the version just loaded, if due, before admitting on it. Groups already
         generating go on meanwhile; no swap can start, as this runs inside the announce
         handler, so every evaluation completion comes from this one version."""
-        v = self.tracker.version
+        v = self.weights.version
         share = self.share()
         if not self.evaluates_shared or share is None or share[1] != 0 or \
                 v in self._evaluated or not is_due(v, self.cfg.eval.every, self.eval_last):
@@ -371,10 +352,8 @@ class Producer(GroupRollout):
         stats = await generate_and_score(
             self.engine, self.tokenizer, self.cfg.data, self.cfg.eval,
             self.cfg.generation.max_tokens, self.cfg.engine.max_model_len, self.eval_records,
-            self.rewards, v,
-            lora_request=self.adapters.requests.get(v) if self.adapters is not None else None,
-            episodes=EpisodeRun(self.episode_fn, self.cfg.episode, self.cfg.rewards.on_failure)
-            if self.episode_fn is not None else None)
+            self.rewards, v, lora_request=self.weights.lora_request(v),
+            episodes=self.eval_episodes)
         log.info("%s: eval v%d: %s", self.producer_id, v,
                  ", ".join(f"{k.removeprefix('eval/')} {x:.3g}" for k, x in stats.items()))
         answer = await self._control(EvalResult(producer_id=self.producer_id,
@@ -399,13 +378,14 @@ class Producer(GroupRollout):
             ref = SnapshotRef(ann.version, ann.snapshot_uri, ann.snapshot_checksum)
         else:
             return None
-        if self._loaded_session == ann.learner_session and ref.version < self.tracker.version:
+        if self._loaded_session == ann.learner_session and ref.version < self.weights.version:
             return None
         return ref
 
-    async def _report(self, report: Any, learner_session: str) -> None:
-        self.stats.swaps = self.barrier.swaps
-        self.stats.swap_failures = self.barrier.failures
+    async def _report(self, report: SwapReport, learner_session: str) -> None:
+        barrier = self.weights.barrier
+        self.stats.swaps = barrier.swaps
+        self.stats.swap_failures = barrier.failures
         if report.timings.get("fallback"):
             self.stats.transport_fallbacks += 1
         if report.ok:
@@ -425,40 +405,11 @@ class Producer(GroupRollout):
             log.warning("%s: the learner did not answer our ack of v%d within %.0f s",
                         self.producer_id, report.version, CONTROL_TIMEOUT_S)
 
-    async def _swap(self, ref: SnapshotRef, route: str, transfer: dict[str, Any]) -> Any:
-        """The barrier around the route's load; a failed GPU route falls back to the file.
-        None when the version can only come from its file and that is not written yet."""
-        used, why = plan_route(route, transfer, self.producer_id, self.devices,
-                               self.routes["nccl"].joined)
-        if used != "file" and transfer.get("version") != ref.version:
-            used, why = "file", f"the GPU copy on offer is v{transfer.get('version')}"
-        if self.serving == "merge":  # an adapter's file, merged as it loads: no GPU route
-            used, why = "file", ""
-        if self.adapters is not None:
-            # A new adapter for new requests, no pause (AdapterSet.swap says why that is safe).
-            if not ref.uri:
-                return None
-            report = await self.adapters.swap(ref, self.tracker)
-            if report.ok:
-                self.barrier.swaps += 1
-            else:
-                self.barrier.failures += 1
-            return report
-        if used == "file" and not ref.uri:
-            log.debug("%s: v%d waits for its file (%s)", self.producer_id, ref.version, why)
-            return None
-        if why:
-            log.warning("%s: v%d by file instead of %s: %s", self.producer_id, ref.version,
-                        route, why)
-        load, prepare = self.routes[used].steps(ref, transfer)
-        return await swap_with_fallback(self.barrier, used, ref, self.routes["file"], load=load,
-                                        prepare=prepare)
-
     def _make_hello(self) -> Hello:
         """This incarnation's Hello: its version, GPUs and the dead incarnations it resends."""
         return Hello(producer_id=self.producer_id, incarnation=self.incarnation,
-                     policy_version=self.tracker.version, pid=os.getpid(),
-                     devices=self.devices, recovered=self.outbox.incarnations_recovered,
+                     policy_version=self.weights.version, pid=os.getpid(),
+                     devices=self.weights.devices, recovered=self.outbox.incarnations_recovered,
                      leaving=self.leaving)
 
     async def _hello(self) -> None:
@@ -491,7 +442,7 @@ class Producer(GroupRollout):
             self._counted.clear()
             await self._control(Heartbeat(producer_id=self.producer_id,
                                           incarnation=self.incarnation,
-                                          policy_version=self.tracker.version,
+                                          policy_version=self.weights.version,
                                           stats=self.heartbeat_stats(),
                                           cursor=self.prompts.cursor, leaving=self.leaving))
             with contextlib.suppress(TimeoutError):
@@ -508,12 +459,12 @@ class Producer(GroupRollout):
         self._counted.set()  # a heartbeat now tells the learner we are leaving
         log.info("%s: leaving the run: finishing %d group(s) in flight", self.producer_id,
                  self.in_flight_groups)
-        while self.in_flight_groups or self.accepted < self.seq:
+        while self.in_flight_groups or self.accepted < self.rollout.seq:
             self._budget_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._budget_changed.wait(), 1.0)
         answer = await self._control(Leave(producer_id=self.producer_id,
-                                           incarnation=self.incarnation, sent=self.seq,
+                                           incarnation=self.incarnation, sent=self.rollout.seq,
                                            cursor=self.prompts.cursor))
         if answer is None or not answer.ok:
             raise RuntimeError(f"the learner did not take our Leave: "
@@ -526,8 +477,9 @@ class Producer(GroupRollout):
             log.warning("%s: %d group(s) not yet in a learner checkpoint after %.0f s; they stay "
                         "in %s for a producer with this id to resend", self.producer_id, left,
                         LEAVE_DURABLE_S, self.outbox.dir)
-        raise ProducerLeft(f"left the run after {self.seq} group(s), "
-                           f"{self.seq - left} in the learner's checkpoint")
+        sent = self.rollout.seq
+        raise ProducerLeft(f"left the run after {sent} group(s), "
+                           f"{sent - left} in the learner's checkpoint")
 
     async def _watch(self) -> None:
         while True:
@@ -538,24 +490,20 @@ class Producer(GroupRollout):
             await asyncio.sleep(0.05)
 
     async def run(self) -> None:
-        self.devices = await engine_devices(self.engine)
-        if self.serving == "merge":
-            await merge_adapters_on_load(self.engine, self.cfg, self.producer_id)
+        self.weights.devices = await engine_devices(self.engine)
+        await self.weights.start()
         log.info("%s: engine ready; waiting for the learner's first announce", self.producer_id)
         await self._hello()
         try:
             await run_tasks(self.producer_id, [self._listen(), self._heartbeat(), self._admit(),
                                                self._watch(), self._leave()])
         finally:
-            self._summarise_failures()
+            self.rollout.summarise_failures(max(self._failures_version, 0))
             self.outbox.close()
-            for route in self.routes.values():
-                route.close()
-            if self.adapters is not None:
-                self.adapters.close()
+            self.weights.close()
             for t in list(self._group_tasks):
                 t.cancel()
-            for rid in list(self.tracker.in_flight):
+            for rid in list(self.weights.tracker.in_flight):
                 with contextlib.suppress(Exception):
                     await self.engine.abort(rid)
 

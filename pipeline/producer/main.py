@@ -24,7 +24,7 @@ def producer_entry(cfg_dict: dict, model_path: str, index: int, gpu_env: dict[st
     child_setup(cfg_dict["run_dir"], process_name(cfg_dict, index), log_to_file)
     os.environ.update(gpu_env)
     cfg = load_config(overrides=flatten(cfg_dict))
-    from pipeline.producer.evaluator import evaluator_main
+    from pipeline.producer.evaluation import evaluator_main
     from pipeline.producer.loop import producer_main
 
     if is_evaluator(cfg_dict, index):

@@ -1,5 +1,5 @@
 """A producer process's side of the control channel, shared by the producers
-(``pipeline.producer.loop``) and the dedicated evaluator (``pipeline.producer.evaluator``).
+(``pipeline.producer.loop``) and the dedicated evaluator (``pipeline.producer.evaluation``).
 
 Its Hello is repeated until the learner welcomes it. Each later request gets its answer; a
 learner that no longer knows this process (it restarted, or another process said Hello in its

@@ -199,7 +199,7 @@ def test_groups_shapes_rewards_and_admission_cap(engine_env, tiny_model):
             await _wait_for(lambda: learner.hellos, 30, "the producer's Hello")
             await asyncio.sleep(2.0)
             assert producer.stats.groups_started == 0 and not learner.groups
-            assert not producer.tracker.in_flight
+            assert not producer.weights.tracker.in_flight
 
             # 2. Announce version 0 but consume nothing: exactly `budget` groups, then it waits.
             learner.announcing = True
@@ -207,7 +207,7 @@ def test_groups_shapes_rewards_and_admission_cap(engine_env, tiny_model):
             await asyncio.sleep(2.0)
             assert len(learner.groups) == budget
             assert producer.stats.groups_started == budget
-            assert not producer.tracker.in_flight
+            assert not producer.weights.tracker.in_flight
 
             # 3. A slow consumer: one group per 0.5 s; the producer follows, within the budget.
             while len(learner.groups) < target:
@@ -262,14 +262,14 @@ def test_cancel_aborts_in_flight_requests_and_leaves_no_children(engine_env, tin
         async with _running(cfg, engine, tokenizer) as (learner, producer, ptask):
             learner.announcing = True
             await _wait_for(lambda: producer.stats.tokens == 0 and
-                            len(producer.tracker.in_flight)
-                            - producer.tracker.pending_prefills() >= GROUP_SIZE, 120,
+                            len(producer.weights.tracker.in_flight)
+                            - producer.weights.tracker.pending_prefills() >= GROUP_SIZE, 120,
                             "running requests")
             assert engine.get_num_unfinished_requests() > 0
             ptask.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ptask
-            assert not producer.tracker.in_flight
+            assert not producer.weights.tracker.in_flight
             await _wait_for(lambda: engine.get_num_unfinished_requests() == 0, 10,
                             "the engine to drop the aborted requests")
             assert not learner.groups  # nothing half-done was sent

@@ -39,7 +39,6 @@ def fake_run(monkeypatch):
         return 0
 
     monkeypatch.setattr(local, "run", recorder)
-    monkeypatch.setattr(local, "setup_logging", lambda *a, **k: None)
     return accepted
 
 

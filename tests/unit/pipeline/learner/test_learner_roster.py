@@ -27,23 +27,24 @@ def test_a_producer_that_left_is_no_member_of_the_restarted_learner(tiny_model, 
     # kill -9: a new learner on the same run_dir (the launcher restarts it)
     again = make_learner(tmp_path, tiny_model, **conf)
     again.metrics.close()
-    assert again.announcement().members == ["p0"]
-    again._answer(hello("p0", "p0-1"))
-    again._answer(Heartbeat(producer_id="p0", incarnation="p0-1", policy_version=0, stats={},
+    assert again.control.announcement().members == ["p0"]
+    again.control.answer(hello("p0", "p0-1"))
+    again.control.answer(Heartbeat(producer_id="p0", incarnation="p0-1", policy_version=0, stats={},
                             cursor=8))  # p0 read its first lease (positions 0..7)
     # p1 had read 3 of its lease (8..15): the rest comes first, then new positions
-    assert again.announcement().leases["p0"] == [0, 0, 8, 11, 16, 16, 19]
+    assert again.control.announcement().leases["p0"] == [0, 0, 8, 11, 16, 16, 19]
     # p1, still waiting for the checkpoint of its groups, says Hello to the new learner
-    again._answer(Hello(producer_id="p1", incarnation="p1-1", policy_version=0, pid=1,
+    again.control.answer(Hello(producer_id="p1", incarnation="p1-1", policy_version=0, pid=1,
                         leaving=True))
-    assert again.announcement().members == ["p0"] and again._checkpoint_soon
+    assert again.control.announcement().members == ["p0"] and again.control.checkpoint_soon
 
     # p2 joins, is asked to leave, and dies before its Leave: out once silent
-    again._answer(hello("p2", "p2-1"))
-    again._answer(Heartbeat(producer_id="p2", incarnation="p2-1", policy_version=0, stats={},
+    again.control.answer(hello("p2", "p2-1"))
+    again.control.answer(Heartbeat(producer_id="p2", incarnation="p2-1", policy_version=0, stats={},
                             leaving=True))
-    again._drop_dead_leavers()
-    assert again.announcement().members == ["p0", "p2"]  # heard from just now
-    again.producers["p2"].last_seen = again._started = time.monotonic() - ALIVE_S - 1
-    again._drop_dead_leavers()
-    assert again.announcement().members == ["p0"]
+    again.control._drop_dead_leavers()
+    assert again.control.announcement().members == ["p0", "p2"]  # heard from just now
+    silent_since = time.monotonic() - ALIVE_S - 1
+    again.control.producers["p2"].last_seen = again.control._started = silent_since
+    again.control._drop_dead_leavers()
+    assert again.control.announcement().members == ["p0"]

@@ -22,7 +22,7 @@ def test_restarted_learner_gets_a_new_hello_with_our_gpus_fake_endpoint(tmp_path
     cfg = load_config(overrides={"run_dir": str(tmp_path)})
     endpoint = RecordingEndpoint()
     producer = Producer(cfg, 0, None, None, endpoint, None, Cursor())
-    producer.devices = ["GPU-uuid-0"]
+    producer.weights.devices = ["GPU-uuid-0"]
 
     async def run() -> None:
         await producer._apply_announce(_announce("first"))   # first contact: Hello came at start
@@ -53,7 +53,7 @@ def test_failed_nccl_join_tells_the_learner_to_drop_the_link_fake_engine(tmp_pat
     asyncio.run(producer._apply_announce(ann))
     ready = [(m.purpose, m.epoch) for m in endpoint.sent if isinstance(m, SyncReady)]
     assert ready == [("link", 5), ("drop", 5)]
-    assert producer.routes["nccl"].link is None
+    assert producer.weights.routes["nccl"].link is None
 
 
 def test_a_restarted_producer_does_not_read_again_what_its_predecessor_sent(tmp_path):

@@ -66,7 +66,7 @@ def test_leaving_waits_for_the_groups_then_says_leave_and_ends_fake_endpoint(tmp
 
     async def run() -> None:
         await p._apply_announce(_announce(["p0"]))
-        p.seq, p.accepted, p.in_flight_groups = 3, 2, 1
+        p.rollout.seq, p.accepted, p.in_flight_groups = 3, 2, 1
         task = asyncio.create_task(p._leave())
         p.leave_requested.set()
         await asyncio.sleep(0.1)

@@ -1,5 +1,5 @@
 """Producer._target and _apply_announce when GPU copies are announced before their files (pure
-control logic: the swap is a fake that records versions; no engine)."""
+control logic: the weights' load is a fake that records versions; no engine)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ def _producer_with_fake_swap(tmp_path):
     p.producer_id = "p0"
     swaps = []
 
-    async def fake_swap(ref, route, transfer):
+    async def fake_load(ref, route, transfer):
         swaps.append((ref.version, bool(ref.uri)))
-        p.tracker.version = ref.version
+        p.weights.tracker.version = ref.version
         return SimpleNamespace(ok=True, version=ref.version, error="", timings={})
 
-    p._swap = fake_swap
+    p.weights.load = fake_load
     return p, swaps
 
 
@@ -43,7 +43,7 @@ def test_target_prefers_a_newer_gpu_copy_and_never_goes_back(tmp_path):
     assert p._target(_ann(0, 1), "file") is None       # file route: wait for the file
     ref = p._target(_ann(1, 1), "nccl")
     assert (ref.version, ref.uri) == (1, "/snap/v1")   # both: the file ref (rollback target)
-    p.tracker.version, p._loaded_session = 3, "s"
+    p.weights.tracker.version, p._loaded_session = 3, "s"
     assert p._target(_ann(2, None), "file") is None     # older file of the same learner: ignored
     assert p._target(_ann(2, None, session="t"), "file").version == 2  # a restarted learner
 
@@ -53,12 +53,12 @@ def test_producer_follows_gpu_versions_ahead_of_their_files(tmp_path):
 
     async def run():
         await p._apply_announce(_ann(0, None))
-        assert p.tracker.version == 0 and p._synced.is_set()
+        assert p.weights.tracker.version == 0 and p._synced.is_set()
         await p._apply_announce(_ann(0, 1))      # v1 by GPU, its file not written yet
-        assert p.tracker.version == 1 and p._synced.is_set()
+        assert p.weights.tracker.version == 1 and p._synced.is_set()
         await p._apply_announce(_ann(0, 1))      # repeated announce: nothing to do
         await p._apply_announce(_ann(1, 2))      # v1's file lands as v2 goes out by GPU
-        assert p.tracker.version == 2
+        assert p.weights.tracker.version == 2
         await p._apply_announce(_ann(2, 2))      # v2's file: we run v2 already
         await p._apply_announce(_ann(2, None))   # GPU route gone: the file is what we run
         assert p._synced.is_set()
@@ -75,7 +75,7 @@ def test_file_route_producer_waits_for_the_file(tmp_path):
     async def run():
         await p._apply_announce(_ann(0, None))
         await p._apply_announce(_ann(1, None))
-        assert p.tracker.version == 1
+        assert p.weights.tracker.version == 1
 
     asyncio.run(run())
     assert swaps == [(1, True)]

@@ -275,7 +275,7 @@ def test_loopback_node_ip():
 
 
 def test_eval_needs_a_cluster_for_ray_rewards():
-    from pipeline.launch.evaluate import _reward_cluster
+    from pipeline.launch.evaluation import _reward_cluster
 
     cfg = _cfg({"fn": f"{HERE}:LengthModel", "executor": "ray"}, backend="ray")
     with pytest.raises(ConfigError, match=r"rewards.specs\[0\].executor: .*launch.ray_address"):

@@ -1,6 +1,6 @@
 """Dynamic sampling (``pipeline.producer.sampling``): the drop rule, the per-step cap, a lock-step
 admission simulation with drops (as ``tests/unit/buffer/test_buffer_staleness.py``'s, with groups
-that take a phase to generate), and the producer's drop path (``Producer._run_group``: real
+that take a phase to generate), and the producer's drop path (``GroupRollout.run``: real
 RewardSet, sent log and counters; the engine request is a fake, named so)."""
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _producer(tmp_path, *, on=True, max_extra=4.0, batch_groups=2):
         "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward"}]})
     endpoint = RecordingEndpoint()
     p = Producer(cfg, 0, None, None, endpoint, RewardSet(cfg.rewards.specs), None)
-    p._sampling = lambda **over: over
+    p.rollout._sampling = lambda **over: over
     return p, endpoint
 
 
@@ -190,11 +190,11 @@ def _generate_one_fake(equal: bool):
 
 
 def _run(p, equal: bool, n: int = 1) -> None:
-    p._generate_one = _generate_one_fake(equal)
+    p.rollout._generate_one = _generate_one_fake(equal)
 
     async def run() -> None:
         for i in range(n):
-            await p._run_group(PromptRecord(f"q{i}", "Q?", {}, i + 1), [81, 63])
+            await p.rollout.run(PromptRecord(f"q{i}", "Q?", {}, i + 1), [81, 63])
     asyncio.run(run())
 
 
@@ -203,13 +203,13 @@ def _sent(endpoint) -> list[RolloutGroup]:
 
 
 def _log(p) -> list[dict]:
-    return [json.loads(x) for x in p.sent_log.read_text().splitlines()]
+    return [json.loads(x) for x in p.rollout.sent_log.read_text().splitlines()]
 
 
 def test_the_producer_drops_a_zero_variance_group_counts_it_and_logs_it(tmp_path):
     p, endpoint = _producer(tmp_path)
     _run(p, equal=True)
-    assert _sent(endpoint) == [] and p.seq == 0 and len(p.outbox.unconfirmed()) == 0
+    assert _sent(endpoint) == [] and p.rollout.seq == 0 and len(p.outbox.unconfirmed()) == 0
     assert p.heartbeat_stats()["groups_dropped_zero_variance"] == 1
     (rec,) = _log(p)
     assert rec["prompt_id"] == "q0" and rec["dropped_zero_variance"].startswith("p0-")
@@ -232,7 +232,7 @@ def test_past_the_cap_the_steps_groups_are_sent_with_one_warning(tmp_path, caplo
     assert p.stats.dynamic_sampling_cap_hits == 1
     warnings = [r for r in caplog.records if "uninformative" in r.getMessage()]
     assert [r.levelno for r in warnings] == [logging.WARNING]
-    p.learner_consumed = 2  # the learner took a batch: a new step, the cap starts again
+    p.rollout.learner_consumed = 2  # the learner took a batch: a new step, the cap starts again
     _run(p, equal=True, n=5)
     assert p.stats.groups_dropped_zero_variance == 6 and len(_sent(endpoint)) == 4
     assert p.stats.dynamic_sampling_cap_hits == 2
@@ -260,4 +260,4 @@ def test_the_announces_consumption_counts_start_a_new_step_for_the_cap(tmp_path)
     announce({"p0": 1, "p1": 1})  # a batch of 2 taken
     _run(p, equal=True, n=3)
     assert (p.stats.groups_dropped_zero_variance, len(_sent(endpoint))) == (4, 3)
-    assert p.learner_consumed == 2
+    assert p.rollout.learner_consumed == 2

@@ -104,7 +104,7 @@ def test_the_final_wait_ends_when_the_evaluator_is_gone(tmp_path):
     its restarts): the learner's final wait stops at once instead of waiting eval.timeout_s."""
     import time
 
-    from pipeline.learner.evaluations import EVALUATOR_RESTART_S
+    from pipeline.learner.evaluation import EVALUATOR_RESTART_S
     from pipeline.schedule import EVALUATOR_ID
 
     evals = _evaluator_said_hello(tmp_path)
@@ -121,7 +121,7 @@ def test_the_final_wait_goes_on_while_a_restarted_evaluator_starts(tmp_path):
     import time
 
     from buffer.protocol import EvalResult
-    from pipeline.learner.evaluations import Evaluations
+    from pipeline.learner.evaluation import Evaluations
     from pipeline.learner.producers import ALIVE_S
     from pipeline.schedule import EVALUATOR_ID
 
@@ -159,7 +159,7 @@ def test_an_evaluator_that_just_said_hello_is_not_silent(tmp_path):
 
 def _evaluator_said_hello(tmp_path):
     """Evaluations of a 3-step run with a dedicated evaluator that has just said Hello."""
-    from pipeline.learner.evaluations import Evaluations
+    from pipeline.learner.evaluation import Evaluations
     from pipeline.schedule import EVALUATOR_ID
 
     cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,

@@ -1,10 +1,11 @@
 """``pipeline-train eval --checkpoint DIR``: evaluate one checkpoint's weights on held-out prompts.
 
-The figures are the ones a run logs during training (``pipeline.producer.evaluate``), computed
+The figures are the ones a run logs during training (``pipeline.producer.evaluation``), computed
 the same way: the checkpoint's weights are read on the CPU whatever its kind (full, LoRA merged,
 DeepSpeed ZeRO-2/3 consolidated: ``pipeline.launch.checkpoint_weights``), checked against the
-model, and go into one vLLM engine as a snapshot (the producers' load path); the ``eval.*``
-options of the run's config (or ``--config``/``--set``) choose prompts, samples and threshold.
+model, and go into one vLLM engine as a snapshot (the producers' load path,
+``pipeline.producer.weights``); the ``eval.*`` options of the run's config (or
+``--config``/``--set``) choose prompts, samples and threshold.
 A checkpoint that cannot be read, or holds another model's weights, exits 2 with one line before
 any engine starts. The engine's output goes to ``run_dir/logs/eval.log`` and the console shows
 what a training run's shows (``console_to_log``: errors and this project's warnings; all with
@@ -26,7 +27,7 @@ from typing import Any
 from pipeline.config import RunConfig, flatten, load_config
 from pipeline.launch.args import OneLineParser
 from pipeline.launch.derive import resolve
-from pipeline.options import ConfigError, iter_options, parse_value
+from pipeline.options import ConfigError, iter_options, parse_value, renamed_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,12 +86,13 @@ def config_for(ckpt: Path, config: str | None, sets: list[str]) -> RunConfig:
     import yaml
 
     types = {name: tp for name, _f, tp in iter_options(RunConfig)}
+    renamed = renamed_options(RunConfig)  # a former name: building the config says so
     overrides: dict[str, Any] = {}
     for item in sets:
         key, eq, text = item.partition("=")
-        if not eq or key not in types:
+        if not eq or (key not in types and key not in renamed):
             raise ConfigError(f"--set: expected KEY=VALUE with a known option, got {item!r}")
-        overrides[key] = parse_value(text, types[key], key)
+        overrides[key] = parse_value(text, types[renamed.get(key, key)], key)
     if config is not None:
         return resolve(load_config(config, overrides))
     run_cfg = ckpt.parent.parent / "config.yaml"
@@ -128,7 +130,7 @@ async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, floa
     from transformers import AutoTokenizer
 
     from pipeline.producer.engine import build_engine
-    from pipeline.producer.evaluate import eval_records
+    from pipeline.producer.evaluation import eval_records
     from pipeline.producer.rewards.runner import RewardSet
 
     records = eval_records(cfg.data, cfg.eval)
@@ -142,9 +144,9 @@ async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, floa
     finally:
         rewards.close()
         engine.shutdown()
-        # Collect the engine now (the barrier and transport that held it died with
-        # _load_and_score): AsyncLLM.__del__ calls shutdown() again, which fails noisily when
-        # it runs at interpreter teardown.
+        # Collect the engine now (the weights that held it died with _load_and_score):
+        # AsyncLLM.__del__ calls shutdown() again, which fails noisily when it runs at
+        # interpreter teardown.
         del engine
         gc.collect()
 
@@ -152,17 +154,20 @@ async def _evaluate(cfg: RunConfig, model_path: str, ref: Any) -> dict[str, floa
 async def _load_and_score(engine: Any, cfg: RunConfig, tokenizer: Any, records: Any,
                           rewards: Any, ref: Any) -> dict[str, float]:
     from pipeline.producer.episode import load_episode
-    from pipeline.producer.evaluate import EpisodeRun, generate_and_score
-    from sync.barrier import RequestTracker, SwapBarrier
-    from sync.routes.base import swap_with_fallback
-    from sync.routes.file import FileRoute
+    from pipeline.producer.evaluation import EpisodeRun, generate_and_score
+    from pipeline.producer.weights import EngineWeights
+    from sync.routes import make_route
 
-    barrier = SwapBarrier(
-        engine, RequestTracker(), mode="keep", load_timeout_s=cfg.sync.load_timeout_s
+    # The snapshot is a local file of every weight (LoRA merged), loaded into an idle engine:
+    # read where it lies (never streamed), no drain, no adapters whatever the run's plan.
+    weights = EngineWeights(
+        engine, cfg, "eval", {"file": make_route("file", engine)}, barrier_mode="keep", serving=""
     )
-    report = await swap_with_fallback(barrier, "file", ref, FileRoute(engine))
-    if not report.ok:
-        raise RuntimeError(f"loading the checkpoint's weights failed: {report.error}")
+    report = await weights.load(ref)
+    if report is None or not report.ok:
+        raise RuntimeError(
+            f"loading the checkpoint's weights failed: {report.error if report else 'no file'}"
+        )
     return await generate_and_score(
         engine,
         tokenizer,
@@ -208,7 +213,7 @@ def main(argv: list[str]) -> int:
             if not cfg.eval.data:
                 raise ConfigError("eval.data: name the held-out prompts (--set eval.data=FILE)")
             from pipeline.launch.preflight import prepare
-            from pipeline.producer.evaluate import eval_records
+            from pipeline.producer.evaluation import eval_records
 
             model_path = prepare(cfg, role="producer")
             eval_records(cfg.data, cfg.eval)  # a bad eval.data fails here, before any engine
