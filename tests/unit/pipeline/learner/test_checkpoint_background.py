@@ -257,7 +257,7 @@ def _fake_learner(tmp_path, live, on_error: str = "continue") -> SimpleNamespace
         ledger=SimpleNamespace(prefixes=lambda: {"p0-a": 6}, to_dict=lambda: {"p0-a": [6]}),
         buffer=SimpleNamespace(snapshot=lambda: b"buffer"),
         trainer=SimpleNamespace(state=lambda: live, has_shards=False, save_shards=None),
-        checkpoints=CheckpointWriter(tmp_path), durable={"p0-a": 2},
+        checkpoints=CheckpointWriter(tmp_path), control=SimpleNamespace(durable={"p0-a": 2}),
         cfg=SimpleNamespace(train=SimpleNamespace(on_checkpoint_error=on_error)))
     me._checkpoint_failed = lambda final=False: Learner._checkpoint_failed(me, final)
     return me
@@ -276,10 +276,10 @@ def test_learner_checkpoint_advances_durable_after_the_write(tmp_path, monkeypat
         me.checkpoints.fence()  # as the next optimiser step does
         _train_on(live)
         await _until(gate.reached)
-        assert me.durable == {"p0-a": 2}  # not yet: the write is held
+        assert me.control.durable == {"p0-a": 2}  # not yet: the write is held
         gate.open.set()
         await me.checkpoints.wait()
-        assert me.durable == {"p0-a": 6}
+        assert me.control.durable == {"p0-a": 6}
 
     asyncio.run(main())
     state, tensors, buf = load_checkpoint(latest_checkpoint(tmp_path))
@@ -294,7 +294,7 @@ def test_learner_final_checkpoint_waits_for_the_write(tmp_path):
 
     async def main():
         await Learner.checkpoint(me, final=True)
-        assert not me.checkpoints.busy and me.durable == {"p0-a": 6}
+        assert not me.checkpoints.busy and me.control.durable == {"p0-a": 6}
 
     asyncio.run(main())
     assert latest_checkpoint(tmp_path).name == "step_3"
@@ -313,14 +313,14 @@ def test_learner_skips_while_writing_and_the_final_checkpoint_is_written(tmp_pat
         await _until(gate.reached)
         me.state.step, prefixes["p0-a"] = 4, 8
         assert await Learner.checkpoint(me) is None  # step 4: skipped
-        assert me.checkpoints.skipped == 1 and me.durable == {"p0-a": 2}
+        assert me.checkpoints.skipped == 1 and me.control.durable == {"p0-a": 2}
         me.state.step, prefixes["p0-a"] = 5, 10
         final = asyncio.create_task(Learner.checkpoint(me, final=True))
         await asyncio.sleep(0.2)
         assert not final.done()  # the final one waits for the write in flight
         gate.open.set()
         await final
-        assert me.durable == {"p0-a": 10}
+        assert me.control.durable == {"p0-a": 10}
 
     asyncio.run(main())
     assert latest_checkpoint(tmp_path).name == "step_5"
@@ -354,7 +354,7 @@ def test_a_failed_write_is_one_line_and_training_goes_on_or_stops(tmp_path, monk
     assert f"on_checkpoint_error: {policy}" in lines[0]
     assert me.checkpoints.failures == 1 and latest_checkpoint(tmp_path).name == "step_3"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["LATEST", "step_3"]
-    assert me.durable == {"p0-a": 6}  # producers keep what step 4 would have held
+    assert me.control.durable == {"p0-a": 6}  # producers keep what step 4 would have held
 
 
 # A process that writes checkpoint 1, then checkpoint 2 in the background, and is killed with
