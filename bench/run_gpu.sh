@@ -63,7 +63,7 @@
 #   STEPS             learner steps per run (default 8; 60 for reward)
 #   RUNS              our runs of colocated (default sync,async1; sync-sleep adds sync with
 #                     engine.sleep_when_idle)
-#   TRANSPORT         sync.transport of our runs (default auto: ipc colocated, nccl split)
+#   ROUTE             sync.route of our runs (default auto: ipc colocated, nccl split)
 #   RUN_TIMEOUT       seconds per run; CALL_BUDGET seconds for the whole call (default 570)
 #   CALL_T0           when the call began (epoch seconds); timed parts share CALL_BUDGET from
 #                     then, leaving 30 s of a 600 s call for cutting runs short and packing.
@@ -116,7 +116,7 @@ q05() { [ -f /tmp/q05/config.json ] || python3 -m bench.gpu_model /tmp/q05; }
 quiet() { grep -v -E "^(INFO|DEBUG)|it/s\]|Loading safetensors|EngineCore" ; }
 steps=${STEPS:-8}
 common=(--model "${MODEL:-0.5b}" --steps "$steps" --set engine.enforce_eager=false
-        --set "sync.transport=${TRANSPORT:-auto}" ${GPUS:+--gpus "$GPUS"})
+        --set "sync.route=${ROUTE:-auto}" ${GPUS:+--gpus "$GPUS"})
 call_t0=${CALL_T0:-$(date +%s)}  # no guess from the parent process: it may be a long-lived runner
 # Seconds left of CALL_BUDGET since the call began.
 left() { echo $(( ${CALL_BUDGET:-570} - $(date +%s) + call_t0 )); }
@@ -243,7 +243,7 @@ for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
       --batch-groups 16 --group-size 8 --max-tokens 16 --lr 5e-5 --gpu-mem 0.3 \
       --set data.path=arithmetic:2000:9 --set train.freeze_layers=20 \
       --set train.micro_batch=64 --set "engine.enforce_eager=${EAGER:-true}" \
-      --set "sync.transport=${TRANSPORT:-auto}" --run-timeout "$run_to" ${BENCH_ARGS:-}
+      --set "sync.route=${ROUTE:-auto}" --run-timeout "$run_to" ${BENCH_ARGS:-}
     ;;
   learner7b)
     python3 -c "import accelerate, deepspeed, msgspec; print('deepspeed', deepspeed.__version__)" \
@@ -282,7 +282,7 @@ for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
       extra=(); [ "$v" = none ] || extra=(--set train.checkpoint_every=1 --set train.keep_checkpoints=1)
       timeout -k 15 "$run_to" python3 -m bench.gpu_bench --out "$runs/$v" --layout "${LAYOUT:-colocated}" \
         --model "${RUN_MODEL:-1.5b}" --steps "$steps" --set engine.enforce_eager=false \
-        --set "sync.transport=${TRANSPORT:-auto}" --runs async1 --gpu-mem 0.35 \
+        --set "sync.route=${ROUTE:-auto}" --runs async1 --gpu-mem 0.35 \
         --set train.packing=true --run-timeout "$run_to" "${extra[@]}" 2>&1 | quiet
     done
     python3 -m bench.checkpoint_runs "$runs/none" "$runs/every1" | tee "$out/checkpoint-runs.md"

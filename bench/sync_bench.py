@@ -1,6 +1,6 @@
 """Benchmark the sync barrier modes on a real vLLM engine: how long does a weight swap idle it?
 
-    python -m bench.sync_bench [--model tiny|PATH] [--requests 64] [--swaps 5] [--transport file]
+    python -m bench.sync_bench [--model tiny|PATH] [--requests 64] [--swaps 5] [--route file]
 
 For each mode (drain_prefill, keep, wait, abort) N requests are kept in flight (each finished
 request is replaced at once, long prompts so many are mid-prefill), ``--swaps`` swaps are run
@@ -12,10 +12,11 @@ real-size HF directory). A long-prompt backlog (``--prompt-len 1200,1500
 --max-num-batched-tokens 256``) is the drain's stress case: most requests are queued, not yet
 started, at each swap.
 
-``--transport`` (comma-separated: file, ipc, nccl) repeats the table per weight transport; for
-ipc and nccl this process plays the learner (``sync.publish.WeightPublisher``: GPU 0 for ipc,
-the engine's own GPU; GPU 1 for nccl) and each swap is published first (``publish`` column,
-learner-side, not engine idle time). A GPU swap that falls back to the file is an error here.
+``--route`` (comma-separated: file, ipc, nccl) repeats the table per weight route; for ipc and
+nccl this process plays the learner (the route's learner end over ``sync.routes.gpu_copy``'s
+packed copies: GPU 0 for ipc, the engine's own GPU; GPU 1 for nccl) and each swap is published
+first (``publish`` column, learner-side, not engine idle time). A GPU swap that falls back to
+the file is an error here.
 
 Also the request driver the e2e tests use (``generate``: admit -> stream DELTA -> on_output ->
 finish, resubmitting requests a swap aborted, like the producer does) and the
@@ -50,7 +51,7 @@ MODES: tuple[BarrierMode, ...] = ("drain_prefill", "keep", "wait", "abort")
 STEPS = ("prepare_s", "gate_s", "drain_s", "pause_s", "load_s", "resume_s", "idle_s", "total_s")
 # Request counts of a drain_prefill swap: waited for (mid-prefill), sent back to be resubmitted.
 DRAIN_COUNTS = ("drain_waited", "drain_resubmitted")
-TRANSPORTS = ("file", "ipc", "nccl")
+ROUTES = ("file", "ipc", "nccl")
 
 
 # ------------------------------------------------------------------ snapshots
@@ -168,46 +169,54 @@ class BenchArgs:
 
 
 class BenchSwapper:
-    """One swap through ``transport``; for ipc/nccl this process is the learner."""
+    """One swap through ``route``; for ipc/nccl this process is the learner: the packed copies
+    (``copies``) and the route's learner end (``end``)."""
 
-    def __init__(self, engine: Any, transport: str, weights: list[dict[str, torch.Tensor]],
+    def __init__(self, engine: Any, route: str, weights: list[dict[str, torch.Tensor]],
                  refs: list[SnapshotRef]):
-        self.engine, self.transport, self.refs = engine, transport, refs
+        self.engine, self.route, self.refs = engine, route, refs
         self.file = FileRoute(engine)
-        self.pub: Any = None
+        self.copies: Any = None
+        self.end: Any = None
         self.nccl: NcclRoute | None = None
         self._tasks: list[asyncio.Task] = []
-        if transport != "file":
-            from sync.publish import WeightPublisher
+        if route != "file":
+            from sync.routes import learner_ends
+            from sync.routes.gpu_copy import GpuCopies
 
-            dev = "cuda:0" if transport == "ipc" else "cuda:1"
-            self.pub = WeightPublisher(dev, timeout_s=60.0)
+            dev = "cuda:0" if route == "ipc" else "cuda:1"
+            self.copies = GpuCopies(dev)
+            self.end = learner_ends(self.copies, timeout_s=60.0)[route]
             self.weights = [{k: v.to(dev) for k, v in w.items()} for w in weights]
 
     async def _ready(self, purpose: str, epoch: int, version: int) -> None:
-        coro = self.pub.join("bench", epoch) if purpose == "link" else \
-            self.pub.send("bench", epoch, version)
-        self._tasks.append(asyncio.get_running_loop().create_task(coro))
+        coro = self.end.on_sync_ready("bench", purpose, epoch, version)
+        if coro is not None:
+            self._tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    def _publish(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        packed = self.copies.pack(version, tensors)
+        self.end.export(packed, ["bench"])
+        self.copies.hold(packed)
 
     async def setup(self) -> None:
-        if self.transport == "nccl":
+        if self.route == "nccl":
             self.nccl = NcclRoute(self.engine, self._ready, timeout_s=60.0)
-            self.pub.maintain({"bench": (True, 2)})
-            await self.nccl.join(self.pub.links["bench"].offer())
+            self.end.maintain({"bench": (True, 2)})
+            await self.nccl.join(self.end.links["bench"].offer())
             await asyncio.gather(*self._tasks)
 
     async def swap(self, barrier: SwapBarrier, version: int, s: int) -> SwapReport:
         ref = self.refs[s % len(self.refs)]
         ref = SnapshotRef(version, ref.uri, ref.checksum)
-        if self.transport == "file":
+        if self.route == "file":
             # Stage (read + verify) while serving; only the apply runs inside the pause.
             return await swap_with_fallback(barrier, "file", ref, self.file)
         t0 = time.perf_counter()
-        await asyncio.to_thread(self.pub.publish, version, self.weights[s % len(self.weights)],
-                                ["bench"] if self.transport == "ipc" else [])
+        await asyncio.to_thread(self._publish, version, self.weights[s % len(self.weights)])
         publish_s = time.perf_counter() - t0
-        transfer = self.pub.payload(version, {"bench": self.transport})
-        if self.transport == "ipc":
+        transfer = self.copies.payload(version) | self.end.offer(version, ["bench"])
+        if self.route == "ipc":
             ipc = IpcRoute(self.engine, "bench")
             rep = await swap_with_fallback(barrier, "ipc", ref, self.file,
                                            load=partial(ipc.apply, version),
@@ -218,13 +227,14 @@ class BenchSwapper:
                                            load=partial(self.nccl.receive_and_apply, ref,
                                                         transfer))
         if rep.timings.get("fallback"):
-            raise RuntimeError(f"{self.transport} swap fell back to the file: {rep.error}")
+            raise RuntimeError(f"{self.route} swap fell back to the file: {rep.error}")
         rep.timings["publish_s"] = publish_s
         return rep
 
     def close(self) -> None:
-        if self.pub is not None:
-            self.pub.close()
+        if self.end is not None:
+            self.end.close()
+            self.copies.close()
 
 
 async def bench_mode(engine: Any, mode: BarrierMode, refs: list[SnapshotRef], vocab: int,
@@ -258,7 +268,7 @@ async def bench_mode(engine: Any, mode: BarrierMode, refs: list[SnapshotRef], vo
             rep = await swapper.swap(barrier, version, s)
             if not rep.ok:
                 raise RuntimeError(f"mode {mode}: {rep.error}")
-            print(swap_line(f"{swapper.transport}/{mode}", s + 1, rep, in_flight, pending),
+            print(swap_line(f"{swapper.route}/{mode}", s + 1, rep, in_flight, pending),
                   flush=True)
             reports.append(rep)
             version += 1
@@ -276,8 +286,8 @@ def swap_line(what: str, index: int, rep: SwapReport, in_flight: int, pending: i
             f"total {t.get('total_s', 0.0):.3f}s")
 
 
-def format_table(results: dict[str, list[SwapReport]], transport: str = "file") -> str:
-    steps = STEPS + (("publish_s",) if transport != "file" else ())
+def format_table(results: dict[str, list[SwapReport]], route: str = "file") -> str:
+    steps = STEPS + (("publish_s",) if route != "file" else ())
     head = (["mode", "swaps"] + [s.removesuffix("_s") for s in steps]
             + ["drain_max", "waited", "resubmitted"])
     rows = [head]
@@ -290,7 +300,7 @@ def format_table(results: dict[str, list[SwapReport]], transport: str = "file") 
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    out = (f"transport {transport}\n" + "\n".join(lines)
+    out = (f"route {route}\n" + "\n".join(lines)
            + "\n(mean seconds per swap; idle = engine paused, from pause to resume; drain_max = "
              "the longest drain; waited / resubmitted = mean requests per swap the drain waited "
              "for (prefill under way) / aborted to restart under the new version (not started))")
@@ -303,7 +313,7 @@ def format_table(results: dict[str, list[SwapReport]], transport: str = "file") 
 
 
 async def run_bench(engine: Any, model_dir: Path, snap_dir: Path, a: BenchArgs,
-                    transports: tuple[str, ...] = ("file",)) -> str:
+                    routes: tuple[str, ...] = ("file",)) -> str:
     import json
 
     from sync.snapshot import write_snapshot
@@ -312,12 +322,12 @@ async def run_bench(engine: Any, model_dir: Path, snap_dir: Path, a: BenchArgs,
     base = model_tensors(model_dir)
     new = perturbed(base, scale=0.1)
     refs = [write_snapshot(new, 1, snap_dir), write_snapshot(base, 2, snap_dir)]
-    weights = [new, base] if set(transports) - {"file"} else []
+    weights = [new, base] if set(routes) - {"file"} else []
     del base, new
     tables = []
     version = 1
-    for transport in transports:
-        swapper = BenchSwapper(engine, transport, weights, refs)
+    for route in routes:
+        swapper = BenchSwapper(engine, route, weights, refs)
         try:
             await swapper.setup()
             results: dict[str, list[SwapReport]] = {}
@@ -325,11 +335,11 @@ async def run_bench(engine: Any, model_dir: Path, snap_dir: Path, a: BenchArgs,
                 t0 = time.perf_counter()
                 results[mode], version = await bench_mode(engine, mode, refs, vocab, a, version,
                                                           swapper)
-                print(f"{transport}/{mode}: {len(results[mode])} swaps in "
+                print(f"{route}/{mode}: {len(results[mode])} swaps in "
                       f"{time.perf_counter() - t0:.1f}s", flush=True)
         finally:
             swapper.close()
-        tables.append(format_table(results, transport))
+        tables.append(format_table(results, route))
     return "\n\n".join(tables)
 
 
@@ -348,16 +358,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--snapshot-dir", default=None, help="default: a temporary directory")
-    p.add_argument("--transport", default="file",
-                   help="comma-separated weight transports to time: file, ipc (one GPU), nccl "
+    p.add_argument("--route", default="file",
+                   help="comma-separated weight routes to time: file, ipc (one GPU), nccl "
                         "(needs 2 GPUs: learner on GPU 1)")
     args = p.parse_args(argv)
-    transports = tuple(t.strip() for t in args.transport.split(",") if t.strip())
-    if not transports or any(t not in TRANSPORTS for t in transports):
-        p.error(f"--transport {args.transport!r}: choose from {TRANSPORTS}")
+    routes = tuple(t.strip() for t in args.route.split(",") if t.strip())
+    if not routes or any(t not in ROUTES for t in routes):
+        p.error(f"--route {args.route!r}: choose from {ROUTES}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if ("ipc" in transports and gpus < 1) or ("nccl" in transports and gpus < 2):
-        p.error(f"--transport {args.transport}: ipc needs a GPU, nccl two; {gpus} visible")
+    if ("ipc" in routes and gpus < 1) or ("nccl" in routes and gpus < 2):
+        p.error(f"--route {args.route}: ipc needs a GPU, nccl two; {gpus} visible")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -388,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.ExitStack() as stack:
                 snap = args.snapshot_dir or stack.enter_context(
                     tempfile.TemporaryDirectory(prefix="sync-bench-"))
-                return await run_bench(engine, model_dir, Path(snap), a, transports)
+                return await run_bench(engine, model_dir, Path(snap), a, routes)
         finally:
             engine.shutdown()
             del engine  # finalised here, not during interpreter exit (vLLM's __del__ warns)

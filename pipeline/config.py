@@ -302,11 +302,12 @@ class SyncConfig:
     barrier: Literal["drain_prefill", "keep", "wait", "abort"] = "drain_prefill"
     """swap mode: finish the prefills under way, resubmit requests not yet started, then
     pause-keep (default); keep (no drain); wait (drain everything); abort (abort and resubmit)"""
-    transport: Literal["auto", "file", "ipc", "nccl"] = "auto"
-    """weight transport: 'file' (safetensors in snapshot_dir, loaded by a vLLM worker extension),
-    'ipc' (CUDA IPC, learner and producer on one GPU), 'nccl' (GPU to GPU broadcast); 'auto'
-    picks per producer from its GPU: file on CPU, ipc on the learner's GPU, nccl on another.
-    The file is written every version anyway (fallback and catch-up)"""
+    route: Literal["auto", "file", "ipc", "nccl"] = opt("auto", was="transport")
+    """weight route (sync.routes): 'file' (safetensors in snapshot_dir, loaded by a vLLM worker
+    extension), 'ipc' (CUDA IPC, learner and producer on one GPU), 'nccl' (GPU to GPU
+    broadcast); 'auto' picks per producer from its GPU: file on CPU, ipc on the learner's GPU,
+    nccl on another. The file is written every version anyway (fallback and catch-up). Formerly
+    sync.transport, still accepted"""
     stream_from: str = ""
     """producers: tcp://HOST:PORT of the learner node's snapshot server; each version is streamed
     from it into a directory of this node and checked before the swap (no shared filesystem).

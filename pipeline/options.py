@@ -6,7 +6,8 @@ It knows nothing of any particular option: ``pipeline.config`` declares them and
 root class where a walk needs one. Invariants: every value a config holds has been checked
 against its field's annotation (``coerce``) and declared bounds, and is a plain builtin that
 YAML and msgpack carry unchanged; every error is one ``ConfigError`` whose message starts with
-the option's dotted name.
+the option's dotted name. A renamed option keeps its old name as an alias (``opt(was=...)``): a
+mapping or override that uses it still builds, with one deprecation line naming the new one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import logging
 import math
 import numbers
 import operator
@@ -29,6 +31,8 @@ from typing import Any, Literal
 
 import yaml
 
+log = logging.getLogger(__name__)
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the option."""
@@ -36,10 +40,14 @@ class ConfigError(ValueError):
 
 def opt(default: Any = dataclasses.MISSING, *, gt: float | None = None,
         ge: float | None = None, lt: float | None = None, le: float | None = None,
-        **kw: Any) -> Any:
+        was: str = "", **kw: Any) -> Any:
     """A dataclass field with numeric bounds (``ge=1``: must be >= 1), checked by ``enforce``
-    after the field's type; a list or dict default is copied for each instance."""
-    meta = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None}
+    after the field's type; a list or dict default is copied for each instance. ``was``: the
+    option's former name in its section, still accepted (``build``) with a deprecation line."""
+    meta: dict[str, Any] = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le))
+                            if v is not None}
+    if was:
+        meta["was"] = was
     if isinstance(default, (list, dict)):
         value = default
         return field(default_factory=lambda: type(value)(value), metadata=meta, **kw)
@@ -234,10 +242,49 @@ def _prefixed(prefix: str, message: str) -> str:
     return f"{prefix}.{message}" if not message.startswith(" ") else f"{prefix}:{message}"
 
 
+def _renamed(cls: type) -> dict[str, str]:
+    """{former name: name} of the fields of config dataclass ``cls`` declared with ``was``."""
+    return {f.metadata["was"]: f.name for f in dataclasses.fields(cls) if "was" in f.metadata}
+
+
+def _dotted(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _deprecated(old: str, new: str) -> None:
+    log.warning("option %s is deprecated: it is now %s", old, new)
+
+
+def _rename(cls: type, data: dict, prefix: str) -> dict:
+    """``data`` with each former option name of ``cls`` replaced by its name, one deprecation
+    line each; both names set at once is a ConfigError."""
+    for old, new in _renamed(cls).items():
+        if old not in data:
+            continue
+        if new in data:
+            raise ConfigError(f"{_dotted(prefix, old)}: renamed {_dotted(prefix, new)}, which "
+                              f"is set too; keep {_dotted(prefix, new)} only")
+        _deprecated(_dotted(prefix, old), _dotted(prefix, new))
+        data = {(new if k == old else k): v for k, v in data.items()}
+    return data
+
+
+def renamed_options(cls: type, prefix: str = "") -> dict[str, str]:
+    """{former dotted name: dotted name} of every renamed leaf option under ``cls``, for the
+    CLI's ``--set`` and flags (their values are parsed as the new option's)."""
+    hints = _hints(cls)
+    out = {_dotted(prefix, old): _dotted(prefix, new) for old, new in _renamed(cls).items()}
+    for f in dataclasses.fields(cls):
+        if is_section(hints[f.name]):
+            out.update(renamed_options(hints[f.name], _dotted(prefix, f.name)))
+    return out
+
+
 def build(cls: type, data: Any, prefix: str = "") -> Any:
     """A config dataclass from a mapping; every error names the option under ``prefix``."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {_short(data)}")
+    data = _rename(cls, data, prefix)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(str(k) for k in data if k not in names)
     if unknown:
@@ -281,7 +328,9 @@ def read_yaml(path: str | Path) -> Any:
 
 def load(cls: type, path: str | Path | None = None,
          overrides: dict[str, Any] | None = None) -> Any:
-    """YAML file (optional) + dotted overrides ``{"train.lr": 1e-5}`` -> validated ``cls``."""
+    """YAML file (optional) + dotted overrides ``{"train.lr": 1e-5}`` -> validated ``cls``. An
+    override wins over the file's value of its option, under either of a renamed option's
+    names."""
     data: Any = {}
     if path is not None:
         data = read_yaml(path)
@@ -290,7 +339,12 @@ def load(cls: type, path: str | Path | None = None,
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: top level must be a mapping of options, "
                               f"got {type(data).__name__}")
+    renamed = renamed_options(cls)
+    former = {new: old for old, new in renamed.items()}
     for key, value in (overrides or {}).items():
+        if key in renamed:
+            _deprecated(key, renamed[key])
+            key = renamed[key]
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -298,6 +352,8 @@ def load(cls: type, path: str | Path | None = None,
             if not isinstance(node, dict):
                 raise ConfigError(f"{key}: {part} is not a section")
         node[parts[-1]] = value
+        if key in former:
+            node.pop(former[key].rsplit(".", 1)[-1], None)
     return build(cls, data)
 
 

@@ -10,7 +10,8 @@ Every wait is bounded: a broadcast is posted on a side stream and its completion
 until a deadline; on timeout the communicator is aborted (``ncclCommAbort`` through vLLM's
 ``destroy``) so the posted kernel cannot hang the GPU stream, and the link is dead (a new link,
 new epoch, is built for the next version). ``ncclCommInitRank`` itself cannot be bounded; the
-learner only calls it once the producer has said it is joining (see ``sync.publish``).
+learner only calls it once the producer has said it is joining (``sync.routes.nccl``, whose
+docstring maps the whole route: both ends, the worker calls, this communicator).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pipeline.config import RunConfig, load_config
 from pipeline.launch.args import OneLineParser
 from pipeline.launch.derive import resolve
 from pipeline.launch.placement import check_placement
-from pipeline.options import ConfigError, iter_help, iter_options, parse_value
+from pipeline.options import ConfigError, iter_help, iter_options, parse_value, renamed_options
 
 ALIASES = {
     "mode": "train.mode", "max-staleness": "train.max_staleness", "steps": "train.steps",
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         extra: dict[str, Any] = {"nargs": "?", "const": "true"} if tp is bool else {}
         g.add_argument(*flags, dest=name, default=None, metavar=_metavar(tp),
                        help=_option_help(text, default, tp), **extra)
+    for old in renamed_options(RunConfig):  # a renamed option's former flag still works
+        p.add_argument(f"--{old}", dest=old, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -154,17 +156,19 @@ def parse(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]
     parser = build_parser()
     args = parser.parse_args(argv)
     types = {name: tp for name, _f, tp in iter_options(RunConfig)}
+    # A former name stays in the overrides: building the config says it is deprecated.
+    renamed = renamed_options(RunConfig)
     overrides: dict[str, Any] = {}
     for item in args.set:
         if "=" not in item:
             parser.error(f"--set expects KEY=VALUE, got {item!r}")
         key, text = item.split("=", 1)
-        if key not in types:
+        if key not in types and key not in renamed:
             close = difflib.get_close_matches(key, types, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             parser.error(f"--set: unknown option {key!r}{hint}")
-        overrides[key] = parse_value(text, types[key], key)
-    for name, tp in types.items():
+        overrides[key] = parse_value(text, types[renamed.get(key, key)], key)
+    for name, tp in [*types.items(), *((old, types[new]) for old, new in renamed.items())]:
         text = getattr(args, name, None)
         if text is not None:
             overrides[name] = parse_value(text, tp, name)
@@ -204,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         return eval_main(argv[1:])
     try:
         cfg, args = parse(argv)
-        # A pinned placement that rules out an explicit transport fails here, in one line,
+        # A pinned placement that rules out an explicit route fails here, in one line,
         # not as a silent file fallback once the engines are up.
-        check_placement(cfg.sync.transport, cfg.learner_gpus, cfg.producer_gpus)
+        check_placement(cfg.sync.route, cfg.learner_gpus, cfg.producer_gpus)
         check_producer_index(cfg, args.role, args.producer_index)
     except ConfigError as e:
         print(f"pipeline-train: config error: {e}", file=sys.stderr)

@@ -27,7 +27,7 @@ from typing import Any
 from pipeline.config import RunConfig, flatten, load_config
 from pipeline.launch.args import OneLineParser
 from pipeline.launch.derive import resolve
-from pipeline.options import ConfigError, iter_options, parse_value
+from pipeline.options import ConfigError, iter_options, parse_value, renamed_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,12 +86,13 @@ def config_for(ckpt: Path, config: str | None, sets: list[str]) -> RunConfig:
     import yaml
 
     types = {name: tp for name, _f, tp in iter_options(RunConfig)}
+    renamed = renamed_options(RunConfig)  # a former name: building the config says so
     overrides: dict[str, Any] = {}
     for item in sets:
         key, eq, text = item.partition("=")
-        if not eq or key not in types:
+        if not eq or (key not in types and key not in renamed):
             raise ConfigError(f"--set: expected KEY=VALUE with a known option, got {item!r}")
-        overrides[key] = parse_value(text, types[key], key)
+        overrides[key] = parse_value(text, types[renamed.get(key, key)], key)
     if config is not None:
         return resolve(load_config(config, overrides))
     run_cfg = ckpt.parent.parent / "config.yaml"

@@ -1,6 +1,6 @@
 """Where the run's processes go on the GPUs, and what the launcher's machine has: the
 environment that pins the learner and each producer to theirs, the GPUs this process sees, and
-the refusal, before anything starts, of an explicit weight transport that this machine or the
+the refusal, before anything starts, of an explicit weight route that this machine or the
 pinned placement rules out. These checks run once, in the launcher: a child pinned to its GPUs
 (CUDA_VISIBLE_DEVICES) sees only those, which says nothing about the placement.
 
@@ -36,21 +36,21 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count()
 
 
-def check_placement(transport: str, learner_gpus: str, producer_gpus: list[str]) -> None:
-    """Refuse an explicit ``sync.transport`` that this machine (no GPU at all) or the GPU
+def check_placement(route: str, learner_gpus: str, producer_gpus: list[str]) -> None:
+    """Refuse an explicit ``sync.route`` that this machine (no GPU at all) or the GPU
     placement rules out (e.g. 'nccl' with the learner on a producer's GPU), in one ConfigError,
     rather than a silent file fallback once the engines are up. Unknown placements are not
     checked: the learner still checks each producer at run time, from its GPU UUIDs."""
     from sync.routes.base import RouteChoiceError, choose_route
 
-    if transport in ("ipc", "nccl") and cuda_device_count() == 0:
-        raise ConfigError(f"sync.transport: {transport!r} needs NVIDIA GPUs and none is visible "
+    if route in ("ipc", "nccl") and cuda_device_count() == 0:
+        raise ConfigError(f"sync.route: {route!r} needs NVIDIA GPUs and none is visible "
                           f"(CPU build?); use 'file' or 'auto'")
-    if transport in ("auto", "file") or not learner_gpus or not producer_gpus:
+    if route in ("auto", "file") or not learner_gpus or not producer_gpus:
         return
     learner = learner_gpus.split(",")[0]  # rank 0 sends the weights
     for i, gpus in enumerate(producer_gpus):
         try:
-            choose_route(transport, f"GPU {learner}", [f"GPU {g}" for g in gpus.split(",")])
+            choose_route(route, f"GPU {learner}", [f"GPU {g}" for g in gpus.split(",")])
         except RouteChoiceError as e:
-            raise ConfigError(f"sync.transport: producer_gpus[{i}]: {e}") from None
+            raise ConfigError(f"sync.route: producer_gpus[{i}]: {e}") from None

@@ -3,18 +3,19 @@ and what the learner publishes for a version on each.
 
 Every version is packed once (``capture``, the only weight copy on the training path) and
 written as a snapshot file from that buffer (``sync.writer``, by the learner loop): the file
-route, and the fallback of every other. Producers whose route has a GPU copy (``gpu_copy``:
-ipc, nccl) also get the packed buffer from ``sync.publish.WeightPublisher``: its IPC handle
-(``ipc_export``) or NCCL link offer (``linked``) rides in the Announce (``offer``), and SyncReady
-messages drive the NCCL side of each transfer (``on_sync_ready``). A sharded (ZeRO-3) learner
-packs into host memory instead, gathering ``sync.bucket_mb`` at a time, and its GPU-route
-producers take each version bucket by bucket (``capture_device``). With ``sync.serve_stream``
-the snapshot files are also served over the network, for producers on the stream route
-(``serve_stream``).
+route, and the fallback of every other. Producers on a route with a learner end (ipc, nccl:
+``sync.routes.learner_ends``) also get that buffer, held among the newest versions in
+``sync.routes.gpu_copy.GpuCopies``: each end exports what its producers need (``publish``),
+adds its fields to the Announce (``offer``: IPC handles, NCCL link offers), keeps its links up
+(``maintain``) and answers their SyncReady messages (``on_sync_ready``). A sharded (ZeRO-3)
+learner packs into host memory instead, gathering ``sync.bucket_mb`` at a time, and its
+GPU-route producers take each version bucket by bucket (``capture_device``). With
+``sync.serve_stream`` the snapshot files are also served over the network, for producers on the
+stream route (``serve_stream``).
 
-Invariants: a producer gets a GPU route only while a publisher exists (a CUDA learner whose
-``sync.transport`` is not ``file``); only producers alive now are offered a GPU copy (an IPC
-export never opened would leak); a failed GPU copy is counted and leaves the file.
+Invariants: a producer gets a GPU route only while that route has a learner end here (a CUDA
+learner whose ``sync.route`` is not ``file``); only producers alive now are offered a GPU copy
+(an IPC export never opened would leak); a failed GPU copy is counted and leaves the file.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from pipeline.keys import curve_keys
 from pipeline.learner.producers import ALIVE_S, ProducerInfo
 from pipeline.owner import owned_name
 from sync.packing import Layout, pack_buckets, plan_layout, plan_layout_of, total_bytes
-from sync.routes import route_class
 from sync.routes.base import RouteChoiceError, choose_route
 
 log = logging.getLogger(__name__)
@@ -60,14 +60,14 @@ def snapshot_dir(configured: str, run_dir: Path, run_key: str, need_bytes: int,
     return run_dir / "snapshots"
 
 
-def capture_device(model_device: Any, publisher_device: Any, gpu_routes: bool,
+def capture_device(model_device: Any, copies_device: Any, gpu_routes: bool,
                    sharded: bool) -> Any:
     """Where a version's packed buffer goes (a ``torch.device``).
 
     - A sharded learner (ZeRO-3): host memory, whatever the routes, so no GPU ever holds a
       second whole model beside the shards and the engine; ipc and nccl producers then get
-      the version bucket by bucket through one bucket of GPU memory (``sync.publish``).
-    - Live ipc/nccl producers of an unsharded learner: the publisher's GPU, whatever the
+      the version bucket by bucket through one bucket of GPU memory (``sync.routes``).
+    - Live ipc/nccl producers of an unsharded learner: the GPU copies' GPU, whatever the
       model's state is on. Packing "next to the tensors" put a ZeRO-3 learner's buffer on the
       CPU (its state dict is gathered there): every IPC export then failed ("ipc_export needs
       a contiguous CUDA buffer at storage offset 0") and each version fell back to the file.
@@ -78,38 +78,42 @@ def capture_device(model_device: Any, publisher_device: Any, gpu_routes: bool,
 
     if sharded:
         return torch.device("cpu")
-    if gpu_routes and publisher_device is not None:
-        return torch.device(publisher_device)
+    if gpu_routes and copies_device is not None:
+        return torch.device(copies_device)
     model_device = torch.device(model_device)
     return model_device if model_device.type == "cuda" else torch.device("cpu")
 
 
 class LearnerRoutes:
-    """The routes of the producers in ``producers`` (the learner's table, shared), the GPU
-    publisher, and the counters of failed GPU copies (``counters``, the learner's, shared)."""
+    """The routes of the producers in ``producers`` (the learner's table, shared), the learner
+    ends of the GPU routes with their packed copies, and the counters of failed GPU copies
+    (``counters``, the learner's, shared)."""
 
     def __init__(self, cfg: RunConfig, trainer: Any, producers: dict[str, ProducerInfo],
                  counters: dict[str, int]):
         self.cfg, self.trainer = cfg, trainer
         self.producers, self.counters = producers, counters
         self.learner_gpu: str | None = None  # set by start() when the trainer is on CUDA
-        self.publisher: Any = None  # sync.publish.WeightPublisher, for the GPU routes
+        self.copies: Any = None  # sync.routes.gpu_copy.GpuCopies, for the GPU routes
+        self.ends: dict[str, Any] = {}  # their learner ends by route name (sync.routes)
         self.capture_buckets = 0  # buckets of the last capture
         self._tasks: set[asyncio.Task] = set()  # transfers under way (SyncReady)
 
     def start(self) -> None:
-        """On a CUDA learner: its GPU, and a publisher unless ``sync.transport`` is file."""
+        """On a CUDA learner: its GPU, and the GPU routes' learner ends unless ``sync.route``
+        is file."""
         dev = self.trainer.device
         if dev.type != "cuda":
             return
         import torch
 
-        from sync.publish import WeightPublisher
+        from sync.routes import learner_ends
+        from sync.routes.gpu_copy import GpuCopies
 
         self.learner_gpu = str(torch.cuda.get_device_properties(dev).uuid)
-        if self.cfg.sync.transport != "file":
-            self.publisher = WeightPublisher(dev, timeout_s=self.cfg.sync.nccl_timeout_s,
-                                             bucket_bytes=int(self.cfg.sync.bucket_mb * 2**20))
+        if self.cfg.sync.route != "file":
+            self.copies = GpuCopies(dev, bucket_bytes=int(self.cfg.sync.bucket_mb * 2**20))
+            self.ends = learner_ends(self.copies, timeout_s=self.cfg.sync.nccl_timeout_s)
 
     def device_capture_bytes(self) -> int:
         """Bytes of a version's buffer when ``capture`` puts it on a GPU (the writer then
@@ -118,8 +122,8 @@ class LearnerRoutes:
         plan = tr.snapshot_plan()
         if plan is None or tr.device.type != "cuda":
             return 0
-        device = capture_device(tr.device, getattr(self.publisher, "device", None),
-                                self.publisher is not None, tr.sharded)
+        device = capture_device(tr.device, getattr(self.copies, "device", None),
+                                self.copies is not None, tr.sharded)
         return total_bytes(plan_layout_of(plan)) if device.type == "cuda" else 0
 
     def release_host_memory(self) -> None:
@@ -132,7 +136,7 @@ class LearnerRoutes:
         if not torch.cuda.is_available():
             return
         before = _resident_bytes()
-        dropped = self.publisher.drop_host_versions() if self.publisher is not None else 0
+        dropped = self.copies.drop_host_versions() if self.copies is not None else 0
         gc.collect()
         empty = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds only
         if empty is not None:
@@ -141,37 +145,38 @@ class LearnerRoutes:
                  "memory %.1f -> %.1f GB", dropped, before / 1e9, _resident_bytes() / 1e9)
 
     def close(self) -> None:
-        if self.publisher is not None:
-            self.publisher.close()
+        for end in self.ends.values():
+            end.close()
+        if self.copies is not None:
+            self.copies.close()
 
     def choose(self, producer_id: str, devices: list[str]) -> str:
         """This producer's weight route; an impossible explicit choice is an error in the
         log and the file (placement is only known once the producer has said hello)."""
         try:
-            route = choose_route(self.cfg.sync.transport, self.learner_gpu, devices)
+            route = choose_route(self.cfg.sync.route, self.learner_gpu, devices)
         except RouteChoiceError as e:
-            log.error("producer %s: sync.transport: %s; it gets weights from the snapshot file",
+            log.error("producer %s: sync.route: %s; it gets weights from the snapshot file",
                       producer_id, e)
             return "file"
-        if route_class(route).gpu_copy and self.publisher is None:
-            return "file"
-        return route
+        return route if route in self.ends else "file"  # no learner end here: the file
 
     def forget(self, producer_id: str) -> None:
         """A new process of ``producer_id``: its link died with the old one."""
-        if self.publisher is not None:
-            self.publisher.forget(producer_id)
+        for end in self.ends.values():
+            end.forget(producer_id)
 
     def on_sync_ready(self, msg: SyncReady) -> None:
-        pub = self.publisher
-        if pub is None:
+        """Handed to the learner end of the producer's route; what it has to do at length
+        (a join, a send) runs as a task."""
+        info = self.producers.get(msg.producer_id)
+        end = self.ends.get(info.route) if info is not None else None
+        if end is None:
             log.warning("SyncReady from %s but no GPU route here; ignored", msg.producer_id)
             return
-        if msg.purpose == "drop":
-            pub.drop(msg.producer_id, msg.epoch)
+        coro = end.on_sync_ready(msg.producer_id, msg.purpose, msg.epoch, msg.version)
+        if coro is None:
             return
-        coro = pub.join(msg.producer_id, msg.epoch) if msg.purpose == "link" else \
-            pub.send(msg.producer_id, msg.epoch, msg.version)
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -182,33 +187,43 @@ class LearnerRoutes:
         now = time.monotonic()
         # list(): also called from the snapshot thread while the loop may add producers.
         return {p: i.route for p, i in list(self.producers.items())
-                if route_class(i.route).gpu_copy and now - i.last_seen <= ALIVE_S}
+                if i.route in self.ends and now - i.last_seen <= ALIVE_S}
 
     def offer(self, version: int) -> tuple[dict[str, str], dict[str, Any]]:
         """The Announce's ``routes`` and ``transfer``: the newest GPU copy held, at most
         ``version``, for the live GPU-route producers (({}, {}) when there is none)."""
-        if self.publisher is None:
+        if self.copies is None:
             return {}, {}
         routes = self.live_gpu_routes()
-        gpu_version = self.publisher.newest(version) if routes else None
-        if gpu_version is None:
+        gpu_version = self.copies.newest(version) if routes else None
+        transfer = self.copies.payload(gpu_version) if gpu_version is not None else {}
+        if not transfer:
             return {}, {}
-        transfer = self.publisher.payload(gpu_version, routes)
-        return (routes if transfer else {}), transfer
+        for name, end in self.ends.items():
+            transfer |= end.offer(gpu_version, _on(routes, name))
+        return routes, transfer
 
     def on_gpu(self, version: int) -> bool:
         """Whether the GPU copy of ``version`` is on offer (GPU-route producers may take it
         before its file is written)."""
-        return self.publisher is not None and self.publisher.newest(version) == version
+        return self.copies is not None and self.copies.newest(version) == version
 
     def maintain(self) -> None:
-        """Keep a NCCL link offered to every live producer whose route is linked."""
-        if self.publisher is None:
-            return
+        """Every announce: each learner end keeps what its producers need set up (nccl: a link
+        offered to every live one)."""
         now = time.monotonic()
-        self.publisher.maintain({p: (i.alive(now), 1 + len(i.devices))
-                                 for p, i in self.producers.items()
-                                 if route_class(i.route).linked})
+        for name, end in self.ends.items():
+            end.maintain({p: (i.alive(now), 1 + len(i.devices))
+                          for p, i in self.producers.items() if i.route == name})
+
+    def publish(self, version: int, flat: Any, layout: Layout, routes: dict[str, str]) -> None:
+        """Hold ``flat`` as ``version``'s GPU copy for the producers in ``routes`` (blocking):
+        each learner end first exports what its producers need (ipc: a handle each), then the
+        version goes on offer, so no announce offers it before that."""
+        packed = self.copies.prepare(version, flat, layout)
+        for name, end in self.ends.items():
+            end.export(packed, _on(routes, name))
+        self.copies.hold(packed)
 
     def capture(self, version: int) -> tuple[Any, Layout]:
         """Pack the weights into one buffer (blocking: run in a thread), bucket by bucket.
@@ -218,18 +233,18 @@ class LearnerRoutes:
         the weights arrive ``sync.bucket_mb`` at a time (``trainer.snapshot_buckets``: under
         ZeRO-3 one all-gather per bucket, so the whole model is never gathered anywhere but in
         this buffer). Where the buffer lives: ``capture_device``. Producers on a GPU route are
-        offered it right away (``sync.publish``); the snapshot file is written from it by the
+        offered it right away (``publish``); the snapshot file is written from it by the
         learner's writer, in the background."""
         import torch
 
         tr = self.trainer
         routes = self.live_gpu_routes()
-        gpu_routes = self.publisher is not None and bool(routes)
+        gpu_routes = self.copies is not None and bool(routes)
         plan = tr.snapshot_plan()
         # LoRA versions are computed from the whole state (merged, or the adapter alone).
         tensors = tr.snapshot_tensors() if plan is None else None
         layout = plan_layout(tensors) if tensors is not None else plan_layout_of(plan)
-        device = capture_device(tr.device, getattr(self.publisher, "device", None),
+        device = capture_device(tr.device, getattr(self.copies, "device", None),
                                 gpu_routes, tr.sharded)
         try:
             flat = torch.empty(total_bytes(layout), dtype=torch.uint8, device=device,
@@ -244,9 +259,7 @@ class LearnerRoutes:
         self.capture_buckets = pack_buckets(buckets, layout, flat)
         if gpu_routes:
             try:
-                self.publisher.publish_packed(
-                    version, flat, layout,
-                    ipc=[p for p, r in routes.items() if route_class(r).ipc_export])
+                self.publish(version, flat, layout, routes)
             except Exception as e:  # e.g. an IPC export failed: the file still works
                 self.count_failure(version, e)
         elif flat.is_cuda:
@@ -273,6 +286,11 @@ def serve_stream(cfg: RunConfig, directory: Path) -> Any:
     server = SnapshotServer(cfg.sync.serve_stream, [directory], keys)
     log.info("serving snapshot files at %s", server.addr)
     return server
+
+
+def _on(routes: dict[str, str], name: str) -> list[str]:
+    """The producers of ``routes`` ({producer id: route}) on route ``name``."""
+    return [p for p, r in routes.items() if r == name]
 
 
 def _resident_bytes() -> int:

@@ -77,7 +77,7 @@ from pipeline.producer.stats import ProducerStats
 from pipeline.producer.weights import EngineWeights, weight_routes
 from pipeline.schedule import engine_count, evaluator_index, is_due, last_version
 from sync.barrier import SwapReport
-from sync.routes import route_class
+from sync.routes import takes_gpu_copy
 from sync.snapshot import SnapshotRef
 
 log = logging.getLogger(__name__)
@@ -371,7 +371,7 @@ class Producer:
         has no file (``uri`` ""). Else the file. Never an older version than the one we run
         from the same learner: the file of a version we took by GPU arrives later, and the
         file of the one before it meanwhile."""
-        gpu = ann.transfer.get("version") if route_class(route).gpu_copy else None
+        gpu = ann.transfer.get("version") if takes_gpu_copy(route) else None
         if type(gpu) is int and gpu > ann.version:
             ref = SnapshotRef(gpu, "", "")
         elif ann.snapshot_uri:

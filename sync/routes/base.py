@@ -1,13 +1,15 @@
-"""The weight route interface, the learner's choice of a route per producer, and the fallback.
+"""The weight route interface (both ends), the learner's choice of a route per producer, and
+the fallback.
 
 A weight route is how a version announced by the learner gets into every vLLM worker of one
-engine. Producer side, a ``WeightRoute`` gives the barrier (``sync.barrier.SwapBarrier``) its two
+engine. Producer end, a ``WeightRoute`` gives the barrier (``sync.barrier.SwapBarrier``) its two
 calls for a version: ``prepare`` (run while the engine serves; may be None) and ``load`` (run
 inside the pause), both reaching the workers through the worker extension (``sync.worker_ext``)
-via ``AsyncLLM.collective_rpc``. Learner side, the class attributes say what the learner
-publishes for a version besides the snapshot file, which it writes for every version whatever
-the route: a packed GPU copy (``gpu_copy``), its CUDA IPC handles (``ipc_export``), a NCCL link
-per producer (``linked``); ``sync.publish.WeightPublisher`` holds them.
+via ``AsyncLLM.collective_rpc``. Learner end, a ``LearnerEnd`` is what the learner holds and does
+for the producers on a GPU route beside the packed copy those routes share
+(``sync.routes.gpu_copy``): ipc's exported handles, nccl's links. The snapshot file, which the
+learner writes for every version whatever the route, is the file route's learner end and needs
+no object; a route without a ``LearnerEnd`` takes no GPU copy.
 
 Failure policy (``swap_with_fallback``): a GPU route that fails or times out is a counted,
 reported swap failure (engine resumed on v by the barrier), followed at once by a file swap to
@@ -17,7 +19,7 @@ the same version, so nothing is lost; the ack carries ``fallback = 1``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any, ClassVar, Literal
 
@@ -27,7 +29,7 @@ from sync.snapshot import SnapshotRef
 log = logging.getLogger(__name__)
 
 RouteName = Literal["file", "ipc", "nccl"]  # the routes the learner names in its Announce
-ROUTE_OPTIONS = ("auto", "file", "ipc", "nccl")  # the values of the option sync.transport
+ROUTE_OPTIONS = ("auto", "file", "ipc", "nccl")  # the values of the option sync.route
 Step = Callable[[], Awaitable[Any]]
 
 
@@ -36,7 +38,7 @@ class RouteChoiceError(ValueError):
 
 
 def choose_route(requested: str, learner_gpu: str | None, producer_gpus: list[str]) -> RouteName:
-    """The route for one producer (``requested`` is the option ``sync.transport``), from GPU
+    """The route for one producer (``requested`` is the option ``sync.route``), from GPU
     UUIDs (None / [] = CPU).
 
     ``auto``: ``file`` on CPU, ``ipc`` when every worker of the producer is on the learner's GPU,
@@ -44,7 +46,7 @@ def choose_route(requested: str, learner_gpu: str | None, producer_gpus: list[st
     GPU). An explicit choice that cannot work raises RouteChoiceError.
     """
     if requested not in ROUTE_OPTIONS:
-        raise RouteChoiceError(f"unknown transport {requested!r} (choose from {ROUTE_OPTIONS})")
+        raise RouteChoiceError(f"unknown route {requested!r} (choose from {ROUTE_OPTIONS})")
     if requested == "file":
         return "file"
     on_gpu = learner_gpu is not None and bool(producer_gpus) and all(producer_gpus)
@@ -53,14 +55,14 @@ def choose_route(requested: str, learner_gpu: str | None, producer_gpus: list[st
     if requested == "auto":
         return "ipc" if same else "nccl" if apart else "file"
     if not on_gpu:
-        raise RouteChoiceError(f"transport {requested!r} needs the learner and the producer "
+        raise RouteChoiceError(f"route {requested!r} needs the learner and the producer "
                                f"on CUDA GPUs (learner: {learner_gpu or 'cpu'}, producer: "
                                f"{producer_gpus or 'cpu'}); use 'file' or 'auto'")
     if requested == "ipc" and not same:
-        raise RouteChoiceError(f"transport 'ipc' needs the producer on the learner's GPU "
+        raise RouteChoiceError(f"route 'ipc' needs the producer on the learner's GPU "
                                f"({learner_gpu}); it is on {producer_gpus}: use 'nccl'")
     if requested == "nccl" and not apart:
-        raise RouteChoiceError(f"transport 'nccl' needs the producer on other GPUs than the "
+        raise RouteChoiceError(f"route 'nccl' needs the producer on other GPUs than the "
                                f"learner's ({learner_gpu}); it is on {producer_gpus}: NCCL "
                                f"cannot put two ranks on one GPU, use 'ipc'")
     return requested  # type: ignore[return-value]
@@ -71,9 +73,6 @@ class WeightRoute:
     ``apply`` with a staged snapshot file."""
 
     name: ClassVar[str]
-    gpu_copy: ClassVar[bool] = False    # learner: offers a packed GPU copy in the Announce
-    ipc_export: ClassVar[bool] = False  # learner: exports that copy's CUDA IPC handle
-    linked: ClassVar[bool] = False      # learner: keeps a NCCL link to the producer
 
     def __init__(self, engine: Any):
         self.engine = engine
@@ -102,6 +101,45 @@ class WeightRoute:
 
     def close(self) -> None:
         """Release what the route holds on this machine."""
+
+
+class LearnerEnd:
+    """One GPU route's learner end (see the module docstring), over the packed copies it shares
+    with the other GPU routes (``copies``, a ``sync.routes.gpu_copy.GpuCopies``). The learner
+    (``pipeline.learner.routes``) calls each method with the producers it routes here; these
+    defaults do nothing."""
+
+    name: ClassVar[str]
+
+    def __init__(self, copies: Any, timeout_s: float = 30.0):
+        self.copies, self.timeout_s = copies, timeout_s
+
+    def export(self, packed: Any, producers: list[str]) -> None:
+        """Before ``packed`` (a ``PackedVersion``) goes on offer: what ``producers`` will need
+        to take it (blocking; may raise, then that version goes by file)."""
+
+    def offer(self, version: int, producers: list[str]) -> dict[str, Any]:
+        """This route's fields in the Announce ``transfer`` for held ``version`` (plain msgpack
+        data; {} when it offers nothing to ``producers``, the live ones on this route)."""
+        return {}
+
+    def maintain(self, producers: dict[str, tuple[bool, int]]) -> None:
+        """Every announce: keep what ``producers`` need ({id: (alive, world size = 1 + its
+        workers)}) set up."""
+
+    def forget(self, producer_id: str) -> None:
+        """A new process of ``producer_id``: what we held for the old one is useless."""
+
+    def on_sync_ready(self, producer_id: str, purpose: str, epoch: int, version: int
+                      ) -> Coroutine[Any, Any, Any] | None:
+        """A SyncReady from a producer on this route: the work to run as a task (the learner
+        runs it), or None when answered already."""
+        log.warning("SyncReady(%s) from %s: the %s route does not take it; ignored", purpose,
+                    producer_id, self.name)
+        return None
+
+    def close(self) -> None:
+        """Release what this end holds."""
 
 
 async def swap_with_fallback(barrier: SwapBarrier, route: RouteName, ref: SnapshotRef,

@@ -2,7 +2,8 @@
 (``sync.snapshot``); workers read and verify it while the engine serves (stage) and load it
 inside the pause (apply). The learner writes this file for *every* version whatever the route:
 it is the fallback when a GPU route fails, and how a restarted producer or one without a working
-link catches up."""
+link catches up. So its learner end needs no ``LearnerEnd``: it is ``sync.writer.SnapshotWriter``,
+which the learner loop runs for every version."""
 
 from __future__ import annotations
 

@@ -1,20 +1,42 @@
-"""The ipc route (learner and engine on the same GPU): the learner packs the version into one GPU
-buffer (``sync.packing``) and announces its CUDA IPC handle as plain msgpack fields; workers open
-it (stage: a mapping, no copy) and ``load_weights`` reads the learner's memory directly (apply).
-A sharded learner keeps the version in host memory instead (no room for a second model on its
-GPU): the worker opens two bucket slots at stage, and inside the pause tells the learner it waits
-(``SyncReady``) and loads each bucket as the learner fills a slot (``sync.slots``)."""
+"""The ipc route (learner and engine on the same GPU), both ends.
+
+Learner end (``IpcLearnerEnd``): the version packed into one GPU buffer
+(``sync.routes.gpu_copy``) is exported by CUDA IPC, one handle per producer, and announced as
+plain msgpack fields. A sharded learner keeps the version in host memory instead (no room for a
+second model on its GPU): each producer gets two bucket slots on the learner's GPU, exported once,
+and the learner fills them bucket by bucket when the producer says it waits (``sync.slots``).
+
+Producer end (``IpcRoute``): workers open the handle (stage: a mapping, no copy) and
+``load_weights`` reads the learner's memory directly (apply). Bucketed: stage opens the two
+slots, and inside the pause the producer tells the learner it waits (``SyncReady``) and loads
+each bucket as the learner fills a slot. The worker calls are ``sync_ipc_stage`` and
+``sync_ipc_receive`` of ``sync.worker_ext.WeightSyncExtension``."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from sync.routes.base import Step, WeightRoute
+import torch
+
+from sync.packing import ipc_export
+from sync.routes.base import LearnerEnd, Step, WeightRoute
+from sync.routes.gpu_copy import GpuCopies, PackedVersion
+from sync.slots import ControlBlock, control_path, serve_buckets
 from sync.snapshot import SnapshotRef
 
+log = logging.getLogger(__name__)
 
+
+# ---------------------------------------------------------------------- producer end
 def ipc_unusable(transfer: dict[str, Any], producer_id: str, my_gpus: list[str]) -> str:
     """Why an announced version cannot come by IPC to this producer ("" when it can): the
     announce must carry our own handle, for the GPU our workers are on."""
@@ -35,8 +57,6 @@ class IpcRoute(WeightRoute):
     NCCL) and loads each bucket as the learner fills a slot (``sync.slots``)."""
 
     name = "ipc"
-    gpu_copy = True
-    ipc_export = True
 
     def __init__(self, engine: Any, producer_id: str,
                  send_ready: Callable[[str, int, int], Awaitable[None]] | None = None,
@@ -72,3 +92,121 @@ class IpcRoute(WeightRoute):
         await self.send_ready("weights", 0, version)
         got = await self._rpc("sync_ipc_receive", version, self.timeout_s)
         return got | await super().apply(version)
+
+
+# ---------------------------------------------------------------------- learner end
+@dataclass
+class Slots:
+    """One producer's two bucket slots on the learner's GPU, exported once, and the shared
+    control block of their hand-over (``sync.slots``)."""
+
+    tensors: list[torch.Tensor]
+    handles: list[dict[str, Any]]
+    control: ControlBlock
+    lock: threading.Lock
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors[0].numel()
+
+
+class IpcLearnerEnd(LearnerEnd):
+    """Exports each held version to the ipc producers: a version on our GPU whole (one handle
+    per producer), a version in host memory through each producer's two bucket slots, served
+    when the producer says it waits (``on_sync_ready``)."""
+
+    name = "ipc"
+
+    def __init__(self, copies: GpuCopies, timeout_s: float = 30.0,
+                 shm_dir: str = "/dev/shm"):
+        super().__init__(copies, timeout_s)
+        self.shm_dir = shm_dir
+        self._exports: dict[int, dict[str, dict]] = {}  # version -> {producer id: IPC fields}
+        self._slots: dict[str, Slots] = {}
+        self._lock = threading.Lock()
+        self.sends = 0
+        self.send_failures = 0
+
+    def export(self, packed: PackedVersion, producers: list[str]) -> None:
+        """One handle per producer, not one shared: torch counts the users of an exported
+        buffer per export, and frees (or reuses) it once that count is 0 and we dropped it.
+        With one export and two producers, the first release would let a slower producer read
+        reused memory."""
+        copies = self.copies
+        with torch.cuda.device(copies.device):
+            if packed.flat.is_cuda:
+                fields = {pid: ipc_export(packed.flat, copies.gpu_uuid) for pid in producers}
+            else:
+                biggest = max((e - s for s, e in packed.ranges), default=0)
+                fields = {pid: self._slot_fields(pid, biggest, packed.ranges)
+                          for pid in producers}
+        held = set(copies.held())
+        with self._lock:
+            self._exports[packed.version] = fields
+            for v in [v for v in self._exports if v != packed.version and v not in held]:
+                del self._exports[v]
+
+    def offer(self, version: int, producers: list[str]) -> dict[str, Any]:
+        with self._lock:
+            fields = self._exports.get(version, {})
+        ipc = {pid: fields[pid] for pid in producers if pid in fields}
+        return {"ipc": ipc} if ipc else {}  # {producer id: its own handle fields}
+
+    def on_sync_ready(self, producer_id: str, purpose: str, epoch: int, version: int
+                      ) -> Coroutine[Any, Any, Any] | None:
+        if purpose == "weights" and producer_id in self._slots:
+            return self.send(producer_id, version)
+        return super().on_sync_ready(producer_id, purpose, epoch, version)
+
+    def _slot_fields(self, producer_id: str, nbytes: int, ranges: list[tuple[int, int]]
+                     ) -> dict[str, Any]:
+        """The IPC fields of ``producer_id``'s two slots (made, or made larger, on demand; an
+        old pair stays alive while its producer still maps it, as any IPC export does)."""
+        slots = self._slots.get(producer_id)
+        if slots is None or slots.nbytes < nbytes:
+            if slots is not None:
+                slots.control.close()
+            tensors = [torch.empty(nbytes, dtype=torch.uint8, device=self.copies.device)
+                       for _ in range(2)]
+            path = control_path(self.shm_dir, os.getpid(), producer_id)
+            slots = Slots(tensors, [ipc_export(t, self.copies.gpu_uuid) for t in tensors],
+                          ControlBlock(path, create=True), threading.Lock())
+            self._slots[producer_id] = slots
+        return {"slots": slots.handles, "control": slots.control.path,
+                "buckets": [[s, e] for s, e in ranges], "gpu_uuid": self.copies.gpu_uuid}
+
+    async def send(self, producer_id: str, version: int) -> str:
+        """The producer is paused for ``version``: hand it over bucket by bucket through its
+        slots. Returns ``send``, ``refuse`` (not held in host memory: it loads the file) or
+        ``failed``."""
+        slots = self._slots[producer_id]
+        packed = self.copies.get(version)
+        held = packed is not None and not packed.flat.is_cuda
+        try:
+            await asyncio.to_thread(self._send_blocking, slots, version,
+                                    packed if held else None)
+        except Exception as e:
+            self.send_failures += 1
+            log.error("IPC hand-over of v%d to %s failed (%r); it loads the snapshot file",
+                      version, producer_id, e)
+            return "failed"
+        self.sends += int(held)
+        return "send" if held else "refuse"
+
+    def _send_blocking(self, slots: Slots, version: int, packed: PackedVersion | None) -> None:
+        device = self.copies.device
+        deadline = time.monotonic() + self.timeout_s
+        with slots.lock, torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)  # never the training stream
+            with torch.cuda.stream(stream):
+                serve_buckets(slots.control, version, None if packed is None else packed.flat,
+                              [] if packed is None else packed.ranges, slots.tensors, deadline)
+
+    def close(self) -> None:
+        with self._lock:
+            self._exports.clear()
+        for slots in self._slots.values():
+            slots.control.close()
+            with contextlib.suppress(OSError):
+                os.unlink(slots.control.path)
+        self._slots.clear()

@@ -2,7 +2,8 @@
 another machine, ``sync.stream_from``). Its stage streams the announced file from the learner's
 ``sync.stream.SnapshotServer`` into a directory of this node, checked against the announced
 checksum, then stages that copy exactly as the file route does; its apply is the file route's.
-So a torn or tampered stream never pauses the engine."""
+So a torn or tampered stream never pauses the engine. Its learner end is that server, which the
+learner starts with ``sync.serve_stream`` (``pipeline.learner.routes.serve_stream``)."""
 
 from __future__ import annotations
 

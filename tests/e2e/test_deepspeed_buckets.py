@@ -53,7 +53,7 @@ def _compare(tr, out: Path, tag: str) -> dict:
     flat = torch.empty(total_bytes(layout), dtype=torch.uint8)
     n = pack_buckets(tr.snapshot_buckets(bucket_bytes), layout, flat)
     views = unpack(flat, layout)
-    me = SimpleNamespace(trainer=tr, publisher=None, live_gpu_routes=lambda: {}, counters={},
+    me = SimpleNamespace(trainer=tr, copies=None, live_gpu_routes=lambda: {}, counters={},
                          cfg=SimpleNamespace(sync=SimpleNamespace(bucket_mb=1)))
     cflat, clayout = LearnerRoutes.capture(me, 1)
     ref = write_packed(cflat, clayout, 1, out / f"snap_{tag}")

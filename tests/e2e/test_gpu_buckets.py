@@ -1,8 +1,8 @@
 """Weights from a sharded learner bucket by bucket over the GPU routes (skipped on CPU machines;
 run them on the device tool, CONTRIBUTING "GPU tests").
 
-- 1 GPU: a version held in host memory (as a ZeRO-3 learner holds it) handed by
-  ``WeightPublisher`` through its two CUDA IPC bucket slots to a worker extension in another
+- 1 GPU: a version held in host memory (as a ZeRO-3 learner holds it) handed by the ipc route's
+  learner end (``IpcLearnerEnd``) through two CUDA IPC bucket slots to a worker extension in another
   process (``sync_ipc_stage`` + ``sync_ipc_receive``), bucket by bucket, equal to the packed
   weights; a version no longer held is refused at once.
 - 2 GPUs, the product (issue 27's colocated layout): `pipeline-train` with a producer on each GPU
@@ -87,16 +87,20 @@ def test_ipc_slots_hand_a_host_version_to_another_process(tmp_path):
     import torch
 
     from sync.packing import layout_to_wire, pack, plan_layout, unpack
-    from sync.publish import WeightPublisher
+    from sync.routes.gpu_copy import GpuCopies
+    from sync.routes.ipc import IpcLearnerEnd
 
     g = torch.Generator().manual_seed(0)
     tensors = {f"layer{i}.w": torch.randn(1024, 257 + i, generator=g).to(torch.bfloat16)
                for i in range(12)}
     layout = plan_layout(tensors)
     flat = pack(tensors, layout, "cpu").pin_memory()  # host-held, as a ZeRO-3 capture
-    pub = WeightPublisher("cuda:0", bucket_bytes=1 << 20)  # ~0.5 MB tensors: many buckets
-    pub.publish_packed(7, flat, layout, ipc=["p0"])
-    payload = pub.payload(7, {"p0": "ipc"})
+    copies = GpuCopies("cuda:0", bucket_bytes=1 << 20)  # ~0.5 MB tensors: many buckets
+    ipc = IpcLearnerEnd(copies)
+    packed = copies.prepare(7, flat, layout)
+    ipc.export(packed, ["p0"])
+    copies.hold(packed)
+    payload = copies.payload(7) | ipc.offer(7, ["p0"])
     assert len(payload["buckets"]) > 4 and "slots" in payload["ipc"]["p0"]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -106,16 +110,17 @@ def test_ipc_slots_hand_a_host_version_to_another_process(tmp_path):
     try:
         assert parent.poll(120) and parent.recv() == "staged"
         parent.send("go")
-        assert asyncio.run(pub.send("p0", 0, 7)) == "send"
+        assert asyncio.run(ipc.send("p0", 7)) == "send"
         assert parent.poll(120) and parent.recv() == "staged"
         parent.send("go")
-        assert asyncio.run(pub.send("p0", 0, 8)) == "refuse"  # v8 is not held
+        assert asyncio.run(ipc.send("p0", 8)) == "refuse"  # v8 is not held
         assert parent.poll(60)
         refused = parent.recv()
         assert "no longer holds v8" in refused, refused
     finally:
         proc.join(60)
-        pub.close()
+        ipc.close()
+        copies.close()
     res = torch.load(tmp_path / "w.pt")
     assert res["got"]["buckets"] == len(payload["buckets"])
     want = unpack(flat, layout)

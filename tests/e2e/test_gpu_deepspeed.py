@@ -100,10 +100,10 @@ def test_zero_two_gpus_snapshot_checkpoint_resume(config, stage, plain, model_05
                                       snap_tol=(1e-2, 1e-3))
 
 
-@pytest.mark.parametrize("config,transport", [
+@pytest.mark.parametrize("config,route", [
     ("zero3.yaml", "file"), ("zero3.yaml", "auto"),  # auto: CUDA IPC (rank 0 on GPU 0)
     ("ddp.yaml", "auto")])  # plain data parallel: each rank holds the whole model
-def test_pipeline_train_two_gpu_learner_then_resume(config, transport, model_05b, tmp_path):
+def test_pipeline_train_two_gpu_learner_then_resume(config, route, model_05b, tmp_path):
     run_dir = tmp_path / "run"
     tag = f"gpuds{os.getpid()}"
 
@@ -115,7 +115,7 @@ def test_pipeline_train_two_gpu_learner_then_resume(config, transport, model_05b
                "--max-staleness", "1", "--engine.max_model_len", "512",
                "--engine.gpu_memory_utilization", "0.25", "--tensorboard", "false",
                "--train.learner_processes", "2", "--train.checkpoint_every", "2",
-               "--sync.transport", transport,
+               "--sync.route", route,
                "--train.accelerate_config",
                str(REPO / "examples" / "accelerate" / config), *extra]
         env = dict(os.environ, PIPELINE_TEST_RUN=tag)

@@ -2,14 +2,15 @@
 by effect.
 
 The engine runs with ``tensor_parallel_size=2`` on GPUs 0 and 1; this test process plays the
-learner, a ``sync.publish.WeightPublisher`` on GPU 2. The link is one NCCL group of
-1 + 2 ranks: the learner is rank 0, TP worker r joins as 1 + r. Two versions (different
-perturbations of the tiny model) are published and swapped in over NCCL under load; after each,
-the engine's greedy tokens and their logprobs for a fixed prompt must match the learner's own
-(``token_logprobs`` of an fp32 HF model holding the same weights, on GPU 2) and differ from the
-previous version's. Each TP worker holds half of every sharded matrix (attention heads, MLP, the
-vocabulary of embedding and head), so a worker left on the old weights would make the logprobs
-mismatch: matching the learner shows that both ranks received and applied the version.
+learner, the nccl route's learner end (``sync.routes.nccl.NcclLearnerEnd``) on GPU 2. The link
+is one NCCL group of 1 + 2 ranks: the learner is rank 0, TP worker r joins as 1 + r. Two
+versions (different perturbations of the tiny model) are published and swapped in over NCCL
+under load; after each, the engine's greedy tokens and their logprobs for a fixed prompt must
+match the learner's own (``token_logprobs`` of an fp32 HF model holding the same weights, on
+GPU 2) and differ from the previous version's. Each TP worker holds half of every sharded
+matrix (attention heads, MLP, the vocabulary of embedding and head), so a worker left on the old
+weights would make the logprobs mismatch: matching the learner shows that both ranks received
+and applied the version.
 """
 
 from __future__ import annotations
@@ -99,16 +100,16 @@ def test_tp2_engine_takes_each_version_over_nccl_on_both_ranks(eng, weights, pol
         devices = eng.run(eng.engine.collective_rpc("sync_device_info"))
         assert sorted(d["rank"] for d in devices) == [0, 1], devices
         my_gpus = [d["gpu_uuid"] for d in devices]
-        assert len(set(my_gpus)) == 2 and learner.pub.gpu_uuid not in my_gpus, \
-            f"TP workers on {my_gpus}, learner on {learner.pub.gpu_uuid}"
+        assert len(set(my_gpus)) == 2 and learner.copies.gpu_uuid not in my_gpus, \
+            f"TP workers on {my_gpus}, learner on {learner.copies.gpu_uuid}"
 
         # World size as the learner's announce loop computes it: 1 + one rank per worker.
-        learner.pub.maintain({PID: (True, 1 + len(devices))})
-        offer = nccl_offer({"nccl": {PID: learner.pub.links[PID].offer()}}, PID)
+        learner.nccl.maintain({PID: (True, 1 + len(devices))})
+        offer = nccl_offer(learner.nccl.offer(0, [PID]), PID)
         assert offer is not None and offer["world_size"] == 3 and offer["rank_offset"] == 1
         nccl = NcclRoute(eng.engine, learner.send_ready, timeout_s=60.0)
         eng.run(_link_up(learner, nccl, offer), timeout=180)
-        assert learner.pub.links[PID].state == "ready" and nccl.joined == offer["unique_id"]
+        assert learner.nccl.links[PID].state == "ready" and nccl.joined == offer["unique_id"]
 
         prev = None  # (weights name, engine tokens, engine logprobs) of the previous version
         for sends, which in enumerate(("base", "v1", "v2")):
@@ -122,7 +123,7 @@ def test_tp2_engine_takes_each_version_over_nccl_on_both_ranks(eng, weights, pol
                 assert "nccl_s" in report.timings and report.timings.get("load_bytes", 0) > 0, \
                     f"v{v} did not come over NCCL: {report.timings}"
                 eng.run(_settled(learner), timeout=120)
-                assert (learner.pub.sends, learner.pub.send_failures) == (sends, 0)
+                assert (learner.nccl.sends, learner.nccl.send_failures) == (sends, 0)
                 print(f"\ntp2 nccl v{v}: idle {report.timings['idle_s']:.3f}s load "
                       f"{report.timings['load_s']:.3f}s")
             tokens, got = eng.run(probe(eng.engine, eng.tracker))
@@ -140,4 +141,4 @@ def test_tp2_engine_takes_each_version_over_nccl_on_both_ranks(eng, weights, pol
                     f"{which}: TOL cannot tell {which} from {p_which} on these tokens"
             prev = (which, tokens, got)
     finally:
-        learner.pub.close()
+        learner.close()

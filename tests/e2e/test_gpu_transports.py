@@ -1,15 +1,16 @@
-"""The GPU weight transports on real vLLM (0.25.1 on the device tool), checked by effect.
+"""The GPU weight routes on real vLLM (0.25.1 on the device tool), checked by effect.
 
-This test process plays the learner (``sync.publish.WeightPublisher``); the engine's worker runs
-in vLLM's engine-core process, so CUDA IPC and NCCL really cross processes:
-- ``ipc``: publisher and engine on GPU 0 (one GPU is enough);
-- ``nccl``: publisher on GPU 1, engine on GPU 0 (skipped with fewer than 2 GPUs).
+This test process plays the learner (the routes' learner ends, ``sync.routes.ipc.IpcLearnerEnd``
+and ``sync.routes.nccl.NcclLearnerEnd``, over ``sync.routes.gpu_copy.GpuCopies``); the engine's
+worker runs in vLLM's engine-core process, so CUDA IPC and NCCL really cross processes:
+- ``ipc``: the learner's copies and the engine on GPU 0 (one GPU is enough);
+- ``nccl``: the learner's copies on GPU 1, the engine on GPU 0 (skipped with fewer than 2 GPUs).
 Each swap runs under load (requests in flight, none may be lost or cut short), then greedy
 tokens for a fixed prompt must equal a fresh engine's on the new weights, and swapping back must
 restore the original tokens. Failure paths: a learner that never answers (the receive times out,
 the link is aborted, the version loads from the file) and a version the learner no longer holds
 (refused, file, link kept). Then the product: `pipeline-train` in the split layout (producer on
-GPU 0, learner on GPU 1) with ``sync.transport=auto`` picks ``nccl`` and trains without a fallback.
+GPU 0, learner on GPU 1) with ``sync.route=auto`` picks ``nccl`` and trains without a fallback.
 SyncReady messages go through the real wire format (buffer.protocol), as on the wire.
 """
 
@@ -80,14 +81,19 @@ def eng(tiny_model, fresh_probe):
 
 
 class Learner:
-    """The learner's side of one test: a publisher and the SyncReady dispatch of pipeline's
-    learner, with the message going through the wire format."""
+    """The learner's side of one test: the packed copies, the learner end of each GPU route, and
+    the SyncReady dispatch of pipeline's learner (to the end of the producer's route, here
+    ``route``), with the message going through the wire format."""
 
-    def __init__(self, device: str, timeout_s: float = 30.0, answer: bool = True):
-        from sync.publish import WeightPublisher
+    def __init__(self, device: str, timeout_s: float = 30.0, answer: bool = True,
+                 route: str = "nccl"):
+        from sync.routes import learner_ends
+        from sync.routes.gpu_copy import GpuCopies
 
-        self.pub = WeightPublisher(device, timeout_s=timeout_s)
-        self.answer = answer
+        self.copies = GpuCopies(device)
+        self.ends = learner_ends(self.copies, timeout_s=timeout_s)
+        self.ipc, self.nccl = self.ends["ipc"], self.ends["nccl"]
+        self.answer, self.route = answer, route
         self.tasks: list[asyncio.Task] = []
 
     async def send_ready(self, purpose: str, epoch: int, version: int) -> None:
@@ -95,12 +101,21 @@ class Learner:
                                          purpose=purpose, epoch=epoch, version=version)))
         if not self.answer:
             return  # a learner that is dead or late
-        if msg.purpose == "drop":  # as pipeline's learner: drop our end, offer anew later
-            self.pub.drop(PID, msg.epoch)
-            return
-        coro = self.pub.join(PID, msg.epoch) if msg.purpose == "link" else \
-            self.pub.send(PID, msg.epoch, msg.version)
-        self.tasks.append(asyncio.get_running_loop().create_task(coro))
+        coro = self.ends[self.route].on_sync_ready(PID, msg.purpose, msg.epoch, msg.version)
+        if coro is not None:  # a "drop" is done at once: our end dropped, offered anew later
+            self.tasks.append(asyncio.get_running_loop().create_task(coro))
+
+    def publish(self, version: int, tensors: dict, route: str) -> dict:
+        """Hold ``tensors`` as ``version`` for PID on ``route``: the Announce's transfer."""
+        packed = self.copies.pack(version, tensors)
+        self.ends[route].export(packed, [PID])
+        self.copies.hold(packed)
+        return self.copies.payload(version) | self.ends[route].offer(version, [PID])
+
+    def close(self) -> None:
+        for end in self.ends.values():
+            end.close()
+        self.copies.close()
 
 
 async def _swap_under_load(e: EngineLoop, route: str, ref: SnapshotRef, transfer: dict,
@@ -133,17 +148,17 @@ async def _swap_under_load(e: EngineLoop, route: str, ref: SnapshotRef, transfer
 
 
 def _publish(learner: Learner, weights: dict, which: str, version: int, route: str):
-    tensors = {k: v.to(learner.pub.device) for k, v in weights[which].items()}
-    learner.pub.publish(version, tensors, ipc=[PID] if route == "ipc" else [])
+    tensors = {k: v.to(learner.copies.device) for k, v in weights[which].items()}
+    transfer = learner.publish(version, tensors, route)
     ref = write_snapshot(weights[which], version, weights["dir"])
-    return ref, learner.pub.payload(version, {PID: route})
+    return ref, transfer
 
 
 def test_ipc_swap_under_load_matches_fresh_engine(eng, weights, fresh_probe):
-    learner = Learner("cuda:0")
+    learner = Learner("cuda:0", route="ipc")
     devices = eng.run(eng.engine.collective_rpc("sync_device_info"))
     my_gpus = [d["gpu_uuid"] for d in devices]
-    assert my_gpus == [learner.pub.gpu_uuid], "the engine is not on the publisher's GPU"
+    assert my_gpus == [learner.copies.gpu_uuid], "the engine is not on the learner's GPU"
     for which, want in (("new", fresh_probe), ("base", eng.base_probe)):
         v = eng.next_version()
         ref, transfer = _publish(learner, weights, which, v, "ipc")
@@ -153,7 +168,7 @@ def test_ipc_swap_under_load_matches_fresh_engine(eng, weights, fresh_probe):
         assert eng.run(probe(eng.engine, eng.tracker))[0] == want, f"ipc swap to {which}"
         print(f"\nipc v{v}: idle {report.timings['idle_s']:.3f}s load "
               f"{report.timings['load_s']:.3f}s prepare {report.timings['prepare_s']:.3f}s")
-    learner.pub.close()
+    learner.close()
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="nccl needs 2 GPUs (learner on GPU 1, engine on GPU 0)")
@@ -162,12 +177,12 @@ def test_nccl_swap_under_load_matches_fresh_engine_and_survives_faults(eng, weig
     learner = Learner("cuda:1", timeout_s=20.0)
 
     async def link_up(nccl: NcclRoute) -> dict:
-        learner.pub.maintain({PID: (True, 2)})  # offer a link, as the learner's announce loop
-        offer = nccl_offer({"nccl": {PID: learner.pub.links[PID].offer()}}, PID)
+        learner.nccl.maintain({PID: (True, 2)})  # offer a link, as the learner's announce loop
+        offer = nccl_offer(learner.nccl.offer(0, [PID]), PID)
         assert offer is not None
         await nccl.join(offer)
         await asyncio.gather(*learner.tasks)
-        assert learner.pub.links[PID].state == "ready"
+        assert learner.nccl.links[PID].state == "ready"
         return offer
 
     nccl = NcclRoute(eng.engine, learner.send_ready, timeout_s=20.0)
@@ -188,7 +203,7 @@ def test_nccl_swap_under_load_matches_fresh_engine_and_survives_faults(eng, weig
     v = eng.next_version()
     old_ref = write_snapshot(weights["new"], v, weights["dir"])
     _ref, transfer = _publish(learner, weights, "base", v + 100, "nccl")  # holds v+100 only
-    learner.pub.publish(v + 101, {k: t.to("cuda:1") for k, t in weights["base"].items()})
+    learner.publish(v + 101, {k: t.to("cuda:1") for k, t in weights["base"].items()}, "nccl")
     report = eng.run(_swap_under_load(eng, "nccl", old_ref, transfer, nccl), timeout=600)
     assert report.ok and report.timings.get("fallback") == 1.0, report.error
     assert "no longer holds" in report.error and nccl.link is not None
@@ -205,14 +220,14 @@ def test_nccl_swap_under_load_matches_fresh_engine_and_survives_faults(eng, weig
     assert nccl.link is None, "the timed-out link was not dropped"
     assert eng.run(probe(eng.engine, eng.tracker))[0] == eng.base_probe
     learner.answer, nccl.timeout_s = True, 20.0
-    learner.pub.forget(PID)  # like a learner that saw the failure: a new epoch
+    learner.nccl.forget(PID)  # like a learner that saw the failure: a new epoch
     eng.run(link_up(nccl), timeout=120)
     v = eng.next_version()
     ref, transfer = _publish(learner, weights, "new", v, "nccl")
     report = eng.run(_swap_under_load(eng, "nccl", ref, transfer, nccl), timeout=600)
     assert report.ok and "fallback" not in report.timings, report.error
     assert eng.run(probe(eng.engine, eng.tracker))[0] == fresh_probe
-    learner.pub.close()
+    learner.close()
 
 
 @pytest.mark.skipif(_gpus() < 2, reason="the split layout needs 2 GPUs")
@@ -223,7 +238,7 @@ def test_pipeline_train_split_layout_routes_weights_by_nccl(tiny_model, tmp_path
            "--num-producers", "1", "--batch-groups", "4", "--group-size", "4",
            "--max-tokens", "32", "--run-dir", str(run_dir), "--mode", "async",
            "--max-staleness", "1", "--steps", "6", "--engine.gpu_memory_utilization", "0.3",
-           "--producer_gpus", '["0"]', "--learner_gpus", "1", "--sync.transport", "auto",
+           "--producer_gpus", '["0"]', "--learner_gpus", "1", "--sync.route", "auto",
            "--tensorboard", "false", "--verbose"]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True,
                           text=True, timeout=600, env=dict(os.environ, PIPELINE_TEST_RUN=tag))
@@ -250,7 +265,7 @@ def test_pipeline_train_colocated_sync_by_ipc_with_the_engine_asleep_between_ste
            "--num-producers", "1", "--batch-groups", "4", "--group-size", "4",
            "--max-tokens", "32", "--run-dir", str(run_dir), "--mode", "sync", "--steps", "5",
            "--engine.gpu_memory_utilization", "0.3", "--producer_gpus", '["0"]',
-           "--learner_gpus", "0", "--sync.transport", "ipc", "--engine.sleep_when_idle", "true",
+           "--learner_gpus", "0", "--sync.route", "ipc", "--engine.sleep_when_idle", "true",
            "--tensorboard", "false"]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[2], capture_output=True,
                           text=True, timeout=600, env=dict(os.environ, PIPELINE_TEST_RUN=tag))

@@ -160,11 +160,43 @@ def test_bad_gpu_placement_names_the_option(key, value):
         load_config(overrides={key: value})
 
 
-def test_sync_transport_defaults_to_auto_and_accepts_file():
-    assert load_config().sync.transport == "auto"
-    assert load_config(None, {"sync.transport": "file"}).sync.transport == "file"
-    with pytest.raises(ConfigError, match=r"sync\.transport: must be auto, file, ipc or nccl"):
-        load_config(None, {"sync.transport": "rdma"})
+def test_sync_route_defaults_to_auto_and_accepts_file():
+    assert load_config().sync.route == "auto"
+    assert load_config(None, {"sync.route": "file"}).sync.route == "file"
+    with pytest.raises(ConfigError, match=r"sync\.route: must be auto, file, ipc or nccl"):
+        load_config(None, {"sync.route": "rdma"})
+
+
+def test_sync_transport_is_an_alias_of_sync_route_with_one_deprecation_line(tmp_path, caplog):
+    """The option's former name still works, from a YAML file and from --set, and says once
+    that it is now sync.route; an override wins over the file under either name."""
+    from pipeline.launch.cli import parse
+
+    def deprecations() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+        caplog.clear()
+        return lines
+
+    line = ["option sync.transport is deprecated: it is now sync.route"]
+    p = tmp_path / "c.yaml"
+    p.write_text("sync:\n  transport: file\n")
+    with caplog.at_level("WARNING", logger="pipeline.options"):
+        assert load_config(p).sync.route == "file"
+        assert deprecations() == line
+        cfg, _ = parse(["--config", str(p), "--set", "sync.transport=ipc"])
+        assert cfg.sync.route == "ipc" and deprecations() == line  # the file's is overridden
+        cfg, _ = parse(["--set", "sync.transport=file"])
+        assert cfg.sync.route == "file" and deprecations() == line
+        cfg, _ = parse(["--sync.transport", "file"])  # the former flag
+        assert cfg.sync.route == "file" and deprecations() == line
+        cfg, _ = parse(["--config", str(p), "--sync.route", "auto"])  # the flag wins
+        assert cfg.sync.route == "auto"
+        with pytest.raises(ConfigError, match=r"sync\.route: must be auto, file, ipc or nccl"):
+            load_config(None, {"sync.transport": "rdma"})
+        p.write_text("sync:\n  transport: file\n  route: ipc\n")
+        with pytest.raises(ConfigError, match=r"sync\.transport: renamed sync\.route, which is "
+                                              r"set too"):
+            load_config(p)
 
 
 def test_gpu_transport_without_gpus_is_a_config_error(monkeypatch):
@@ -172,10 +204,10 @@ def test_gpu_transport_without_gpus_is_a_config_error(monkeypatch):
 
     # The config declares it; the launcher's placement check refuses it on this machine.
     for t in ("nccl", "ipc"):
-        assert load_config(None, {"sync.transport": t}).sync.transport == t
+        assert load_config(None, {"sync.route": t}).sync.route == t
     monkeypatch.setattr(placement, "cuda_device_count", lambda: 0)  # mock: a CPU machine
     for t in ("nccl", "ipc"):
-        with pytest.raises(ConfigError, match=f"sync.transport: '{t}' needs NVIDIA GPUs"):
+        with pytest.raises(ConfigError, match=f"sync.route: '{t}' needs NVIDIA GPUs"):
             placement.check_placement(t, "", [])
     monkeypatch.setattr(placement, "cuda_device_count", lambda: 1)  # mock: one GPU
     for t in ("nccl", "ipc"):

@@ -1,13 +1,13 @@
-"""GPU weight transports, the parts that need no GPU: transport choice per placement, route
-planning and fallback decisions, packed layouts and their wire form, msgpack-safe IPC handle
-fields, NCCL link bookkeeping. Engines here are mocks (named so); the GPU paths themselves are
-checked by effect in tests/e2e/test_gpu_transports.py.
+"""GPU weight routes, the parts that need no GPU: route choice per placement, route planning
+and fallback decisions, packed layouts and their wire form, msgpack-safe IPC handle fields.
+Engines here are mocks (named so); the GPU paths themselves are checked by effect in
+tests/e2e/test_gpu_transports.py. The nccl route's link bookkeeping:
+tests/unit/sync/routes/test_nccl_links.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from functools import partial
 
 import pytest
@@ -16,15 +16,6 @@ import torch
 from buffer.protocol import Announce, SyncReady, decode, encode
 from sync import packing
 from sync.barrier import RequestTracker, SwapBarrier
-from sync.nccl import LinkError, NcclUnavailable
-from sync.publish import (
-    Link,
-    indexed_device,
-    link_droppable,
-    link_due,
-    permanent_link_error,
-    ready_reply,
-)
 from sync.routes import plan_route
 from sync.routes.base import RouteChoiceError, choose_route, swap_with_fallback
 from sync.routes.file import FileRoute
@@ -34,7 +25,7 @@ from sync.snapshot import SnapshotRef
 A, B, C = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
 
 
-# ------------------------------------------------------------------ transport choice
+# ------------------------------------------------------------------ route choice
 @pytest.mark.parametrize("learner, producer, want", [
     (None, [], "file"),            # CPU learner, CPU producer
     (A, [], "file"),               # CPU producer
@@ -44,18 +35,18 @@ A, B, C = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
     (A, [B, C], "nccl"),           # tensor-parallel producer on other GPUs
     (A, [A, B], "file"),           # TP workers straddling the learner's GPU
 ])
-def test_auto_transport_per_placement(learner, producer, want):
+def test_auto_route_per_placement(learner, producer, want):
     assert choose_route("auto", learner, producer) == want
 
 
-def test_explicit_transport_that_cannot_work_is_a_clear_error():
+def test_explicit_route_that_cannot_work_is_a_clear_error():
     with pytest.raises(RouteChoiceError, match="needs the learner and the producer on CUDA"):
         choose_route("nccl", None, [])
     with pytest.raises(RouteChoiceError, match="NCCL cannot put two ranks on one GPU"):
         choose_route("nccl", A, [A])
     with pytest.raises(RouteChoiceError, match="use 'nccl'"):
         choose_route("ipc", A, [B])
-    with pytest.raises(RouteChoiceError, match="unknown transport"):
+    with pytest.raises(RouteChoiceError, match="unknown route"):
         choose_route("rdma", A, [B])
     assert choose_route("file", A, [A]) == "file"
     assert choose_route("nccl", A, [B]) == "nccl" and choose_route("ipc", A, [A]) == "ipc"
@@ -185,7 +176,7 @@ def test_ipc_fields_need_no_pickle_on_the_wire():
     assert all(isinstance(v, allowed) for v in _mock_ipc_fields().values())
 
 
-# ------------------------------------------------------------------ nccl link bookkeeping
+# ------------------------------------------------------------------ nccl link, messages
 def test_nccl_unique_id_travels_as_bytes():
     from sync.nccl import LinkError, _known_id_group, unique_id_from_bytes
 
@@ -195,30 +186,6 @@ def test_nccl_unique_id_travels_as_bytes():
     assert _known_id_group(1, 2, uid).broadcast_obj(None, src=0) is uid  # no store, no pickle
     with pytest.raises(LinkError, match="128 bytes"):
         unique_id_from_bytes(b"short")
-
-
-def test_ready_reply_decisions():
-    up = Link("p0", 5, b"u" * 128, 2, state="ready")
-    assert ready_reply(up, 5, 7, held=[6, 7]) == "send"
-    assert ready_reply(up, 5, 5, held=[6, 7]) == "refuse"       # v gone: header -1, file
-    assert ready_reply(up, 4, 7, held=[6, 7]) == "ignore"       # stale epoch
-    assert ready_reply(None, 5, 7, held=[7]) == "ignore"
-    assert ready_reply(Link("p0", 5, b"", 2, state="dead"), 5, 7, [7]) == "ignore"
-
-
-def test_link_due_offers_retries_and_gives_up():
-    now = time.monotonic()
-    assert link_due(None, alive=True, now=now, timeout_s=30, failures=0, max_failures=3)
-    assert not link_due(None, alive=False, now=now, timeout_s=30, failures=0, max_failures=3)
-    assert not link_due(None, alive=True, now=now, timeout_s=30, failures=3, max_failures=3)
-    offered = Link("p0", 1, b"", 2, since=now - 31)
-    assert link_due(offered, True, now, 30, 0, 3) and offered.state == "dead"
-    fresh = Link("p0", 1, b"", 2, since=now)
-    assert not link_due(fresh, True, now, 30, 0, 3)
-    unannounced = Link("p0", 1, b"", 2)  # no announce carried it yet: it does not expire
-    assert not link_due(unannounced, True, now + 3600, 30, 0, 3)
-    assert unannounced.state == "offered"
-    assert not link_due(Link("p0", 1, b"", 2, state="ready"), True, now, 30, 0, 3)
 
 
 def test_sync_ready_round_trip_and_purpose_checked():
@@ -299,40 +266,8 @@ def test_file_failing_too_reports_both_and_keeps_the_old_version_with_mock_engin
     assert not engine.paused
 
 
-def test_file_route_does_not_touch_gpu_transports_with_mock_engine():
+def test_file_route_does_not_touch_gpu_routes_with_mock_engine():
     engine, sent = MockEngine(), []
     rep, _, _ = _swap_with(engine, "file", sent)
     assert rep.ok and sent == []
     assert [m for m, _ in engine.calls] == ["sync_stage_snapshot", "sync_apply_staged"]
-
-
-def test_publisher_device_gets_its_index_for_nccl_device_checks():
-    # A single-process learner's device is a bare "cuda"; vLLM's PyNcclCommunicator compares
-    # tensor.device (always cuda:N) with its own: it must be cuda:N too (found on 2 H200s).
-    assert indexed_device("cuda", lambda: 1) == torch.device("cuda", 1)
-    assert indexed_device(torch.device("cuda", 0), lambda: 1) == torch.device("cuda", 0)
-    assert indexed_device("cpu", lambda: 1) == torch.device("cpu")
-
-
-def test_permanent_link_errors_stop_offers_transient_ones_retry():
-    # The split-layout failure on 2 H200s was an AssertionError of our own process: each retry
-    # would have stalled the producer nccl_timeout_s again.
-    for e in (AssertionError("created to work on cuda, but the input tensor is on cuda:0"),
-              NcclUnavailable("no libnccl"), ValueError("bad world size")):
-        assert permanent_link_error(e), e
-    for e in (TimeoutError(), LinkError("broadcast timed out"), RuntimeError("NCCL error")):
-        assert not permanent_link_error(e), e
-    # ... and a producer at max_link_failures gets no further offer.
-    assert not link_due(None, alive=True, now=0.0, timeout_s=30.0, failures=3, max_failures=3)
-
-
-def test_a_producer_drop_applies_to_its_live_link_of_that_epoch_only():
-    link = Link("p0", 4, b"u" * 128, 2)
-    for state in ("offered", "joining", "ready"):
-        link.state = state
-        assert link_droppable(link, 4)
-    assert not link_droppable(link, 3)  # an older epoch's drop arriving late
-    link.state = "dead"
-    assert not link_droppable(link, 4) and not link_droppable(None, 4)
-    msg = SyncReady(producer_id="p0", incarnation="p0-1", purpose="drop", epoch=4, version=0)
-    assert decode(encode(msg)) == (0, msg)

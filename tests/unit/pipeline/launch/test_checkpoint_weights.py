@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.launch import evaluate
+from pipeline.launch import evaluation
 from pipeline.launch.checkpoint_weights import (
     check_fits_model,
     checkpoint_kind,
@@ -196,7 +196,7 @@ def _run_dir(tmp_path: Path, model: Path) -> Path:
 
 def _eval(argv: list[str], capsys) -> tuple[int, str]:
     capsys.readouterr()  # the fixtures' own output (transformers' progress bars)
-    code = evaluate.main(argv)
+    code = evaluation.main(argv)
     return code, capsys.readouterr().err
 
 

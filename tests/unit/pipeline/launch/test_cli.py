@@ -133,7 +133,7 @@ def test_impossible_pinned_placement_is_a_config_error_fake_gpu_count(monkeypatc
     from pipeline.launch.cli import main
 
     monkeypatch.setattr(placement, "cuda_device_count", lambda: 2)
-    code = main(["--model", "tiny", "--run-dir", str(tmp_path / "run"), "--sync.transport",
+    code = main(["--model", "tiny", "--run-dir", str(tmp_path / "run"), "--sync.route",
                  "nccl", "--producer_gpus", '["0"]', "--learner_gpus", "0"])
     assert code == 2
-    assert "sync.transport: producer_gpus[0]" in capsys.readouterr().err
+    assert "sync.route: producer_gpus[0]" in capsys.readouterr().err

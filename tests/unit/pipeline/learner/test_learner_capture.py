@@ -1,6 +1,6 @@
-"""LearnerRoutes.capture packs the weights once, bucket by bucket, and offers that buffer to the GPU
-publisher for the live ipc/nccl producers (trainer, publisher and routes are fakes: the GPU path
-needs GPUs); ``capture_device`` says where that buffer lives."""
+"""LearnerRoutes.capture packs the weights once, bucket by bucket, and publishes that buffer to the
+learner ends of the live ipc/nccl producers' routes (trainer, GPU copies, learner ends and routes
+are fakes: the GPU path needs GPUs); ``capture_device`` says where that buffer lives."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pipeline.learner.routes import LearnerRoutes, capture_device
 from sync.packing import PackingError, ipc_export, plan_buckets, plan_layout, unpack
 
 
-def _fake(routes, publisher, lora=False, bucket_mb=1):
+def _fake(routes, copies, ends=None, lora=False, bucket_mb=1):
     tensors = {"w": torch.ones(2), "b": torch.arange(3, dtype=torch.int64)}
     asked = []
 
@@ -27,26 +27,35 @@ def _fake(routes, publisher, lora=False, bucket_mb=1):
         snapshot_plan=lambda: None if lora else {k: (v.dtype, tuple(v.shape))
                                                  for k, v in tensors.items()},
         device=torch.device("cpu"), zero_stage=0, sharded=False, tensors=tensors, asked=asked)
-    me = SimpleNamespace(trainer=trainer, publisher=publisher, live_gpu_routes=lambda: routes,
-                         counters={}, cfg=SimpleNamespace(sync=SimpleNamespace(
-                             bucket_mb=bucket_mb)))
+    me = SimpleNamespace(trainer=trainer, copies=copies, ends=ends or {},
+                         live_gpu_routes=lambda: routes, counters={},
+                         cfg=SimpleNamespace(sync=SimpleNamespace(bucket_mb=bucket_mb)))
     me.count_failure = lambda v, e: LearnerRoutes.count_failure(me, v, e)
+    me.publish = lambda *a: LearnerRoutes.publish(me, *a)
     return me
 
 
-def _publisher(calls):
+def _copies(calls):
+    """Records prepare and hold; the packed version is (version, flat)."""
     return SimpleNamespace(device=torch.device("cpu"),
-                           publish_packed=lambda v, flat, layout, ipc: calls.append(
-                               (v, flat, sorted(ipc))))
+                           prepare=lambda v, flat, layout: (v, flat),
+                           hold=lambda packed: calls.append(("hold", packed[0])))
+
+
+def _end(name, calls):
+    return SimpleNamespace(name=name, export=lambda packed, producers: calls.append(
+        (name, packed[0], packed[1], sorted(producers))))
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_capture_packs_a_copy_and_offers_it_to_the_ipc_producers_fake_publisher(lora):
+def test_capture_packs_a_copy_and_each_end_exports_it_before_it_is_held_fakes(lora):
     calls = []
-    me = _fake({"p0": "ipc", "p1": "nccl", "p2": "ipc"}, _publisher(calls), lora=lora)
+    ends = {"ipc": _end("ipc", calls), "nccl": _end("nccl", calls)}
+    me = _fake({"p0": "ipc", "p1": "nccl", "p2": "ipc"}, _copies(calls), ends, lora=lora)
     flat, layout = LearnerRoutes.capture(me, 7)
-    assert [(v, ipc) for v, _f, ipc in calls] == [(7, ["p0", "p2"])]
-    assert calls[0][1] is flat  # the same buffer: one copy serves the GPU routes and the file
+    assert [c if c[0] == "hold" else (c[0], c[1], c[3]) for c in calls] == [
+        ("ipc", 7, ["p0", "p2"]), ("nccl", 7, ["p1"]), ("hold", 7)]
+    assert calls[0][2] is flat  # the same buffer: one copy serves the GPU routes and the file
     views = unpack(flat, layout)
     assert torch.equal(views["w"], torch.ones(2)) and torch.equal(views["b"], torch.arange(3))
     me.trainer.tensors["w"].add_(5)  # training goes on: the capture is a copy
@@ -55,21 +64,22 @@ def test_capture_packs_a_copy_and_offers_it_to_the_ipc_producers_fake_publisher(
     assert me.trainer.asked == ([] if lora else [1 << 20])
 
 
-def test_capture_without_gpu_routes_offers_nothing_fake_publisher():
+def test_capture_without_gpu_routes_offers_nothing_fakes():
     calls = []
-    me = _fake({}, _publisher(calls))
+    me = _fake({}, _copies(calls), {"ipc": _end("ipc", calls)})
     _flat, layout = LearnerRoutes.capture(me, 1)
     assert calls == [] and [e.name for e in layout] == ["w", "b"]
 
 
-def test_a_failed_gpu_offer_leaves_the_file_route_fake_publisher():
+def test_a_failed_gpu_offer_leaves_the_file_route_fakes():
     def broken(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    me = _fake({"p0": "ipc"}, SimpleNamespace(device=torch.device("cpu"),
-                                              publish_packed=broken))
+    calls = []
+    me = _fake({"p0": "ipc"}, _copies(calls), {"ipc": SimpleNamespace(export=broken)})
     flat, _layout = LearnerRoutes.capture(me, 3)
     assert me.counters["gpu_publish_failures"] == 1 and flat.numel() > 0
+    assert calls == []  # never held: no announce offers it
 
 
 def test_ipc_export_refuses_a_host_buffer_and_says_where_it_is():
@@ -83,10 +93,10 @@ def test_ipc_export_refuses_a_host_buffer_and_says_where_it_is():
     assert layout[0].nbytes == 16
 
 
-def test_capture_device_puts_gpu_routes_on_the_publishers_gpu_whatever_the_state():
+def test_capture_device_puts_gpu_routes_on_the_copies_gpu_whatever_the_state():
     cuda0, cpu = torch.device("cuda", 0), torch.device("cpu")
     # The root cause: the buffer went where the state dict's tensors were (a ZeRO-3 learner's
-    # are gathered onto the CPU); a whole GPU copy now goes to the publisher's GPU.
+    # are gathered onto the CPU); a whole GPU copy now goes to the GPU copies' device.
     assert capture_device(cpu, "cuda:1", gpu_routes=True, sharded=False) == torch.device(
         "cuda", 1)
     # Sharded: host memory even for GPU routes (they take it bucket by bucket from there).
