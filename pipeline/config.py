@@ -306,8 +306,8 @@ class SyncConfig:
     """weight route (sync.routes): 'file' (safetensors in snapshot_dir, loaded by a vLLM worker
     extension), 'ipc' (CUDA IPC, learner and producer on one GPU), 'nccl' (GPU to GPU
     broadcast); 'auto' picks per producer from its GPU: file on CPU, ipc on the learner's GPU,
-    nccl on another. The file is written every version anyway (fallback and catch-up). Formerly
-    sync.transport, still accepted"""
+    nccl on another. The file is written every version anyway (fallback and catch-up). Also read
+    under its deprecated name sync.transport (with a deprecation line)"""
     stream_from: str = ""
     """producers: tcp://HOST:PORT of the learner node's snapshot server; each version is streamed
     from it into a directory of this node and checked before the swap (no shared filesystem).
