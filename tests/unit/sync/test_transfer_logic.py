@@ -12,6 +12,7 @@ from functools import partial
 
 import pytest
 import torch
+from engine_fakes import MockEngine
 
 from buffer.protocol import Announce, SyncReady, decode, encode
 from sync import packing
@@ -194,27 +195,6 @@ def test_sync_ready_round_trip_and_purpose_checked():
 
 
 # ------------------------------------------------------------------ fallback (mock engine)
-class MockEngine:
-    """Pause/resume recorder whose collective_rpc fails the GPU-transport methods on demand."""
-
-    def __init__(self, fail: set[str] = frozenset()):
-        self.fail, self.calls, self.paused = set(fail), [], False
-
-    async def pause_generation(self, *, mode: str = "keep", clear_cache: bool = False) -> None:
-        self.paused = True
-
-    async def resume_generation(self) -> None:
-        self.paused = False
-
-    async def collective_rpc(self, method: str, args: tuple = ()):
-        self.calls.append((method, self.paused))
-        if method in self.fail:
-            raise RuntimeError(f"mock {method} failed")
-        if method == "sync_nccl_receive":
-            return [{"receive_s": 0.01}]
-        return [{}]
-
-
 def _swap_with(engine: MockEngine, route: str, sent: list):
     async def send_ready(purpose: str, epoch: int, version: int) -> None:
         sent.append((purpose, epoch, version))

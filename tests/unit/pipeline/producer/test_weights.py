@@ -1,6 +1,6 @@
 """EngineWeights, the one load path of the producer, the dedicated evaluator and checkpoint
 evaluation: which route a version takes, what each role's constructor arguments change, and a
-failed load leaving the engine resumed on its version. The engine is a fake that records its
+failed load leaving the engine resumed on its version. The engine is a mock that records its
 worker RPCs and pauses (named so); real barrier, real routes."""
 
 from __future__ import annotations
@@ -10,25 +10,9 @@ import asyncio
 from pipeline.config import load_config
 from pipeline.producer.weights import EngineWeights, weight_routes
 from sync.snapshot import SnapshotRef
+from tests.unit.sync.engine_fakes import MockEngine
 
 REF = SnapshotRef(1, "/snap/policy_v1.safetensors", "blake2b:x")
-
-
-class RecordingEngineFake:
-    def __init__(self, fail: frozenset[str] = frozenset()):
-        self.fail, self.calls, self.paused = fail, [], False
-
-    async def pause_generation(self, *, mode: str = "keep", clear_cache: bool = False) -> None:
-        self.paused = True
-
-    async def resume_generation(self) -> None:
-        self.paused = False
-
-    async def collective_rpc(self, method: str, args: tuple = ()):
-        self.calls.append((method, self.paused))
-        if method in self.fail:
-            raise RuntimeError(f"fake {method} failed")
-        return [{}]
 
 
 async def _no_link(purpose: str, epoch: int, version: int) -> None:
@@ -42,7 +26,7 @@ def _load(weights: EngineWeights, ref: SnapshotRef, route: str = "file",
 
 def test_files_only_weights_load_each_version_from_its_file_fake_engine(tmp_path):
     cfg = load_config(overrides={"run_dir": str(tmp_path)})
-    engine = RecordingEngineFake()
+    engine = MockEngine()
     weights = EngineWeights(engine, cfg, "evaluator", weight_routes(engine, cfg, "evaluator"))
     assert set(weights.routes) == {"file"}  # no send_ready: no GPU route
     report = _load(weights, REF)
@@ -57,7 +41,7 @@ def test_files_only_weights_load_each_version_from_its_file_fake_engine(tmp_path
 
 def test_a_gpu_route_without_a_usable_copy_falls_back_to_the_file_fake_engine(tmp_path):
     cfg = load_config(overrides={"run_dir": str(tmp_path)})
-    engine = RecordingEngineFake()
+    engine = MockEngine()
     weights = EngineWeights(engine, cfg, "p0", weight_routes(engine, cfg, "p0", _no_link))
     assert set(weights.routes) == {"file", "ipc", "nccl"}
     # The learner offers v1's copy by ipc, but not to us (no handle of ours): the file.
@@ -70,7 +54,7 @@ def test_a_gpu_route_without_a_usable_copy_falls_back_to_the_file_fake_engine(tm
 
 def test_a_failed_load_keeps_the_version_and_resumes_the_engine_fake_engine(tmp_path):
     cfg = load_config(overrides={"run_dir": str(tmp_path)})
-    engine = RecordingEngineFake(fail=frozenset({"sync_apply_staged"}))
+    engine = MockEngine(fail=frozenset({"sync_apply_staged"}))
     weights = EngineWeights(engine, cfg, "p0", weight_routes(engine, cfg, "p0"))
     report = _load(weights, REF)
     assert not report.ok and report.version == 0 and weights.version == 0
@@ -82,7 +66,7 @@ def test_checkpoint_weights_are_full_weights_under_barrier_keep_whatever_the_pla
     merged), so its weights serve no adapter, and load with the barrier's mode "keep"."""
     cfg = load_config(overrides={"run_dir": str(tmp_path), "train.lora_rank": 8,
                                  "sync.lora_adapters": "on"})
-    engine = RecordingEngineFake()
+    engine = MockEngine()
     run = EngineWeights(engine, cfg, "p0", weight_routes(engine, cfg, "p0"))
     assert run.serving == "lora" and run.adapters is not None
     assert run.barrier.mode == cfg.sync.barrier == "drain_prefill"
