@@ -10,6 +10,7 @@ import zlib
 import pytest
 
 from bench.soak import tally
+from tests.e2e.support.launcher import read_metrics
 from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,7 @@ def test_zero_variance_groups_are_dropped_counted_and_conserved(tiny_model, tmp_
                    "tests.e2e.support.sampling_rewards:half_constant", "--mode", "async",
                    "--max-staleness", "1", "--steps", str(steps), "--tensorboard", "false",
                    "--generation.dynamic_sampling", "true", tag=run_dir.name)
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     last = rows[-1]
     dropped = last["producer/groups_dropped_zero_variance"]

@@ -15,7 +15,13 @@ import psutil
 import pytest
 
 from bench.soak import tally
-from tests.e2e.support.launcher import ENGINE_START_S, Launcher, assert_gone, read_metrics
+from tests.e2e.support.launcher import (
+    ENGINE_START_S,
+    Launcher,
+    assert_gone,
+    read_jsonl,
+    read_metrics,
+)
 from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
@@ -47,7 +53,7 @@ def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, t
         tag=run_dir.name,
     )  # fmt: skip
 
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = read_metrics(run_dir)
     evals = [r for r in rows if "eval/version" in r]
     rows = [r for r in rows if "eval/version" not in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the run went on past the hung tools
@@ -62,7 +68,7 @@ def test_multi_turn_episodes_swap_between_turns_and_a_hanging_tool(tiny_model, t
     # Later turns re-send the transcript: some of it comes from the prefix cache.
     assert 0 < last["producer/prompt_tokens_cached"] < last["producer/prompt_tokens"]
 
-    episodes = [json.loads(x) for x in log.read_text().splitlines()]
+    episodes = read_jsonl(log)
     assert {e["prompt_id"] for e in episodes if e["prompt_id"].startswith("heldout-")} == {
         "heldout-1", "heldout-2"}
     # The first episode of every third prompt called the hanging tool: it never got a second
@@ -100,9 +106,7 @@ def test_learner_killed_mid_episode_restarts_from_its_checkpoint_nothing_half_co
 
     def in_flight() -> int:
         def keys(path: Path) -> set[tuple[str, int]]:
-            if not path.exists():
-                return set()
-            rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+            rows = read_jsonl(path)
             return {(r["prompt_id"], r["index"]) for r in rows}
 
         return len(keys(started) - keys(log))
@@ -143,8 +147,7 @@ def test_learner_killed_mid_episode_restarts_from_its_checkpoint_nothing_half_co
     assert t["trained"] >= 2 * steps, t
     # The episodes in flight at the kill finished: each started episode that was not hung
     # ended with its two turns logged.
-    done = {(e["prompt_id"], e["index"]) for e in
-            (json.loads(x) for x in log.read_text().splitlines() if x.strip())}
-    begun = [json.loads(x) for x in started.read_text().splitlines() if x.strip()]
+    done = {(e["prompt_id"], e["index"]) for e in read_jsonl(log)}
+    begun = read_jsonl(started)
     assert len(done) >= len(begun) - 4, (len(done), len(begun))  # the last group may be cut
     assert_gone(la.descendants)

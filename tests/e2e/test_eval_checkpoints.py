@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.support.launcher import read_metrics
 from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
@@ -42,8 +43,7 @@ def _train_and_eval(tiny_model: Path, tmp_path: Path, tag: str, *extra: str,
         "--eval.data", str(_heldout(tmp_path)), "--eval.every", "2",
         "--eval.temperature", "0", "--eval.samples_per_prompt", "1", "--eval.max_prompts", "4",
         *extra, tag=tag, env=env)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    rows = read_metrics(run_dir)
     evals = {int(r["eval/version"]): r for r in rows if "eval/version" in r}
     assert sorted(evals) == [0, 2], sorted(evals)
     out = tmp_path / "step2_eval.json"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -23,6 +22,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.support.launcher import read_metrics
 
 
 def _gpus() -> int:
@@ -154,8 +155,7 @@ def test_pipeline_train_colocated_zero3_two_gpus_weights_by_gpu_buckets(tmp_path
     (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert_no_process_left(tag)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    rows = read_metrics(run_dir)
     rows = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert rows[-1]["version"] >= 3

@@ -29,6 +29,8 @@ from test_deepspeed import (
     optim_states,
 )
 
+from tests.e2e.support.launcher import read_metrics
+
 
 def _gpus() -> int:
     try:
@@ -136,8 +138,7 @@ def test_pipeline_train_two_gpu_learner_then_resume(config, route, model_05b, tm
     assert version >= 2
 
     train("--steps", "6", "--resume")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    rows = read_metrics(run_dir)
     rows = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[4]["version"] >= version  # the resumed learner continued, not from 0

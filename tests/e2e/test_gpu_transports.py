@@ -17,7 +17,6 @@ SyncReady messages go through the real wire format (buffer.protocol), as on the 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import subprocess
@@ -39,6 +38,7 @@ from sync.routes.ipc import IpcRoute
 from sync.routes.nccl import NcclRoute, nccl_offer
 from sync.snapshot import SnapshotRef, write_snapshot
 from tests.e2e.support.engine_loop import VOCAB, EngineLoop, hf_dir_with, probe
+from tests.e2e.support.launcher import read_metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 PID = "p0"
@@ -245,7 +245,7 @@ def test_pipeline_train_split_layout_routes_weights_by_nccl(tiny_model, tmp_path
     (tmp_path / "train.log").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "weights by nccl" in proc.stderr, "auto did not route the split layout over NCCL"
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = read_metrics(run_dir)
     rows = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[-1]["version"] >= 4  # the producer followed the learner's versions
@@ -280,7 +280,7 @@ def test_pipeline_train_colocated_sync_by_ipc_with_the_engine_asleep_between_ste
         if (run_dir / "logs").is_dir() else proc.stderr
     assert "weights by ipc" in logs
     assert "engine sleeps while it waits for a version" in logs
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = read_metrics(run_dir)
     rows = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["version"] for r in rows] == [1, 2, 3, 4, 4]  # sync: one version per step

@@ -21,6 +21,7 @@ import torch
 import yaml
 from safetensors import safe_open
 
+from tests.e2e.support.launcher import read_metrics
 from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
@@ -207,7 +208,7 @@ def test_readme_lora_line_on_the_demo_config_trains_and_ends_quietly(tiny_model,
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["sync"]["lora_adapters"] == "off"
     logs = (run_dir / "logs" / "producer-0.log").read_text(errors="replace")
     assert "serves each version as a LoRA adapter" not in logs
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     _assert_console_ends_with_the_summary(proc.stdout + proc.stderr)
     _assert_engine_shut_down_in_order(run_dir)
@@ -285,7 +286,7 @@ def test_lora_run_merges_adapters_on_the_producer(tiny_model, tmp_path):
     alone, the producer merged each one into its weights (no LoRARequest, no failed swap)."""
     run_dir, snaps, logs, console = _lora_run(tiny_model, tmp_path, "--train.lora_rank", "8",
                                               "--sync.lora_adapters", "merge")
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert any(r.get("producers_acked", 0) >= 1 for r in rows), rows
     assert "merges each version's LoRA adapter (rank 8) into its weights" in logs

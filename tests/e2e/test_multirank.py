@@ -102,11 +102,13 @@ def test_learner_on_two_processes_runs_to_the_end(tiny_model, tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PIPELINE_TEST_RUN=tag))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    from conftest import assert_no_process_left  # not at module level: this file is also a script
+    # Not at module level: this file is also the ranks' script.
+    from conftest import assert_no_process_left
+
+    from tests.e2e.support.launcher import read_metrics
 
     assert_no_process_left(tag)  # accelerate's launcher and both ranks are gone
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    rows = read_metrics(run_dir)
     rows = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["learner_processes"] == 2 for r in rows)

@@ -5,14 +5,13 @@ all on the console: test_shm_reclaim.py.)"""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.support.launcher import VLLM_RECORD
+from tests.e2e.support.launcher import VLLM_RECORD, read_metrics
 from tests.e2e.support.train_run import pipeline_train, tiny_args
 
 pytestmark = pytest.mark.slow
@@ -56,7 +55,7 @@ def test_quiet_console_logs_per_process_and_a_failing_rewards_counts_in_metrics(
     assert re.search(r"\(EngineCore\S* pid=\d+\) INFO", producer_log), producer_log[-3000:]
     assert "connected at version 0" in (logs / "learner.log").read_text()
     assert "step 4/4" in (logs / "learner.log").read_text()
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     last = rows[-1]
     calls, failures = last["reward/flaky/calls"], last["reward/flaky/failures"]

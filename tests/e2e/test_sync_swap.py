@@ -24,6 +24,9 @@ from tests.e2e.support.engine_loop import VOCAB, EngineLoop, hf_dir_with, probe
 
 pytestmark = pytest.mark.slow
 
+BF16_LOGPROB_TOL = 2**-5
+"""Largest logprob gap between two engines on the same bf16 weights: a few bf16 roundings."""
+
 @pytest.fixture(scope="module")
 def snaps(tiny_model, tmp_path_factory):
     """Snapshots of the base weights and of a perturbed copy, plus a HF dir of the copy."""
@@ -230,7 +233,8 @@ def test_swap_effect_matches_fresh_engine_on_new_weights(eng, snaps):
         fresh_loop.close()
     assert_no_children()
     assert swapped[0] == fresh[0], "greedy tokens differ from a fresh engine on the new weights"
-    assert max(abs(a - b) for a, b in zip(swapped[1], fresh[1], strict=True)) < 1e-3
-    assert swapped != old, "the new weights did not change the output"
-    assert swapped[0] != old[0] or max(abs(a - b) for a, b in
-                                       zip(swapped[1], old[1], strict=True)) > 1e-2
+    # Logprobs agree to bf16's resolution, not bit for bit: two engines need not split their CPU
+    # kernels' sums the same way, and one bf16 rounding of a logit near 2 is 2**-7.
+    gap = max(abs(a - b) for a, b in zip(swapped[1], fresh[1], strict=True))
+    assert gap < BF16_LOGPROB_TOL, f"logprobs differ from a fresh engine's by {gap}"
+    assert swapped[0] != old[0], "the new weights did not change the greedy tokens"

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.e2e.support.launcher import read_metrics
 from tests.e2e.support.train_run import REPO, pipeline_train, tiny_args
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -34,8 +35,7 @@ CPU_RANKS = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    return read_metrics(run_dir)
 
 
 def test_zero3_learner_buckets_checkpoint_eval_and_resume(tiny_model, tmp_path):

@@ -85,11 +85,7 @@ class Launcher:
         return got
 
     def steps_done(self) -> int:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return 0
-        rows = [ln for ln in path.read_text().splitlines() if ln.strip()]
-        return len(rows)
+        return len(read_metrics(self.run_dir))
 
     @property
     def stdout(self) -> str:
@@ -121,10 +117,17 @@ class Launcher:
                 self.proc.wait(10)
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete records of a JSONL file another process may be writing: a last line without
+    its newline is a record still being written (a reader can see part of a write), not a
+    record, so it is left for the next read."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The rows of run_dir/metrics.jsonl, one per trained step."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
+    """The rows of run_dir/metrics.jsonl written so far, one per trained step or evaluation."""
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def leaked_segments(before: set[str]) -> set[str]:
