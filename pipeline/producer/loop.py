@@ -42,17 +42,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from buffer.protocol import (
-    Ack,
-    Announce,
-    ControlMessage,
-    EvalResult,
-    Heartbeat,
-    Hello,
-    Leave,
-    Reply,
-    SyncReady,
-)
+from buffer import protocol
 from buffer.staleness import groups_to_go, may_admit, producer_budget
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
@@ -280,7 +270,7 @@ class Producer:
                 ann = newer
             await self._apply_announce(ann)
 
-    async def _apply_announce(self, ann: Announce) -> None:
+    async def _apply_announce(self, ann: protocol.Announce) -> None:
         self.outbox.forget_durable(ann.durable)
         if ann.version != self._failures_version:  # a learner step: one line for its failures
             self._failures_version = ann.version
@@ -356,14 +346,13 @@ class Producer:
             episodes=self.eval_episodes)
         log.info("%s: eval v%d: %s", self.producer_id, v,
                  ", ".join(f"{k.removeprefix('eval/')} {x:.3g}" for k, x in stats.items()))
-        answer = await self._control(EvalResult(producer_id=self.producer_id,
-                                                incarnation=self.incarnation, version=v,
-                                                stats=stats))
+        answer = await self._control(protocol.EvalResult(
+            producer_id=self.producer_id, incarnation=self.incarnation, version=v, stats=stats))
         if answer is None or not answer.ok:
             log.warning("%s: the learner did not take the evaluation of v%d: %s",
                         self.producer_id, v, answer.reason if answer else "no answer")
 
-    def _target(self, ann: Announce, route: str) -> SnapshotRef | None:
+    def _target(self, ann: protocol.Announce, route: str) -> SnapshotRef | None:
         """The version to run next, or None when there is nothing to load.
 
         The GPU copy on offer (``transfer["version"]``, our route ipc or nccl) when it is newer
@@ -398,30 +387,30 @@ class Producer:
                      "restarted, %d group(s) generating", self.producer_id, report.version,
                      t["drain_s"], t.get("drain_waited", 0), t.get("drain_resubmitted", 0),
                      self.in_flight_groups)
-        answer = await self._control(Ack(
+        answer = await self._control(protocol.Ack(
             producer_id=self.producer_id, incarnation=self.incarnation, version=report.version,
             ok=report.ok, error=report.error[:16384], timings=report.timings))
         if answer is None:
             log.warning("%s: the learner did not answer our ack of v%d within %.0f s",
                         self.producer_id, report.version, CONTROL_TIMEOUT_S)
 
-    def _make_hello(self) -> Hello:
+    def _make_hello(self) -> protocol.Hello:
         """This incarnation's Hello: its version, GPUs and the dead incarnations it resends."""
-        return Hello(producer_id=self.producer_id, incarnation=self.incarnation,
-                     policy_version=self.weights.version, pid=os.getpid(),
-                     devices=self.weights.devices, recovered=self.outbox.incarnations_recovered,
-                     leaving=self.leaving)
+        return protocol.Hello(
+            producer_id=self.producer_id, incarnation=self.incarnation,
+            policy_version=self.weights.version, pid=os.getpid(), devices=self.weights.devices,
+            recovered=self.outbox.incarnations_recovered, leaving=self.leaving)
 
     async def _hello(self) -> None:
         await self.session.hello()
 
-    async def _control(self, msg: ControlMessage) -> Reply | None:
+    async def _control(self, msg: protocol.ControlMessage) -> protocol.Reply | None:
         return await self.session.call(msg)
 
     async def _send_ready(self, purpose: str, epoch: int, version: int) -> None:
         """Tell the learner our side of a NCCL link is ready ("drop": given up). Raises if the
         learner did not take it, so the GPU route fails over to the file at once."""
-        answer = await self._control(SyncReady(
+        answer = await self._control(protocol.SyncReady(
             producer_id=self.producer_id, incarnation=self.incarnation, purpose=purpose,
             epoch=epoch, version=version))
         if purpose != "drop" and (answer is None or not answer.ok):
@@ -440,11 +429,10 @@ class Producer:
             # Also right after a group: the learner's metrics row for the step that trains it
             # then carries the counters that include it (reward failures of that group).
             self._counted.clear()
-            await self._control(Heartbeat(producer_id=self.producer_id,
-                                          incarnation=self.incarnation,
-                                          policy_version=self.weights.version,
-                                          stats=self.heartbeat_stats(),
-                                          cursor=self.prompts.cursor, leaving=self.leaving))
+            await self._control(protocol.Heartbeat(
+                producer_id=self.producer_id, incarnation=self.incarnation,
+                policy_version=self.weights.version, stats=self.heartbeat_stats(),
+                cursor=self.prompts.cursor, leaving=self.leaving))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._counted.wait(), 2.0)
 
@@ -463,9 +451,9 @@ class Producer:
             self._budget_changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._budget_changed.wait(), 1.0)
-        answer = await self._control(Leave(producer_id=self.producer_id,
-                                           incarnation=self.incarnation, sent=self.rollout.seq,
-                                           cursor=self.prompts.cursor))
+        answer = await self._control(protocol.Leave(
+            producer_id=self.producer_id, incarnation=self.incarnation, sent=self.rollout.seq,
+            cursor=self.prompts.cursor))
         if answer is None or not answer.ok:
             raise RuntimeError(f"the learner did not take our Leave: "
                                f"{answer.reason if answer else 'no answer'}")
