@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
 from sync.threads import in_daemon_thread
-
-
-async def _settle(pred, what: str, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
+from tests.unit.sync.waiting import settle
 
 
 def test_in_daemon_thread_result_error_and_orphan():
@@ -31,7 +24,7 @@ def test_in_daemon_thread_result_error_and_orphan():
             await asyncio.wait_for(in_daemon_thread(lambda: gate.wait(5) and "late comm",
                                                     on_orphan=orphans.append), 0.05)
         gate.set()
-        await _settle(lambda: orphans, "the late result reaches on_orphan")
+        await settle(lambda: orphans, "the late result reaches on_orphan")
 
     asyncio.run(main())
     assert orphans == ["late comm"]

@@ -27,6 +27,7 @@ from sync.routes.nccl import (
     permanent_link_error,
     ready_reply,
 )
+from tests.unit.sync.waiting import settle
 
 
 class FakeComm:
@@ -78,13 +79,6 @@ async def _join_under_way(end: NcclLearnerEnd) -> tuple:
     return link, joining
 
 
-async def _settle(pred, what: str, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.01)
-
-
 def test_keep_current_stream_restores_the_threads_stream_with_fakes():
     current = ["default"]
 
@@ -115,7 +109,7 @@ def test_join_that_outlives_its_deadline_fails_and_its_late_comm_is_aborted_fake
         await end.join("p0", link.epoch)
         assert link.state == "dead" and end.link_failures["p0"] == 1
         fake.gate.set()  # the peer turns up after all
-        await _settle(lambda: fake.comms and fake.comms[0].aborted, "late comm aborted")
+        await settle(lambda: fake.comms and fake.comms[0].aborted, "late comm aborted")
 
     asyncio.run(main())
 
@@ -134,7 +128,7 @@ def test_producer_restart_during_a_join_aborts_the_orphan_and_counts_nothing_fak
         await joining
         assert old.state == "dead" and old.comm is None
         assert new.state == "offered" and end.link_failures.get("p0", 0) == 0
-        await _settle(lambda: fake.comms and fake.comms[0].aborted, "orphan comm aborted")
+        await settle(lambda: fake.comms and fake.comms[0].aborted, "orphan comm aborted")
 
     asyncio.run(main())
 
@@ -166,7 +160,7 @@ def test_a_late_join_of_an_expired_offer_is_completed_and_aborted_fake_nccl(monk
         end.maintain({"p0": (True, 2)})  # expired: a new epoch is offered
         assert stale.error == EXPIRED and end.links["p0"].epoch == stale.epoch + 1
         await end.join("p0", stale.epoch)  # the producer read the old announce late
-        await _settle(lambda: fake.comms and fake.comms[0].aborted, "stale link aborted")
+        await settle(lambda: fake.comms and fake.comms[0].aborted, "stale link aborted")
         assert fake.comms[0].uid == stale.unique_id
         assert end.links["p0"].state == "offered"  # the newer offer stands
         await end.join("p0", stale.epoch)  # only once: a second late join is just ignored
