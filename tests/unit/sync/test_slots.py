@@ -117,9 +117,9 @@ def test_a_version_no_longer_held_is_refused_at_once(tmp_path):
     _t, layout, flat = _version()
     ranges = bucket_ranges(layout, 600)
     t0 = time.monotonic()
-    got, errors, _ctl = _handover(tmp_path, flat, ranges, serve_flat=None)
+    got, errors, _ctl = _handover(tmp_path, flat, ranges, serve_flat=None, timeout=120.0)
     assert got == [] and "no longer holds v3" in str(errors["worker"])
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 60  # refused, not left to the 120 s timeout
 
 
 def test_bucket_ranges_cover_the_layout_at_tensor_boundaries_and_are_checked():

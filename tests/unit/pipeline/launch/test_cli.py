@@ -28,7 +28,16 @@ def test_help_is_fast_and_lists_generated_options():
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr
-    assert elapsed < 2.0, f"--help took {elapsed:.2f}s"
+    # Fast by construction: --help imports none of the heavy libraries (checked exactly); the
+    # time bound only catches gross regressions, with room for a busy machine.
+    assert elapsed < 10, f"--help took {elapsed:.2f}s"
+    probe = ("import sys\nfrom pipeline.launch import cli\n"
+             "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print('HEAVY', sorted(m for m in ('torch', 'vllm', 'transformers', 'ray', 'zmq')"
+             " if m in sys.modules), file=sys.stderr)")
+    heavy = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                           text=True, timeout=60)
+    assert "HEAVY []" in heavy.stderr, heavy.stderr[-2000:]
     for flag in ("--train.max_staleness", "--max-staleness", "--mode", "--train.lr",
                  "--sync.barrier", "--resume", "--max-producer-restarts", "--set"):
         assert flag in proc.stdout, flag

@@ -129,7 +129,7 @@ def test_forged_hello_from_an_unknown_producer_is_refused(learner_factory, tmp_p
         # Nothing to wait for: no producer was ever seen alive.
         t0 = time.monotonic()
         await learner.control.collect_acks(1, time.monotonic())
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 30  # not sync.ack_timeout_s (120 s)
 
     asyncio.run(main())
 
@@ -145,7 +145,7 @@ def test_the_learner_never_waits_for_a_producer_it_has_not_seen_alive(learner_fa
                 assert isinstance(await ep.call(hello(), 5), Welcome)
                 t0 = time.monotonic()
                 await learner.control.collect_acks(1, time.monotonic())
-                assert time.monotonic() - t0 < 1.0
+                assert time.monotonic() - t0 < 30  # not sync.ack_timeout_s (120 s)
                 hb = Heartbeat(producer_id="p0", incarnation="p0-1", policy_version=0, stats={})
                 assert await ep.call(hb, 5) == Reply(ok=True)
                 waiter = asyncio.create_task(learner.control.collect_acks(2, time.monotonic()))

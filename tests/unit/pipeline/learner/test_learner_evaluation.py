@@ -112,7 +112,7 @@ def test_the_final_wait_ends_when_the_evaluator_is_gone(tmp_path):
     assert evals.evaluator_gone()
     t0 = time.monotonic()
     asyncio.run(evals.await_last(2))
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 30  # not the 60 s eval.timeout_s
 
 
 def test_the_final_wait_goes_on_while_a_restarted_evaluator_starts(tmp_path):
