@@ -31,7 +31,7 @@ from typing import Any
 from buffer.protocol import SyncReady
 from pipeline.config import RunConfig
 from pipeline.keys import curve_keys
-from pipeline.learner.producers import ALIVE_S, ProducerInfo
+from pipeline.learner.producers import ProducerInfo
 from pipeline.owner import owned_name
 from sync.packing import Layout, pack_buckets, plan_layout, plan_layout_of, total_bytes
 from sync.routes.base import RouteChoiceError, choose_route
@@ -187,7 +187,7 @@ class LearnerRoutes:
         now = time.monotonic()
         # list(): also called from the snapshot thread while the loop may add producers.
         return {p: i.route for p, i in list(self.producers.items())
-                if i.route in self.ends and now - i.last_seen <= ALIVE_S}
+                if i.route in self.ends and i.alive(now)}
 
     def offer(self, version: int) -> tuple[dict[str, str], dict[str, Any]]:
         """The Announce's ``routes`` and ``transfer``: the newest GPU copy held, at most
