@@ -108,6 +108,24 @@ def pytest_addoption(parser):
 
 
 _TOOK: dict[str, float] = {}
+_CPU: dict[str, float] = {}
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of every child it reaped (theirs include their own)."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The teardown report carries the test's CPU seconds (setup, call and teardown) to the
+    run's budget check, which under pytest-xdist runs in the controller."""
+    outcome = yield
+    if call.when == "teardown" and hasattr(item, "_cpu_at_start"):
+        outcome.get_result().user_properties.append(("cpu_s", _cpu_s() - item._cpu_at_start))
 
 
 def pytest_runtest_logreport(report):
@@ -115,16 +133,25 @@ def pytest_runtest_logreport(report):
     if report.when == "setup":  # waiting for an exclusive test (tests/machine_share.py)
         took -= sum(v for k, v in report.user_properties if k == "machine_wait_s")
     _TOOK[report.nodeid] = _TOOK.get(report.nodeid, 0.0) + took
+    if report.when == "teardown":
+        for key, value in report.user_properties:
+            if key == "cpu_s":
+                _CPU[report.nodeid] = value
+
+
+def _share(config) -> int:
+    """How many tests run at once: pytest-xdist's workers, or 1."""
+    workers = config.getoption("numprocesses", None) if config.pluginmanager.hasplugin(
+        "xdist") else None
+    return workers if isinstance(workers, int) and workers > 1 else 1
 
 
 def _budget_report(config) -> list[str]:
     import time_budget
 
-    workers = config.getoption("numprocesses", None) if config.pluginmanager.hasplugin(
-        "xdist") else None
-    share = workers if isinstance(workers, int) and workers > 1 else 1
     lines = [f"{o.nodeid}: {o.took_s:.1f} s, budget {o.budget_s:.0f} s"
-             for o in time_budget.overruns(_TOOK, share)]
+             + (f" ({o.cpu_s:.1f} CPU-s)" if o.cpu_s is not None else "")
+             for o in time_budget.overruns(_TOOK, _share(config), _CPU)]
     if config.getoption("-k") or config.getoption("-m") or config.args != ["tests"]:
         return lines  # a partial run: stale OVER entries cannot be told from deselected ones
     # Under pytest-xdist the controller collects nothing: every test it ran reported.
@@ -139,8 +166,13 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    import time_budget
+
     lines = _budget_report(session.config)
     session.config._budget_lines = lines
+    session.config._budget_slowed = [
+        f"{o.nodeid}: {o.took_s:.1f} s, budget {o.budget_s:.0f} s, {o.cpu_s:.1f} CPU-s"
+        for o in time_budget.slowed(_TOOK, _share(session.config), _CPU)]
     if lines and exitstatus == 0 and not session.config.getoption("--no-time-budget"):
         session.exitstatus = 1
 
@@ -149,22 +181,18 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_runtest_protocol(item, nextitem):
     """With ``PIPELINE_TEST_CPU_LOG=FILE``, one JSON line per test: its wall seconds and the CPU
     seconds of this process and of every child it reaped (where the suite's CPU time goes)."""
+    item._cpu_at_start = _cpu_s()  # for the time budget (pytest_runtest_makereport)
     path = os.environ.get("PIPELINE_TEST_CPU_LOG")
     if not path:
         yield
         return
     import json
-    import resource
     import time
 
-    def cpu() -> float:
-        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                                      resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-    t0, c0 = time.monotonic(), cpu()
+    t0 = time.monotonic()
     yield
     row = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 1),
-           "cpu_s": round(cpu() - c0, 1)}
+           "cpu_s": round(_cpu_s() - item._cpu_at_start, 1)}
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -174,4 +202,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if lines:
         terminalreporter.section("time budget (tests/time_budget.py)", red=True)
         for line in lines:
+            terminalreporter.write_line(line)
+    slowed = getattr(config, "_budget_slowed", [])
+    if slowed:
+        terminalreporter.section("over the wall budget, within the CPU budget: a slow machine "
+                                 "(not failing)")
+        for line in slowed:
             terminalreporter.write_line(line)

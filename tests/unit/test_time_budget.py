@@ -46,3 +46,17 @@ def test_the_xdist_group_suffix_is_not_part_of_the_name(monkeypatch):
     monkeypatch.setattr(time_budget, "OVER", {"tests/e2e/test_a.py::test_big": (200.0, "why")})
     assert time_budget.budget_for("tests/e2e/test_a.py::test_big[p]@ray") == 200.0
     assert time_budget.stale_entries({"tests/e2e/test_a.py::test_big@tests/e2e/test_a.py"}) == []
+
+
+def test_over_the_wall_budget_fails_only_with_the_cpu_budget_or_far_over(monkeypatch):
+    """A test slowed by the machine (its CPU seconds within budget) does not fail the run; one
+    that does more work, or waits three times its budget, does."""
+    monkeypatch.setattr(time_budget, "OVER", {})
+    u = "tests/unit/test_u.py::test_"
+    took = {u + "slowed": 8.0, u + "grew": 8.0, u + "waits": 16.0, u + "unknown": 8.0}
+    cpu = {u + "slowed": 2.0, u + "grew": 7.0, u + "waits": 0.1}
+    assert [o.nodeid for o in time_budget.overruns(took, 1, cpu)] == [
+        u + "waits", u + "grew", u + "unknown"]
+    assert [(o.nodeid, o.cpu_s) for o in time_budget.slowed(took, 1, cpu)] == [
+        (u + "slowed", 2.0)]
+    assert time_budget.overruns({u + "slowed": 8.0}, 2, cpu) == []  # 5 s x 2 workers
