@@ -146,12 +146,13 @@ def _share(config) -> int:
     return workers if isinstance(workers, int) and workers > 1 else 1
 
 
-def _budget_report(config) -> list[str]:
+def _budget_report(config, over) -> list[str]:
+    """The run's budget failures: the tests of ``over`` that fail, and stale ``OVER`` entries."""
     import time_budget
 
     lines = [f"{o.nodeid}: {o.took_s:.1f} s, budget {o.budget_s:.0f} s"
              + (f" ({o.cpu_s:.1f} CPU-s)" if o.cpu_s is not None else "")
-             for o in time_budget.overruns(_TOOK, _share(config), _CPU)]
+             for o in over if o.fails]
     if config.getoption("-k") or config.getoption("-m") or config.args != ["tests"]:
         return lines  # a partial run: stale OVER entries cannot be told from deselected ones
     # Under pytest-xdist the controller collects nothing: every test it ran reported.
@@ -168,11 +169,12 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session, exitstatus):
     import time_budget
 
-    lines = _budget_report(session.config)
+    over = time_budget.over_wall_budget(_TOOK, _share(session.config), _CPU)
+    lines = _budget_report(session.config, over)
     session.config._budget_lines = lines
     session.config._budget_slowed = [
         f"{o.nodeid}: {o.took_s:.1f} s, budget {o.budget_s:.0f} s, {o.cpu_s:.1f} CPU-s"
-        for o in time_budget.slowed(_TOOK, _share(session.config), _CPU)]
+        for o in over if not o.fails]
     if lines and exitstatus == 0 and not session.config.getoption("--no-time-budget"):
         session.exitstatus = 1
 

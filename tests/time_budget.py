@@ -101,10 +101,14 @@ OVER: dict[str, tuple[float, str]] = {
 
 @dataclass(frozen=True)
 class Overrun:
+    """A test over its wall budget (``budget_s``, already shared by the tests running at once);
+    ``fails``: it fails the run (CPU seconds over the budget too, unknown, or ``HARD`` times
+    over), else it was slowed by the machine and is only reported."""
     nodeid: str
     took_s: float
     budget_s: float
     cpu_s: float | None = None
+    fails: bool = True
 
 
 def _base(nodeid: str) -> str:
@@ -120,28 +124,33 @@ def budget_for(nodeid: str) -> float:
     return E2E_S if nodeid.startswith("tests/e2e/") else UNIT_S
 
 
-def overruns(durations: dict[str, float], share: int = 1,
-             cpu: dict[str, float] | None = None) -> list[Overrun]:
-    """The tests over their budget, slowest first: wall time over the budget times ``share``
-    (how many tests ran at once, pytest-xdist's workers, each getting a part of the cores) and,
-    where ``cpu`` has the test's CPU seconds, those over the budget as well; or wall time over
-    ``HARD`` times the shared budget."""
+def over_wall_budget(durations: dict[str, float], share: int = 1,
+                     cpu: dict[str, float] | None = None) -> list[Overrun]:
+    """The tests whose wall time is over their budget times ``share`` (how many tests ran at
+    once, pytest-xdist's workers, each getting a part of the cores), slowest first. Each fails
+    unless ``cpu`` has its CPU seconds and they are within the budget, and its wall time is
+    within ``HARD`` times the shared budget."""
     cpu = cpu or {}
     over = []
     for n, took in durations.items():
         wall = budget_for(n) * share
-        used = cpu.get(n)
-        if took > wall * HARD or (took > wall and (used is None or used > budget_for(n))):
-            over.append(Overrun(n, took, wall, used))
+        if took > wall:
+            used = cpu.get(n)
+            fails = took > wall * HARD or used is None or used > budget_for(n)
+            over.append(Overrun(n, took, wall, used, fails))
     return sorted(over, key=lambda o: -o.took_s)
+
+
+def overruns(durations: dict[str, float], share: int = 1,
+             cpu: dict[str, float] | None = None) -> list[Overrun]:
+    """The tests that fail the run's budget, slowest first."""
+    return [o for o in over_wall_budget(durations, share, cpu) if o.fails]
 
 
 def slowed(durations: dict[str, float], share: int, cpu: dict[str, float]) -> list[Overrun]:
     """The tests over their wall budget that do not fail it: their CPU seconds were within the
     budget (the machine was slow, the test did not grow). Reported, never failing."""
-    failing = {o.nodeid for o in overruns(durations, share, cpu)}
-    return [Overrun(n, t, budget_for(n) * share, cpu.get(n)) for n, t in durations.items()
-            if t > budget_for(n) * share and n not in failing]
+    return [o for o in over_wall_budget(durations, share, cpu) if not o.fails]
 
 
 def stale_entries(nodeids: set[str]) -> list[str]:
