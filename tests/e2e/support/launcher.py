@@ -85,7 +85,7 @@ class Launcher:
         return got
 
     def steps_done(self) -> int:
-        return len(read_metrics(self.run_dir))
+        return len(complete_lines(self.run_dir / "metrics.jsonl"))  # counted, not parsed: polled
 
     @property
     def stdout(self) -> str:
@@ -117,12 +117,17 @@ class Launcher:
                 self.proc.wait(10)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """The complete records of a JSONL file another process may be writing: a last line without
-    its newline is a record still being written (a reader can see part of a write), not a
-    record, so it is left for the next read."""
+def complete_lines(path: Path) -> list[str]:
+    """The complete, non-empty lines of a file another process may be appending to: a last line
+    without its newline is still being written (a reader can see part of a write), so it is
+    left for the next read."""
     text = path.read_text() if path.exists() else ""
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+    return [line for line in text.split("\n")[:-1] if line.strip()]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The complete records of a JSONL file another process may be writing."""
+    return [json.loads(line) for line in complete_lines(path)]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
