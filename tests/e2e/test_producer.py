@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +24,7 @@ from pipeline.config import RunConfig, load_config
 from pipeline.producer.data import PromptSource, render_prompt
 from pipeline.producer.loop import Producer
 from pipeline.producer.rewards.runner import RewardSet
+from tests.waiting import settle
 
 pytestmark = pytest.mark.slow
 
@@ -136,14 +136,6 @@ def _make_producer(cfg: RunConfig, engine, tokenizer) -> Producer:
     return Producer(cfg, 0, engine, tokenizer, ProducerEndpoint(cfg.bind_addr), rewards, prompts)
 
 
-async def _wait_for(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 @contextlib.asynccontextmanager
 async def _running(cfg: RunConfig, engine, tokenizer):
     learner = FakeLearner(cfg.bind_addr)
@@ -196,14 +188,14 @@ def test_groups_shapes_rewards_and_admission_cap(engine_env, tiny_model):
 
             mon = asyncio.create_task(monitor())
             # 1. No admission before the first announce.
-            await _wait_for(lambda: learner.hellos, 30, "the producer's Hello")
+            await settle(lambda: learner.hellos, "the producer's Hello", timeout=30)
             await asyncio.sleep(2.0)
             assert producer.stats.groups_started == 0 and not learner.groups
             assert not producer.weights.tracker.in_flight
 
             # 2. Announce version 0 but consume nothing: exactly `budget` groups, then it waits.
             learner.announcing = True
-            await _wait_for(lambda: len(learner.groups) >= budget, 120, f"{budget} groups")
+            await settle(lambda: len(learner.groups) >= budget, f"{budget} groups", timeout=120)
             await asyncio.sleep(2.0)
             assert len(learner.groups) == budget
             assert producer.stats.groups_started == budget
@@ -261,17 +253,17 @@ def test_cancel_aborts_in_flight_requests_and_leaves_no_children(engine_env, tin
     async def scenario():
         async with _running(cfg, engine, tokenizer) as (learner, producer, ptask):
             learner.announcing = True
-            await _wait_for(lambda: producer.stats.tokens == 0 and
-                            len(producer.weights.tracker.in_flight)
-                            - producer.weights.tracker.pending_prefills() >= GROUP_SIZE, 120,
-                            "running requests")
+            await settle(lambda: producer.stats.tokens == 0 and
+                         len(producer.weights.tracker.in_flight)
+                         - producer.weights.tracker.pending_prefills() >= GROUP_SIZE,
+                         "running requests", timeout=120)
             assert engine.get_num_unfinished_requests() > 0
             ptask.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await ptask
             assert not producer.weights.tracker.in_flight
-            await _wait_for(lambda: engine.get_num_unfinished_requests() == 0, 10,
-                            "the engine to drop the aborted requests")
+            await settle(lambda: engine.get_num_unfinished_requests() == 0,
+                         "the engine to drop the aborted requests", timeout=10)
             assert not learner.groups  # nothing half-done was sent
 
     loop.run_until_complete(asyncio.wait_for(scenario(), 200))

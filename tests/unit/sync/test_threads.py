@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from sync.threads import in_daemon_thread
-from tests.unit.sync.waiting import settle
+from tests.waiting import settle
 
 
 def test_in_daemon_thread_result_error_and_orphan():

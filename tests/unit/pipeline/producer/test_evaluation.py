@@ -19,6 +19,7 @@ from pipeline.options import ConfigError
 from pipeline.producer.evaluation import Evaluator, aggregate, eval_records, pass_at_k
 from pipeline.schedule import EVALUATOR_ID
 from sync.barrier import SwapReport
+from tests.waiting import settle
 
 
 def test_pass_at_k_counts_prompts_with_any_pass():
@@ -168,14 +169,6 @@ def fakes(monkeypatch):
     return calls, loads, permits
 
 
-async def _until(pred, what: str) -> None:
-    for _ in range(200):
-        if pred():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_takes_the_newest_due_version_once_free_and_counts_the_skipped(tmp_path, fakes):
     calls, loads, permits = fakes
     # every 2nd of versions 0..7 (8 steps, a version per step) and the last: 0, 2, 4, 6, 7.
@@ -193,20 +186,21 @@ def test_takes_the_newest_due_version_once_free_and_counts_the_skipped(tmp_path,
         task = asyncio.create_task(ev._evaluate_versions())
         try:
             announce(0)
-            await _until(lambda: calls == [0], "v0's evaluation")
+            await settle(lambda: calls == [0], "v0's evaluation", timeout=2.0)
             for v in (1, 2, 3, 4):  # announced while v0 is evaluated
                 announce(v)
             permits.put_nowait(1)
-            await _until(lambda: calls == [0, 4], "v4's evaluation (v2 skipped)")
+            await settle(lambda: calls == [0, 4], "v4's evaluation (v2 skipped)", timeout=2.0)
             announce(5)
             await asyncio.sleep(0.05)  # not due: nothing happens
             assert calls == [0, 4]
             announce(7)
             permits.put_nowait(1)
-            await _until(lambda: calls == [0, 4, 7], "v7's, the last (v6 skipped)")
+            await settle(lambda: calls == [0, 4, 7], "v7's, the last (v6 skipped)", timeout=2.0)
             permits.put_nowait(1)
-            await _until(lambda: len([m for m in endpoint.sent
-                                      if isinstance(m, EvalResult)]) == 3, "three results")
+            await settle(lambda: len([m for m in endpoint.sent
+                                      if isinstance(m, EvalResult)]) == 3, "three results",
+                         timeout=2.0)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -246,12 +240,13 @@ def test_a_restarted_learner_gets_its_versions_evaluated_again(tmp_path, fakes):
         try:
             queue.put_nowait(_announce(2))
             permits.put_nowait(1)
-            await _until(lambda: calls == [2], "v2's evaluation")
+            await settle(lambda: calls == [2], "v2's evaluation", timeout=2.0)
             restarted = _announce(2)
             restarted.learner_session = "s2"
             queue.put_nowait(restarted)
             permits.put_nowait(1)
-            await _until(lambda: calls == [2, 2], "v2 evaluated again for the new learner")
+            await settle(lambda: calls == [2, 2], "v2 evaluated again for the new learner",
+                         timeout=2.0)
         finally:
             for t in tasks:
                 t.cancel()

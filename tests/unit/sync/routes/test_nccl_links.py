@@ -27,7 +27,7 @@ from sync.routes.nccl import (
     permanent_link_error,
     ready_reply,
 )
-from tests.unit.sync.waiting import settle
+from tests.waiting import settle
 
 
 class FakeComm:

@@ -1,4 +1,4 @@
-"""Waiting in async unit tests for what another thread does: the event, within a bound."""
+"""Waiting in async tests for what another thread or task does: the event, within a bound."""
 
 from __future__ import annotations
 
