@@ -1,6 +1,6 @@
 """The rollout of one group: G completions (or G episodes) generated, scored and sent.
 
-``GroupRollout.run`` is what the producer's admission loop (``pipeline.producer.loop``) starts
+``GroupRollout.start`` is what the producer's admission loop (``pipeline.producer.loop``) calls
 for each admitted prompt: it generates the group's completions through the barrier's
 gate (``_generate_one``: each request waits while a swap is under way, carries its version's
 cache salt and tags every delta with the version the engine holds), or with ``episode.fn`` its
@@ -68,9 +68,33 @@ class GroupRollout:
         self.seq = 0  # groups of this incarnation sent (exactly-once delivery, buffer.ledger)
         self.sent_log = outbox.dir / f"{incarnation}.jsonl"
         self.learner_consumed = 0  # groups the learner has taken (Announce): the cap's step
+        # Groups started and neither numbered for sending nor ended: the producer's admission
+        # counts them as generating. A group leaves this count in the same step as it takes its
+        # ``seq`` (then it counts as in transit), so it is never counted twice or not at all.
+        self.generating = 0
+
+    def start(self, record: PromptRecord, prompt_ids: list[int]) -> asyncio.Task:
+        """Admit the group of ``record``: it counts as generating from now (before its task
+        first runs) until it is numbered for sending or ends unsent."""
+        self.generating += 1
+        return asyncio.create_task(self._admitted(record, prompt_ids))
+
+    async def _admitted(self, record: PromptRecord, prompt_ids: list[int]) -> None:
+        try:
+            group = await self._build(record, prompt_ids)
+        finally:
+            self.generating -= 1  # no await since _build numbered the group (seq)
+        if group is not None:
+            await self._send(group)
 
     async def run(self, record: PromptRecord, prompt_ids: list[int]) -> None:
         """Generate, score and send (or drop) the group of ``record`` (the module docstring)."""
+        group = await self._build(record, prompt_ids)
+        if group is not None:
+            await self._send(group)
+
+    async def _build(self, record: PromptRecord, prompt_ids: list[int]) -> RolloutGroup | None:
+        """The group of ``record`` generated, scored and numbered (``seq``); None if dropped."""
         g = self.cfg.generation
         group_id = f"{self.producer_id}-{uuid.uuid4().hex[:12]}"
         admitted_at = time.time()
@@ -81,7 +105,7 @@ class GroupRollout:
             episodes = await self._run_episodes(group_id, record, prompt_ids, meta)
             if episodes is None:
                 self._drop(group_id, record.prompt_id, "an episode failed")
-                return
+                return None
             completions = [(e.completion, e.text) for e in episodes]
         else:
             completions = await asyncio.gather(*(
@@ -94,7 +118,7 @@ class GroupRollout:
             self._not_sent("groups_dropped_restart", "dropped_restart", group_id, record.prompt_id)
             log.info("%s: group for prompt %s dropped: generated across a learner restart to an "
                      "older version", self.producer_id, record.prompt_id)
-            return
+            return None
         if episodes is not None:
             scored = await score_episodes(self.rewards, record.prompt, episodes, meta)
         else:
@@ -104,12 +128,12 @@ class GroupRollout:
             scored = None if result.dropped else (list(result.total), list(result.breakdown))
         if scored is None:
             self._drop(group_id, record.prompt_id, "a reward failed")
-            return
+            return None
         totals, breakdowns = scored
         if self._uninformative(totals):  # its admission slot frees as it ends
             self._not_sent("groups_dropped_zero_variance", "dropped_zero_variance", group_id,
                            record.prompt_id)
-            return
+            return None
         comps = []
         for (comp, _text), total, breakdown in zip(completions, totals, breakdowns, strict=True):
             comp.reward = float(total)
@@ -124,6 +148,11 @@ class GroupRollout:
                       "producer_index": self.index,
                       "incarnation": self.incarnation, "seq": self.seq})
         self.seq += 1
+        return group
+
+    async def _send(self, group: RolloutGroup) -> None:
+        """Keep ``group`` in the outbox until the learner has it in a checkpoint, and send it."""
+        group_id = group.group_id
         self.outbox.add(group)
         self.stats.retention_overflow = self.outbox.overflow
         await self.endpoint.send(group)

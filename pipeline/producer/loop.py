@@ -100,7 +100,6 @@ class Producer:
         self.leaving = False
         self.stats = ProducerStats()
         self._failures_version = -1  # the learner version of the last failure summary
-        self.in_flight_groups = 0
         self.held = 0            # our groups in the learner's buffer (from announces)
         self.accepted = 0        # groups of this process the learner has (from announces)
         self.learner_session = ""
@@ -183,6 +182,11 @@ class Producer:
             self.outstanding(), self.cfg.train.batch_groups, self.cfg.train.max_staleness,
             *share, self.weights.version, self.learner_heading_to, self.learner_to_go)
 
+    @property
+    def in_flight_groups(self) -> int:
+        """Groups generating or being scored (``GroupRollout.generating``)."""
+        return self.rollout.generating
+
     def outstanding(self) -> int:
         """Groups generating, in transit, or waiting in the learner's buffer."""
         in_transit = max(self.rollout.seq - self.accepted, 0)
@@ -212,9 +216,8 @@ class Producer:
                     len(ids) + 1 >= self.cfg.engine.max_model_len:
                 self.stats.prompts_skipped_too_long += 1
                 continue
-            self.in_flight_groups += 1
             self.stats.groups_started += 1
-            task = asyncio.create_task(self.rollout.run(record, ids))
+            task = self.rollout.start(record, ids)
             self._group_tasks.add(task)
             task.add_done_callback(self._group_done)
 
@@ -250,7 +253,6 @@ class Producer:
 
     def _group_done(self, task: asyncio.Task) -> None:
         self._group_tasks.discard(task)
-        self.in_flight_groups -= 1
         self._budget_changed.set()
         if not task.cancelled() and task.exception() is not None:
             # A group failing is a bug in our code or the engine: stop the producer loudly.

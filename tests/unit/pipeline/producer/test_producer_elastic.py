@@ -53,7 +53,7 @@ def test_the_admission_share_follows_the_members_fake_endpoint(tmp_path):
 
     async def run() -> None:
         await p._apply_announce(_announce(["p0", "p1"]))
-        p.in_flight_groups = 2
+        p.rollout.generating = 2
         assert p.budget == 2 and not p.may_start()  # its share of two producers is spent
         await p._apply_announce(_announce(["p0"]))
         assert p.budget == 4 and p.may_start()  # alone, the whole budget is its
@@ -66,13 +66,13 @@ def test_leaving_waits_for_the_groups_then_says_leave_and_ends_fake_endpoint(tmp
 
     async def run() -> None:
         await p._apply_announce(_announce(["p0"]))
-        p.rollout.seq, p.accepted, p.in_flight_groups = 3, 2, 1
+        p.rollout.seq, p.accepted, p.rollout.generating = 3, 2, 1
         task = asyncio.create_task(p._leave())
         p.leave_requested.set()
         await asyncio.sleep(0.1)
         assert p.leaving and not p.may_start()
         assert not [m for m in p.endpoint.sent if isinstance(m, Leave)]  # a group still runs
-        p.in_flight_groups, p.accepted = 0, 3  # it ended and reached the learner
+        p.rollout.generating, p.accepted = 0, 3  # it ended and reached the learner
         p._budget_changed.set()
         with pytest.raises(ProducerLeft, match="after 3 group"):
             await asyncio.wait_for(task, 5)
@@ -89,15 +89,15 @@ def test_admission_stops_once_the_groups_out_cover_the_last_step_fake_endpoint(t
 
     async def run() -> None:
         await p._apply_announce(_announce(["p0"], last_step=10, steps_taken=8))
-        p.in_flight_groups = 3
+        p.rollout.generating = 3
         assert p.learner_to_go == 4 and p.may_start()
-        p.in_flight_groups = 2
+        p.rollout.generating = 2
         await p._apply_announce(_announce(["p0"], last_step=10, steps_taken=9))
         assert p.learner_to_go == 2 and not p.may_start()
-        p.in_flight_groups = 1
+        p.rollout.generating = 1
         assert p.may_start()
         await p._apply_announce(_announce(["p0"], last_step=10, steps_taken=10))
-        p.in_flight_groups = 0
+        p.rollout.generating = 0
         assert not p.may_start()  # the learner took its last batch
 
     asyncio.run(run())

@@ -32,9 +32,9 @@ def test_sleeps_when_idle_and_wakes_once_fake_engine(tmp_path):
     p, engine = _producer(tmp_path, True)
 
     async def run():
-        p.in_flight_groups = 1
+        p.rollout.generating = 1
         await p._sleep_if_idle()          # a group is generating: stay awake
-        p.in_flight_groups = 0
+        p.rollout.generating = 0
         await p._sleep_if_idle()
         await p._sleep_if_idle()          # already asleep
         await p._wake()
