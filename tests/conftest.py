@@ -181,8 +181,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """With ``PIPELINE_TEST_CPU_LOG=FILE``, one JSON line per test: its wall seconds and the CPU
-    seconds of this process and of every child it reaped (where the suite's CPU time goes)."""
+    """With ``PIPELINE_TEST_CPU_LOG=FILE``, one JSON line per test: its worker, start time, wall
+    seconds and the CPU seconds of this process and of every child it reaped (where the suite's
+    CPU time goes, and when each worker was busy)."""
     item._cpu_at_start = _cpu_s()  # for the time budget (pytest_runtest_makereport)
     path = os.environ.get("PIPELINE_TEST_CPU_LOG")
     if not path:
@@ -191,9 +192,10 @@ def pytest_runtest_protocol(item, nextitem):
     import json
     import time
 
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     yield
-    row = {"test": item.nodeid, "wall_s": round(time.monotonic() - t0, 1),
+    row = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+           "start": round(started, 1), "wall_s": round(time.monotonic() - t0, 1),
            "cpu_s": round(_cpu_s() - item._cpu_at_start, 1)}
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")

@@ -31,6 +31,11 @@ import psutil
 from buffer.ports import free_ports
 from pipeline.owner import owner_alive
 
+# What ``ray start`` prints when its raylet did not register with the GCS within its fixed 30 s
+# (ray/_private/node.py): a busy machine, worth one more start (RayNode.wait_ready).
+STARTUP_TIMED_OUT = "The current node timed out during startup"
+STARTUP_ATTEMPTS = 3
+
 PORT_OPTIONS = (
     "--dashboard-agent-listen-port",
     "--dashboard-agent-grpc-port",
@@ -80,10 +85,23 @@ class RayNode:
         self.own_temp = temp_dir is None
         # Ray's socket paths must stay short (AF_UNIX limit): a short name under /tmp.
         self.temp_dir = Path(temp_dir or tempfile.mkdtemp(prefix="pgray", dir="/tmp"))
+        self.head_address = head_address
+        self._options = dict(num_cpus=num_cpus, resources=resources, labels=labels,
+                             object_store_mb=object_store_mb)
+        self._env, self._owner = env, owner
+        self.log_path = self.temp_dir / "ray-start.log"
+        self.starts = 0
+        self.guard: subprocess.Popen | None = None
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """``ray start`` in a session of its own, on fresh free ports, and its guard."""
+        ip, o = self.ip, self._options
         ports = free_ports(ip, len(PORT_OPTIONS) + 2)
         low, high = worker_range(ports)
-        self.port = ports.pop() if head_address is None else None
-        self.address = f"{ip}:{self.port}" if head_address is None else head_address
+        head = self.head_address is None
+        self.port = ports.pop() if head else None
+        self.address = f"{ip}:{self.port}" if head else self.head_address
         cmd = [
             ray_executable(),
             "start",
@@ -93,10 +111,10 @@ class RayNode:
             "--temp-dir",
             str(self.temp_dir),
             "--object-store-memory",
-            str(object_store_mb << 20),
+            str(o["object_store_mb"] << 20),
             "--disable-usage-stats",
         ]
-        if head_address is None:
+        if head:
             cmd += [
                 "--head",
                 "--port",
@@ -107,37 +125,51 @@ class RayNode:
                 str(ports.pop()),
             ]
         else:
-            cmd += ["--address", head_address]
+            cmd += ["--address", self.head_address]
         for opt in PORT_OPTIONS:
             cmd += [opt, str(ports.pop())]
         cmd += ["--min-worker-port", str(low), "--max-worker-port", str(high)]
-        if num_cpus is not None:
-            cmd += ["--num-cpus", str(num_cpus)]
-        if resources:
-            cmd += ["--resources", json.dumps(resources)]
-        if labels:
-            cmd += ["--labels", ",".join(f"{k}={v}" for k, v in labels.items())]
-        self.log_path = self.temp_dir / "ray-start.log"
-        node_env = os.environ | {"RAY_TMPDIR": str(self.temp_dir)} | (env or {})
+        if o["num_cpus"] is not None:
+            cmd += ["--num-cpus", str(o["num_cpus"])]
+        if o["resources"]:
+            cmd += ["--resources", json.dumps(o["resources"])]
+        if o["labels"]:
+            cmd += ["--labels", ",".join(f"{k}={v}" for k, v in o["labels"].items())]
+        node_env = os.environ | {"RAY_TMPDIR": str(self.temp_dir)} | (self._env or {})
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=node_env, start_new_session=True
             )
+        self.starts += 1
         self.session = self.proc.pid  # start_new_session: the session id is its pid
-        self.guard: subprocess.Popen | None = None
-        if owner is not None:
+        if self._owner is not None:
             self.guard = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.launch.ray_node", "guard", owner,
+                [sys.executable, "-m", "pipeline.launch.ray_node", "guard", self._owner,
                  str(self.session), str(self.temp_dir) if self.own_temp else ""],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True,
             )
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Until the node runs its raylet (the log says the node started)."""
+        """Until the node runs its raylet (the log says the node started).
+
+        ``ray start`` gives its raylet a fixed 30 s to register with the GCS and exits if it
+        has not: on a busy machine that is no fault of the node. Then the node is stopped and
+        started again on fresh ports, within the same ``timeout_s`` (at most
+        ``STARTUP_ATTEMPTS`` starts in all); any other exit is an error at once."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self.starts < STARTUP_ATTEMPTS and \
+                        STARTUP_TIMED_OUT in self.log_path.read_text(errors="replace"):
+                    self._stop_session()
+                    for old in self.temp_dir.glob("session_*"):  # its logs name the old node
+                        if old.is_symlink() or old.is_file():
+                            old.unlink()
+                        else:
+                            shutil.rmtree(old, ignore_errors=True)
+                    self._spawn()
+                    continue
                 raise RuntimeError(
                     f"ray start on {self.ip} exited ({self.proc.returncode}):\n{self.log_tail()}"
                 )
@@ -168,15 +200,19 @@ class RayNode:
         return session_processes(self.session)
 
     def stop(self, grace_s: float = 20.0) -> None:
-        stop_session(self.session, grace_s, self.proc)
+        self._stop_session(grace_s)
         if self.own_temp:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _stop_session(self, grace_s: float = 20.0) -> None:
+        stop_session(self.session, grace_s, self.proc)
         if self.guard is not None:  # it sees the session gone and exits
             try:
                 self.guard.wait(5)
             except subprocess.TimeoutExpired:
                 self.guard.kill()
                 self.guard.wait()
+            self.guard = None
 
 
 def session_processes(session: int) -> list[psutil.Process]:
