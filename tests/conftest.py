@@ -34,7 +34,8 @@ def _entry(item):
 
     skipped = item.get_closest_marker("skip") is not None  # GPU tests: marked below first
     return suite_order.Entry(item.nodeid.split("@", 1)[0],
-                             ray=item.get_closest_marker("ray") is not None, skipped=skipped)
+                             ray=item.get_closest_marker("ray") is not None, skipped=skipped,
+                             exclusive=item.get_closest_marker("exclusive") is not None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -30,6 +30,27 @@ def test_costliest_groups_first_each_in_collected_order(monkeypatch):
                    "tests/e2e/test_gpu.py::test_1", "tests/e2e/test_gpu.py::test_2"]  # skipped: 0
 
 
+def test_an_exclusive_group_goes_first_with_half_the_unit_tests_beside_it(monkeypatch):
+    """While the exclusive test holds the machine alone, the other worker has unit tests to run
+    (they take no hold); the other half of them still fill the end."""
+    monkeypatch.setattr(time_budget, "OVER", {})
+    entries = [Entry("tests/unit/test_u1.py::test_1"),
+               Entry("tests/e2e/test_a.py::test_1"),
+               Entry("tests/unit/test_u2.py::test_1"), Entry("tests/unit/test_u2.py::test_2"),
+               Entry("tests/e2e/test_x.py::test_alone", exclusive=True),
+               Entry("tests/unit/test_u3.py::test_1"),
+               Entry("tests/e2e/test_c.py::test_ray", ray=True)]
+    got = [entries[i].nodeid for i in suite_order.order(entries)]
+    assert got == ["tests/e2e/test_x.py::test_alone",
+                   "tests/unit/test_u2.py::test_1", "tests/unit/test_u2.py::test_2",  # half
+                   "tests/e2e/test_a.py::test_1", "tests/e2e/test_c.py::test_ray",
+                   "tests/unit/test_u1.py::test_1", "tests/unit/test_u3.py::test_1"]
+    # Without an exclusive test: the order by cost alone.
+    plain = [e for e in entries if not e.exclusive]
+    assert [plain[i].nodeid for i in suite_order.order(plain)][:2] == [
+        "tests/e2e/test_a.py::test_1", "tests/e2e/test_c.py::test_ray"]
+
+
 def test_an_exclusive_hold_waits_for_the_shared_ones(tmp_path):
     """Real flock on a file: a shared holder in another thread; exclusive waits for its release."""
     import threading
