@@ -96,6 +96,9 @@ OVER: dict[str, tuple[float, str]] = {
         15, "hypothesis: many random groups"),
     "tests/unit/bench/test_gpu_bench.py::test_run_group_timeout_stops_the_whole_process_group": (
         15, "waits for a process group's timeout"),
+    "tests/unit/pipeline/learner/test_trackers.py::test_wandb_offline_scalars_land": (
+        15, "wandb's offline service process, which the test reaps: 1.0 CPU-s alone, 7.3 beside "
+            "end-to-end tests on a slow host"),
 }
 
 
