@@ -77,19 +77,14 @@ class GroupRollout:
         """Admit the group of ``record``: it counts as generating from now (before its task
         first runs) until it is numbered for sending or ends unsent."""
         self.generating += 1
-        return asyncio.create_task(self._admitted(record, prompt_ids))
+        return asyncio.create_task(self._run(record, prompt_ids))
 
-    async def _admitted(self, record: PromptRecord, prompt_ids: list[int]) -> None:
+    async def _run(self, record: PromptRecord, prompt_ids: list[int]) -> None:
+        """Generate, score and send (or drop) the group of ``record`` (the module docstring)."""
         try:
             group = await self._build(record, prompt_ids)
         finally:
             self.generating -= 1  # no await since _build numbered the group (seq)
-        if group is not None:
-            await self._send(group)
-
-    async def run(self, record: PromptRecord, prompt_ids: list[int]) -> None:
-        """Generate, score and send (or drop) the group of ``record`` (the module docstring)."""
-        group = await self._build(record, prompt_ids)
         if group is not None:
             await self._send(group)
 

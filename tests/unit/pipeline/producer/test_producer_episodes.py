@@ -1,4 +1,4 @@
-"""The producer's episode hook (``GroupRollout.run`` with ``episode.fn``): what a group of
+"""The producer's episode hook (``GroupRollout.start`` with ``episode.fn``): what a group of
 episodes sends, how its rewards are chosen, and how a failed episode is scored or drops its
 group per ``rewards.on_failure``. Real RewardSet and outbox; the engine request
 (``_generate_one``) and the tokenizer are fakes, named so."""
@@ -79,7 +79,11 @@ def _producer(tmp_path, episode, on_failure="zero", **kwargs):
 
 def _run(p) -> None:
     record = PromptRecord("q1", "Q?", {}, 1)
-    asyncio.run(p.rollout.run(record, [81, 63]))
+
+    async def run() -> None:
+        await p.rollout.start(record, [81, 63])
+
+    asyncio.run(run())
 
 
 def _groups(endpoint) -> list[RolloutGroup]:
@@ -156,7 +160,7 @@ def test_failed_episodes_show_a_few_lines_then_one_per_step_and_log_every_one(tm
     async def run() -> None:
         for step in range(1, 4):
             for i in range(9):  # 9 groups of 3 episodes
-                await p.rollout.run(PromptRecord(f"q{step}.{i}", "Q?", {}, 1), [81, 63])
+                await p.rollout.start(PromptRecord(f"q{step}.{i}", "Q?", {}, 1), [81, 63])
             for _ in range(2):  # announces repeat every second; one summary per version
                 await p._apply_announce(Announce(
                     version=step, snapshot_uri="", snapshot_checksum="", learner_session="s",

@@ -1,6 +1,6 @@
 """Dynamic sampling (``pipeline.producer.sampling``): the drop rule, the per-step cap, a lock-step
 admission simulation with drops (as ``tests/unit/buffer/test_buffer_staleness.py``'s, with groups
-that take a phase to generate), and the producer's drop path (``GroupRollout.run``: real
+that take a phase to generate), and the producer's drop path (``GroupRollout.start``: real
 RewardSet, sent log and counters; the engine request is a fake, named so)."""
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _run(p, equal: bool, n: int = 1) -> None:
 
     async def run() -> None:
         for i in range(n):
-            await p.rollout.run(PromptRecord(f"q{i}", "Q?", {}, i + 1), [81, 63])
+            await p.rollout.start(PromptRecord(f"q{i}", "Q?", {}, i + 1), [81, 63])
     asyncio.run(run())
 
 
