@@ -86,8 +86,14 @@ class RayNode:
         # Ray's socket paths must stay short (AF_UNIX limit): a short name under /tmp.
         self.temp_dir = Path(temp_dir or tempfile.mkdtemp(prefix="pgray", dir="/tmp"))
         self.head_address = head_address
-        self._options = dict(num_cpus=num_cpus, resources=resources, labels=labels,
-                             object_store_mb=object_store_mb)
+        # What every start of this node passes besides its ports.
+        self._node_args = ["--object-store-memory", str(object_store_mb << 20)]
+        if num_cpus is not None:
+            self._node_args += ["--num-cpus", str(num_cpus)]
+        if resources:
+            self._node_args += ["--resources", json.dumps(resources)]
+        if labels:
+            self._node_args += ["--labels", ",".join(f"{k}={v}" for k, v in labels.items())]
         self._env, self._owner = env, owner
         self.log_path = self.temp_dir / "ray-start.log"
         self.starts = 0
@@ -96,7 +102,7 @@ class RayNode:
 
     def _spawn(self) -> None:
         """``ray start`` in a session of its own, on fresh free ports, and its guard."""
-        ip, o = self.ip, self._options
+        ip = self.ip
         ports = free_ports(ip, len(PORT_OPTIONS) + 2)
         low, high = worker_range(ports)
         head = self.head_address is None
@@ -110,8 +116,7 @@ class RayNode:
             ip,
             "--temp-dir",
             str(self.temp_dir),
-            "--object-store-memory",
-            str(o["object_store_mb"] << 20),
+            *self._node_args,
             "--disable-usage-stats",
         ]
         if head:
@@ -129,12 +134,6 @@ class RayNode:
         for opt in PORT_OPTIONS:
             cmd += [opt, str(ports.pop())]
         cmd += ["--min-worker-port", str(low), "--max-worker-port", str(high)]
-        if o["num_cpus"] is not None:
-            cmd += ["--num-cpus", str(o["num_cpus"])]
-        if o["resources"]:
-            cmd += ["--resources", json.dumps(o["resources"])]
-        if o["labels"]:
-            cmd += ["--labels", ",".join(f"{k}={v}" for k, v in o["labels"].items())]
         node_env = os.environ | {"RAY_TMPDIR": str(self.temp_dir)} | (self._env or {})
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
