@@ -54,10 +54,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _machine_share(request):
     """An end-to-end test holds the machine shared, an ``exclusive`` one alone (machine_share)."""
-    if not request.node.nodeid.startswith("tests/e2e/"):
+    import machine_share
+
+    if not machine_share.holds_machine(request.node.nodeid):
         yield
         return
-    import machine_share
 
     exclusive = request.node.get_closest_marker("exclusive") is not None
     with machine_share.hold(exclusive) as waited:

@@ -19,6 +19,11 @@ from pathlib import Path
 LOCK = Path(os.environ.get("TMPDIR", "/tmp")) / "pipeline-grpo-e2e.lock"
 
 
+def holds_machine(nodeid: str) -> bool:
+    """End-to-end tests hold the machine (shared, or alone if ``exclusive``); unit tests do not."""
+    return nodeid.startswith("tests/e2e/")
+
+
 @contextlib.contextmanager
 def hold(exclusive: bool, lock: Path = LOCK) -> Iterator[float]:
     """Holds ``lock`` (shared, or alone) until the block ends; yields the seconds waited for it."""

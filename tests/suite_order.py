@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import machine_share
 import time_budget
 
 
@@ -30,11 +31,6 @@ class Entry:
     ray: bool = False
     skipped: bool = False
     exclusive: bool = False
-
-    @property
-    def holds_machine(self) -> bool:
-        """End-to-end tests hold the machine (shared or alone); unit tests do not."""
-        return self.nodeid.startswith("tests/e2e/")
 
 
 def group_of(entry: Entry) -> str:
@@ -55,7 +51,7 @@ def order(entries: Sequence[Entry]) -> list[int]:
         cost[g] = cost.get(g, 0.0) + (0.0 if e.skipped else time_budget.budget_for(e.nodeid))
         if e.exclusive and not e.skipped:
             exclusive.add(g)
-        if e.holds_machine:
+        if machine_share.holds_machine(e.nodeid):
             holds.add(g)
     by_cost = sorted(cost, key=lambda g: (-cost[g], first[g]))
     part = {g: 0 for g in exclusive}
