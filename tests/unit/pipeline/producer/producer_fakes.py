@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from buffer.protocol import Hello, Reply, Welcome
+from buffer.schema import Completion
+from pipeline.config import load_config
+from pipeline.producer.loop import Producer
+from pipeline.producer.rewards.runner import RewardSet
 
 
 class RecordingEndpoint:
@@ -40,3 +46,23 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(i) for i in ids)
+
+
+def completion_fake(n: int) -> tuple[Completion, str]:
+    """What the engine request returns for a completion of ``n`` tokens 'a' (``length_reward``
+    scores it by its length)."""
+    comp = Completion(np.full(n, 97, np.int32), np.full(n, -0.5, np.float32), [(0, 0)],
+                      finish_reason="stop")
+    return comp, "a" * n
+
+
+def producer_fake_engine(tmp_path, endpoint=None, **overrides) -> Producer:
+    """A real ``Producer`` (its ``GroupRollout``, a real ``RewardSet`` of ``length_reward``, the
+    sent log in ``tmp_path``) without an engine: the test sets ``p.rollout._generate_one``."""
+    cfg = load_config(overrides={
+        "run_dir": str(tmp_path), "generation.group_size": 3,
+        "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward"}], **overrides})
+    p = Producer(cfg, 0, None, None, endpoint or RecordingEndpoint(),
+                 RewardSet(cfg.rewards.specs), None)
+    p.rollout._sampling = lambda **over: over
+    return p

@@ -7,14 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
-from producer_fakes import RecordingEndpoint
+from producer_fakes import RecordingEndpoint, completion_fake, producer_fake_engine
 
-from buffer.schema import Completion
-from pipeline.config import load_config
 from pipeline.producer.data import PromptRecord
-from pipeline.producer.loop import Producer
-from pipeline.producer.rewards.runner import RewardSet
 
 
 class SlowSendEndpointFake(RecordingEndpoint):
@@ -29,17 +24,12 @@ class SlowSendEndpointFake(RecordingEndpoint):
 async def _generate_fake(rid, prompt_ids, sp):
     n = int(rid.rsplit("-", 1)[1]) + 1  # different lengths: different rewards, none dropped
     await asyncio.sleep(0)
-    return Completion(np.full(n, 97, np.int32), np.full(n, -0.5, np.float32), [(0, 0)],
-                      finish_reason="stop"), "a" * n
+    return completion_fake(n)
 
 
 def test_a_group_counts_once_from_admission_to_the_learner_fake_engine(tmp_path):
-    cfg = load_config(overrides={
-        "run_dir": str(tmp_path), "generation.group_size": 3,
-        "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward"}]})
     endpoint = SlowSendEndpointFake()
-    p = Producer(cfg, 0, None, None, endpoint, RewardSet(cfg.rewards.specs), None)
-    p.rollout._sampling = lambda **over: over
+    p = producer_fake_engine(tmp_path, endpoint)
     p.rollout._generate_one = _generate_fake
     seen: list[int] = []
 
@@ -69,11 +59,7 @@ def test_a_group_counts_once_from_admission_to_the_learner_fake_engine(tmp_path)
 
 
 def test_a_dropped_or_failed_group_leaves_the_count_fake_engine(tmp_path):
-    cfg = load_config(overrides={
-        "run_dir": str(tmp_path), "generation.group_size": 2,
-        "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward"}]})
-    p = Producer(cfg, 0, None, None, RecordingEndpoint(), RewardSet(cfg.rewards.specs), None)
-    p.rollout._sampling = lambda **over: over
+    p = producer_fake_engine(tmp_path, **{"generation.group_size": 2})
 
     async def fails(rid, prompt_ids, sp):
         raise RuntimeError("engine died")

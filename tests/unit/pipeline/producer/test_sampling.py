@@ -10,18 +10,15 @@ import json
 import logging
 from collections.abc import Callable
 
-import numpy as np
 import pytest
-from producer_fakes import Cursor, RecordingEndpoint
+from producer_fakes import Cursor, RecordingEndpoint, completion_fake, producer_fake_engine
 
 from buffer.protocol import Announce
-from buffer.schema import Completion, RolloutGroup
+from buffer.schema import RolloutGroup
 from buffer.staleness import admission_budget, may_admit
 from pipeline.config import load_config
 from pipeline.options import ConfigError
 from pipeline.producer.data import PromptRecord
-from pipeline.producer.loop import Producer
-from pipeline.producer.rewards.runner import RewardSet
 from pipeline.producer.sampling import DropCap, extra_cap, is_uninformative, reward_std
 
 # ------------------------------------------------------------------ the rule and the cap
@@ -168,24 +165,17 @@ def test_a_budget_of_expected_informative_groups_starts_groups_too_stale_to_trai
 
 
 def _producer(tmp_path, *, on=True, max_extra=4.0, batch_groups=2):
-    cfg = load_config(overrides={
-        "run_dir": str(tmp_path), "generation.group_size": 3,
-        "generation.dynamic_sampling": on, "generation.dynamic_sampling_max_extra": max_extra,
-        "train.batch_groups": batch_groups,
-        "rewards.specs": [{"fn": "pipeline.tasks.rewards:length_reward"}]})
     endpoint = RecordingEndpoint()
-    p = Producer(cfg, 0, None, None, endpoint, RewardSet(cfg.rewards.specs), None)
-    p.rollout._sampling = lambda **over: over
+    p = producer_fake_engine(tmp_path, endpoint, **{
+        "generation.dynamic_sampling": on, "generation.dynamic_sampling_max_extra": max_extra,
+        "train.batch_groups": batch_groups})
     return p, endpoint
 
 
 def _generate_one_fake(equal: bool):
     """Completions 'a', 'a', 'a' (equal rewards) or 'a', 'aa', 'aaa' (different ones)."""
     async def generate(rid, prompt_ids, sp):
-        n = 1 if equal else int(rid.rsplit("-", 1)[1]) + 1
-        comp = Completion(np.full(n, 97, np.int32), np.full(n, -0.5, np.float32), [(0, 0)],
-                          finish_reason="stop")
-        return comp, "a" * n
+        return completion_fake(1 if equal else int(rid.rsplit("-", 1)[1]) + 1)
     return generate
 
 
