@@ -49,6 +49,9 @@ OVER: dict[str, tuple[float, str]] = {
         210, "two engines (offline LLM and AsyncLLM) and five timed request shapes"),
     "tests/e2e/test_reward_actors.py::test_reward_replicas_shared_and_one_killed_mid_call": (
         240, "starts the module's Ray cluster, reward replicas and two engines"),
+    "tests/e2e/test_gpu_deepspeed.py::test_pipeline_train_two_gpu_learner_then_resume": (
+        330, "GPU machine: a run and its resume, each starting a 2-rank learner and a CUDA "
+             "engine with its graphs (135-166 s on two H200s)"),
     "tests/e2e/test_faults.py::test_producer_killed_is_restarted_and_run_completes": (
         210, "the killed producer's engine starts again"),
     "tests/e2e/test_faults.py::test_learner_killed_stops_everything_then_resume_continues": (

@@ -107,3 +107,29 @@ def test_the_trl_async_part_runs_ours_async1_and_trl_async_on_the_split_layout(t
     for flag, value in {"--layout": "split", "--runs": "async1", "--trl": "async",
                         "--model": "3b", "--gpus": "2,3", "--out": f"{out}/trl-async"}.items():
         assert args[args.index(flag) + 1] == value
+
+
+def _python3_stand_in(tmp_path: Path, body: str) -> str:
+    """A ``python3`` on PATH that runs ``body`` instead of pytest (named so: a stand-in)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/bin/sh\necho 'pytest output'\n{body}\n")
+    (bin_dir / "python3").chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin"
+
+
+def test_gpu_tests_keeps_the_log_and_counts_a_failed_or_cut_run_stand_in_pytest(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    ok = _sh('gpu_tests 30 a tests/x.py; echo "failed=${failed[*]}"', out,
+             PATH=_python3_stand_in(tmp_path, "exit 0"))
+    assert ok.returncode == 0 and "failed=\n" in ok.stdout, ok.stderr
+    assert (out / "a.log").read_text() == "pytest output\n"
+    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 1\n")
+    bad = _sh('gpu_tests 30 a tests/x.py; echo "failed=${failed[*]}"', out,
+              PATH=str(tmp_path / "bin") + ":/usr/bin:/bin")
+    assert "failed=a\n" in bad.stdout and "gpu tests 'a' exited 1" in bad.stderr
+    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nsleep 5\n")
+    cut = _sh('gpu_tests 1 c tests/z.py; echo "failed=${failed[*]}"', out,
+              PATH=str(tmp_path / "bin") + ":/usr/bin:/bin")
+    assert "failed=c\n" in cut.stdout and "gpu tests 'c' cut at 1 s" in cut.stderr
