@@ -28,10 +28,10 @@
 #                  parts can then run side by side on disjoint GPUs (GPUS) without racing on it
 #   tp-test        the tensor-parallel GPU test: TP=2 engine on GPUs 0-1 takes each version by
 #                  NCCL from a learner on GPU 2, checked by its logprobs (3 GPUs)
-#   gpu-tests      gpu-marked tests: the split layout's NCCL route in pipeline-train, and
-#                  pipeline-train with ZeRO-3 and DDP learners (2 GPUs)
-#   gpu-tests-zero the ZeRO-2/3 trainer checks (2 GPUs; a call of their own, since together with
-#                  gpu-tests they do not fit in one 10-minute call)
+#   gpu-tests      gpu-marked tests: the split layout's NCCL route in pipeline-train (2 GPUs)
+#   gpu-tests-learner  pipeline-train with ZeRO-3 and DDP learners, each run then resumed (2 GPUs;
+#                  a call of its own: the two take 300-400 s)
+#   gpu-tests-zero the ZeRO-2/3 trainer checks (2 GPUs; a call of their own)
 #   reward         reward vs wall-clock of SmolLM2-135M, ours sync vs async1, colocated (1 GPU)
 #   lora           bench.lora_sync, rank 16 on the 0.5B model with CUDA graphs: generation tok/s
 #                  of an adapter version vs merged weights (and their ratio), bytes and swap
@@ -228,11 +228,13 @@ for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
   tp-test)
     t=$(budget 300) && gpu_tests "$t" tp tests/e2e/test_gpu_tp.py
     ;;
-  gpu-tests)  # the two together fit in one call after a first unpack; each cut at what is left
+  gpu-tests)
     # (the colocated run with the engine asleep is a 1-GPU known failure: not in this 2-GPU part)
-    t=$(budget 120) && gpu_tests "$t" split tests/e2e/test_gpu_transports.py \
+    t=$(budget 400) && gpu_tests "$t" split tests/e2e/test_gpu_transports.py \
       -k "pipeline_train and not asleep"
-    t=$(budget 330) && gpu_tests "$t" pipeline tests/e2e/test_gpu_deepspeed.py \
+    ;;
+  gpu-tests-learner)
+    t=$(budget 540) && gpu_tests "$t" learner tests/e2e/test_gpu_deepspeed.py \
       -k "pipeline_train and auto"
     ;;
   gpu-tests-zero)

@@ -51,7 +51,10 @@ OVER: dict[str, tuple[float, str]] = {
         240, "starts the module's Ray cluster, reward replicas and two engines"),
     "tests/e2e/test_gpu_deepspeed.py::test_pipeline_train_two_gpu_learner_then_resume": (
         330, "GPU machine: a run and its resume, each starting a 2-rank learner and a CUDA "
-             "engine with its graphs (135-166 s on two H200s)"),
+             "engine with its graphs (135-175 s on two H200s)"),
+    "tests/e2e/test_gpu_transports.py::test_pipeline_train_split_layout_routes_weights_by_nccl": (
+        240, "GPU machine: a CUDA engine with its graphs and a learner on the other GPU, linked "
+             "by an NCCL group (104 s on two H200s, over 120 s on a machine's first call)"),
     "tests/e2e/test_faults.py::test_producer_killed_is_restarted_and_run_completes": (
         210, "the killed producer's engine starts again"),
     "tests/e2e/test_faults.py::test_learner_killed_stops_everything_then_resume_continues": (
