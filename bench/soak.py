@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from buffer.ledger import GroupLedger
@@ -67,6 +68,52 @@ def _kill(pid: int | None) -> bool:
         return False
 
 
+@dataclass
+class ProducerRecords:
+    """What the producers' own files say they generated: the seqs of their groups per
+    incarnation, how many groups were sent per position of the prompt sequence, and the groups
+    ended without a send, by reason."""
+    produced: dict[str, set[int]] = field(default_factory=dict)
+    positions: dict[int, int] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_RECORDS, 0))
+    in_outbox: set[tuple[str, int]] = field(default_factory=set)
+
+
+DROP_RECORDS = ("dropped_by_reward", "dropped_zero_variance", "dropped_restart")
+
+
+def producer_records(producers_dir: Path) -> ProducerRecords:
+    """Read every sent log (``*.jsonl``) and outbox log (``*.wal``) under ``producers_dir``.
+
+    A group goes to the outbox log before it is sent and to the sent log after: a producer
+    killed (or stopped) between the two sent a group that only its outbox log records, so a
+    group counts as generated when either file has it."""
+    rec = ProducerRecords()
+
+    def count(inc: str, seq: int, position) -> None:
+        seqs = rec.produced.setdefault(inc, set())
+        if seq not in seqs and isinstance(position, int) and position >= 0:
+            rec.positions[position] = rec.positions.get(position, 0) + 1
+        seqs.add(seq)
+
+    for f in sorted(producers_dir.glob("*.jsonl")):
+        rec.produced.setdefault(f.stem, set())
+        for line in f.read_text().splitlines():
+            row = json.loads(line) if line.strip() else {}
+            if "seq" in row:
+                count(f.stem, int(row["seq"]), row.get("position"))
+            else:
+                for reason in DROP_RECORDS:
+                    if reason in row:
+                        rec.dropped[reason] += 1
+    for f in sorted(producers_dir.glob("*.wal")):
+        for g in read_log(f):
+            inc, seq = str(g.metadata["incarnation"]), int(g.metadata["seq"])
+            rec.in_outbox.add((inc, seq))
+            count(inc, seq, g.metadata.get("position"))
+    return rec
+
+
 def tally(run_dir: Path) -> dict[str, float]:
     """Conservation from the run's own records (pure reading, no processes)."""
     ckpt = latest_checkpoint(run_dir)
@@ -76,30 +123,16 @@ def tally(run_dir: Path) -> dict[str, float]:
     buf = RolloutBuffer.restore(buf_bytes, capacity=10**9, max_staleness=None)
     st = buf.stats
     ledger = GroupLedger.from_dict(state.ledger)
-    produced: dict[str, set[int]] = {}
-    positions: dict[int, int] = {}  # sent groups per position of the run's prompt sequence
-    dropped_by_reward = dropped_zero_variance = dropped_restart = 0
-    for f in sorted((run_dir / "producers").glob("*.jsonl")):
-        seqs = produced.setdefault(f.stem, set())
-        for line in f.read_text().splitlines():
-            rec = json.loads(line) if line.strip() else {}
-            if "seq" in rec:
-                seqs.add(int(rec["seq"]))
-                if isinstance(rec.get("position"), int) and rec["position"] >= 0:
-                    positions[rec["position"]] = positions.get(rec["position"], 0) + 1
-            elif "dropped_by_reward" in rec:
-                dropped_by_reward += 1
-            elif "dropped_zero_variance" in rec:
-                dropped_zero_variance += 1
-            elif "dropped_restart" in rec:
-                dropped_restart += 1
+    records = producer_records(run_dir / "producers")
+    produced, positions, in_outbox = records.produced, records.positions, records.in_outbox
+    dropped_by_reward = records.dropped["dropped_by_reward"]
+    dropped_zero_variance = records.dropped["dropped_zero_variance"]
+    dropped_restart = records.dropped["dropped_restart"]
     n_produced = sum(len(s) for s in produced.values())
     accepted = {inc: ledger.accepted(inc) for inc in produced}
     missing = {(i, q) for i in produced for q in produced[i] - accepted[i]}
     # Groups a killed producer had not delivered sit in its outbox log until a successor (or a
     # --resume) resends them: pending, not lost.
-    in_outbox = {(str(g.metadata["incarnation"]), int(g.metadata["seq"]))
-                 for f in (run_dir / "producers").glob("*.wal") for g in read_log(f)}
     pending = len(missing & in_outbox)
     lost = len(missing - in_outbox)
     unknown = sum(len(ledger.accepted(i)) for i in ledger.streams if i not in produced)
