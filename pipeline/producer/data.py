@@ -275,6 +275,10 @@ class PromptSource:
         epoch, k = divmod(position, len(self.records))
         return self._order(epoch)[k]
 
+    def has_next(self) -> bool:
+        """Whether ``take`` would return a prompt now (nothing is read)."""
+        return self.position(self.cursor) is not None
+
     def take(self) -> PromptRecord | None:
         """The next prompt, or None while the leases are used up (the learner grants more)."""
         g = self.position(self.cursor)

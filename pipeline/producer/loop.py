@@ -198,9 +198,12 @@ class Producer:
         throttle = rate_limiter(rate) if rate else contextlib.nullcontext()
         told = False
         while True:
-            # The budget first, then the prompt: a prompt taken is read for good (the learner
-            # leases each position once), so none waits here while the run re-splits.
-            while not self.may_start() or (record := self.prompts.take()) is None:
+            # The budget and a prompt to read first, then the engine awake and the throttle,
+            # then the budget again and the prompt taken with no await until its group starts:
+            # a prompt taken is read for good (the learner leases each position once, and a
+            # Leave hands back only what lies past our cursor), so none is taken while a leave,
+            # a re-split or a full disk can still stop this admission.
+            while not self.may_start() or not self.prompts.has_next():
                 if self.may_start() and not told:
                     told = True
                     log.info("%s: waiting for the learner to lease more prompts",
@@ -211,6 +214,8 @@ class Producer:
             await self._wake()
             async with throttle:  # asyncio-throttle: at most `rate` admissions per second
                 pass
+            if not self.may_start() or (record := self.prompts.take()) is None:
+                continue
             ids = render_prompt(self.tokenizer, self.cfg.data, record.prompt)
             if len(ids) > self.cfg.data.max_prompt_tokens or \
                     len(ids) + 1 >= self.cfg.engine.max_model_len:

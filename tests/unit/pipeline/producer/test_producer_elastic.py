@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from producer_fakes import RecordingEndpoint
+from producer_fakes import CharTokenizer, RecordingEndpoint
 
 from buffer.protocol import Announce, Leave
 from pipeline.config import DataConfig, load_config
@@ -149,5 +149,41 @@ def test_a_restarted_learner_gets_its_versions_evaluated_again_by_the_producer(
         again.learner_session = "s2"  # restarted from a checkpoint: v0 trained anew
         await p0._apply_announce(again)
         assert evaluated == [0, 0]
+
+    asyncio.run(run())
+
+
+def test_a_leave_while_admission_waits_for_the_engine_reads_no_prompt_fake_engine(tmp_path):
+    """The engine sleeps (engine.sleep_when_idle) and the admission waits for its wake; a leave
+    meanwhile: the Leave's cursor says no prompt was read, and no group starts after it (a
+    prompt taken before the wait would count as read and never be generated)."""
+    p = _producer(tmp_path, 0)
+    p.tokenizer = CharTokenizer()
+    woken = asyncio.Event()
+    started: list = []
+
+    class SleepingEngine:
+        async def wake_up(self) -> None:
+            await woken.wait()
+
+    p.engine, p._asleep = SleepingEngine(), True
+    p.rollout.start = lambda record, ids: started.append(record) or asyncio.create_task(
+        asyncio.sleep(0))
+
+    async def run() -> None:
+        await p._apply_announce(_announce(["p0"], leases={"p0": [0, 0, 4]}))
+        admit = asyncio.create_task(p._admit())
+        await asyncio.sleep(0.05)  # the admission waits for the engine's wake
+        leave = asyncio.create_task(p._leave())
+        p.leave_requested.set()
+        await asyncio.sleep(0.1)
+        woken.set()
+        with pytest.raises(ProducerLeft, match="after 0 group"):
+            await asyncio.wait_for(leave, 5)
+        await asyncio.sleep(0.05)
+        admit.cancel()
+        sent = [m for m in p.endpoint.sent if isinstance(m, Leave)]
+        assert len(sent) == 1 and sent[0].cursor == 0, sent  # no prompt read: all handed back
+        assert started == [] and p.prompts.cursor == 0
 
     asyncio.run(run())
