@@ -77,7 +77,9 @@ class Control:
         self._acks_tracked = 0  # newest version whose acks are being collected
         self._ack_tasks: set[asyncio.Task] = set()
         self._read: dict[str, int] = {}  # data cursor per producer, from its heartbeats
-        self._started = time.monotonic()
+        # When this learner began to answer (``serve``): the grace of a member it knows as
+        # leaving only from the roster starts then, not at a start slowed by a big snapshot.
+        self._started: float | None = None
 
     # ------------------------------------------------------------------ requests
     def answer(self, msg: ControlMessage) -> Welcome | Reply:
@@ -102,6 +104,8 @@ class Control:
     async def serve(self) -> None:
         """Control socket: every request is answered at once and never waits for the buffer."""
         assert self.endpoint is not None
+        if self._started is None:
+            self._started = time.monotonic()
         while True:
             got = await self.endpoint.recv_control()
             if got is None:
@@ -227,9 +231,12 @@ class Control:
 
     def _drop_dead_leavers(self) -> None:
         """A member that said it was leaving and has been silent for ``ALIVE_S`` (since this
-        learner started, for one it knows of from the roster) died before its Leave: the
+        learner began to answer, for one it knows of from the roster) died before its Leave: the
         launcher will not restart it, so it is taken out, or its share would wait for good.
-        What it did not deliver is read by the others (from the cursor of its groups)."""
+        What it did not deliver is read by the others (from the cursor of its groups). Before
+        the learner answers (``serve``) nobody could have been heard: nobody is taken out."""
+        if self._started is None:
+            return
         now = time.monotonic()
         for pid in sorted(self.roster.leaving & set(self.members)):
             info = self.producers.get(pid)
