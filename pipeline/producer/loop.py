@@ -22,9 +22,10 @@ Three coroutines under one TaskGroup (an error in any stops the producer):
 The first of the members also evaluates (``eval.every``, unless ``eval.producer`` is
 'dedicated': then the evaluator does, ``pipeline.producer.evaluation.Evaluator``): on each due
 version, once loaded and before new admissions, it runs the held-out prompts and sends their
-figures in an EvalResult (never as groups: ``pipeline.producer.evaluation``). When it leaves,
-the next member takes the role with the version it runs; a new learner session (a restarted
-learner trains its versions again) evaluates them again.
+figures in an EvalResult (never as groups: ``pipeline.producer.evaluation``). A leaving
+producer keeps the role until the learner takes it out of the members (and finishes an
+evaluation under way before it exits); then the next member takes it with the version it runs.
+A new learner session (a restarted learner trains its versions again) evaluates them again.
 Control messages (Hello, Heartbeat, Ack, SyncReady) go on the control channel and each gets an
 answer (``buffer.protocol``); groups go on the data channel only after the learner has welcomed
 this incarnation, and a learner that no longer knows us (restarted) gets a new Hello.
@@ -144,6 +145,7 @@ class Producer:
             if episode_fn is not None else None
         self.eval_last = last_version(cfg.train.steps, cfg.sync.sync_every)
         self._evaluated: set[int] = set()
+        self._evaluating = False  # an evaluation runs: a leave waits for its figures
 
     # ------------------------------------------------------------------ admission
     def share(self) -> tuple[int, int] | None:
@@ -335,22 +337,32 @@ class Producer:
             self._synced.set()
         self._budget_changed.set()
 
+    def evaluates_now(self) -> bool:
+        """Shared evaluation: whether the role is ours, the first member's. A leaving producer
+        keeps it until the learner takes it out of the members (its Leave): the next member
+        only takes the role from the announce that no longer names it, so no version falls
+        between the two."""
+        return self.evaluates_shared and self.members[:1] == [self.producer_id]
+
     async def _evaluate_if_due(self) -> None:
         """Evaluate the version just loaded, if due, before admitting on it. Groups already
         generating go on meanwhile; no swap can start, as this runs inside the announce
         handler, so every evaluation completion comes from this one version."""
         v = self.weights.version
-        share = self.share()
-        if not self.evaluates_shared or share is None or share[1] != 0 or \
-                v in self._evaluated or not is_due(v, self.cfg.eval.every, self.eval_last):
+        if not self.evaluates_now() or v in self._evaluated or \
+                not is_due(v, self.cfg.eval.every, self.eval_last):
             return
         self._evaluated.add(v)
-        await self._wake()
-        stats = await generate_and_score(
-            self.engine, self.tokenizer, self.cfg.data, self.cfg.eval,
-            self.cfg.generation.max_tokens, self.cfg.engine.max_model_len, self.eval_records,
-            self.rewards, v, lora_request=self.weights.lora_request(v),
-            episodes=self.eval_episodes)
+        self._evaluating = True
+        try:
+            await self._wake()
+            stats = await generate_and_score(
+                self.engine, self.tokenizer, self.cfg.data, self.cfg.eval,
+                self.cfg.generation.max_tokens, self.cfg.engine.max_model_len,
+                self.eval_records, self.rewards, v, lora_request=self.weights.lora_request(v),
+                episodes=self.eval_episodes)
+        finally:
+            self._evaluating = False
         log.info("%s: eval v%d: %s", self.producer_id, v,
                  ", ".join(f"{k.removeprefix('eval/')} {x:.3g}" for k, x in stats.items()))
         answer = await self._control(protocol.EvalResult(
@@ -467,6 +479,9 @@ class Producer:
         deadline = time.monotonic() + LEAVE_DURABLE_S
         while self.outbox.unconfirmed() and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
+        until = time.monotonic() + self.cfg.eval.timeout_s
+        while self._evaluating and time.monotonic() < until:
+            await asyncio.sleep(0.1)  # a version evaluated before our Leave: send its figures
         left = len(self.outbox.unconfirmed())
         if left:
             log.warning("%s: %d group(s) not yet in a learner checkpoint after %.0f s; they stay "

@@ -187,3 +187,52 @@ def test_a_leave_while_admission_waits_for_the_engine_reads_no_prompt_fake_engin
         assert started == [] and p.prompts.cursor == 0
 
     asyncio.run(run())
+
+
+def test_the_evaluating_producer_evaluates_while_it_leaves_fake_engine(tmp_path, monkeypatch):
+    """p0 evaluates and is leaving (a group of its still generates, so its Leave is not sent
+    yet): the versions due meanwhile are evaluated, by p0, since p1 is not the first member
+    until the learner has taken p0 out; then p1 evaluates."""
+    import pipeline.producer.loop as loop_mod
+
+    evaluated: list[tuple[str, int]] = []
+    producers: dict[str, Producer] = {}
+
+    async def generate_and_score(*args, **kw):  # args[6]: the evaluating producer's prompts
+        who = next(pid for pid, p in producers.items() if p.eval_records is args[6])
+        evaluated.append((who, args[8]))
+        return {"eval/reward_mean": 0.5}
+
+    monkeypatch.setattr(loop_mod, "generate_and_score", generate_and_score)
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "num_producers": 2,
+                                 "max_producers": 3, "data.path": "arithmetic:12",
+                                 "train.mode": "async", "train.batch_groups": 2,
+                                 "train.max_staleness": 1, "train.steps": 10,
+                                 "eval.every": 1, "eval.data": "arithmetic:4"})
+    for i in (0, 1):
+        producers[f"p{i}"] = Producer(cfg, i, None, None, RecordingEndpoint(), None,
+                                      PromptSource(DataConfig(path="arithmetic:12")))
+
+    async def announce(version: int, members: list[str]) -> None:
+        for p in producers.values():
+            ann = _announce(members)
+            ann.version = version
+            await p._apply_announce(ann)
+
+    async def run() -> None:
+        await announce(0, ["p0", "p1"])
+        p0 = producers["p0"]
+        p0.rollout.generating = 1  # its last group: its Leave waits for it
+        leave = asyncio.create_task(p0._leave())
+        p0.leave_requested.set()
+        await asyncio.sleep(0.05)
+        assert p0.leaving
+        await announce(1, ["p0", "p1"])  # published while p0 leaves
+        p0.rollout.generating = 0
+        p0._budget_changed.set()
+        with pytest.raises(ProducerLeft):
+            await asyncio.wait_for(leave, 5)
+        await announce(2, ["p1"])  # the learner took p0 out
+        assert evaluated == [("p0", 0), ("p0", 1), ("p1", 2)], evaluated
+
+    asyncio.run(run())
