@@ -361,12 +361,13 @@ class Producer:
                 self.cfg.generation.max_tokens, self.cfg.engine.max_model_len,
                 self.eval_records, self.rewards, v, lora_request=self.weights.lora_request(v),
                 episodes=self.eval_episodes)
+            log.info("%s: eval v%d: %s", self.producer_id, v,
+                     ", ".join(f"{k.removeprefix('eval/')} {x:.3g}" for k, x in stats.items()))
+            answer = await self._control(protocol.EvalResult(
+                producer_id=self.producer_id, incarnation=self.incarnation, version=v,
+                stats=stats))
         finally:
             self._evaluating = False
-        log.info("%s: eval v%d: %s", self.producer_id, v,
-                 ", ".join(f"{k.removeprefix('eval/')} {x:.3g}" for k, x in stats.items()))
-        answer = await self._control(protocol.EvalResult(
-            producer_id=self.producer_id, incarnation=self.incarnation, version=v, stats=stats))
         if answer is None or not answer.ok:
             log.warning("%s: the learner did not take the evaluation of v%d: %s",
                         self.producer_id, v, answer.reason if answer else "no answer")
