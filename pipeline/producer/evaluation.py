@@ -284,6 +284,9 @@ class Evaluator:
         fn = load_episode(cfg.episode.fn) if cfg.episode.fn else None
         self.episodes = EpisodeRun(fn, cfg.episode, cfg.rewards.on_failure) if fn else None
         self.base = True  # the engine holds the model's own weights (version 0)
+        # The learner session whose snapshot the engine runs: a restarted learner trains its
+        # versions anew, so a number the engine holds is the same weights in that session only.
+        self.loaded_session = ""
         self.evaluated: set[int] = set()
         self.previous = -1  # the version evaluated last
         self.latest: Announce | None = None
@@ -330,7 +333,8 @@ class Evaluator:
                 log.warning("%s: v%d has no snapshot file and the engine holds v%d; not "
                             "evaluated", self.producer_id, ann.version, self.weights.version)
             return self.base
-        if not self.base and self.weights.version == ann.version:
+        if not self.base and self.weights.version == ann.version and \
+                self.loaded_session == ann.learner_session:
             return True
         report = await self.weights.load(
             SnapshotRef(ann.version, ann.snapshot_uri, ann.snapshot_checksum))
@@ -341,6 +345,7 @@ class Evaluator:
                         ann.version, report.error)
             return False
         self.base = False
+        self.loaded_session = ann.learner_session
         return True
 
     async def _evaluate(self, v: int) -> None:

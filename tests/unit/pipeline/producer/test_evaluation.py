@@ -253,3 +253,44 @@ def test_a_restarted_learner_gets_its_versions_evaluated_again(tmp_path, fakes):
             await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(run())
+
+
+def test_after_a_learner_restart_a_version_held_by_number_is_loaded_again(tmp_path, fakes):
+    """The engine holds v2 of the learner before its restart; the restarted learner trains v2
+    anew (another file, other weights): the evaluator loads it before evaluating, rather than
+    report the old weights' figures under its number."""
+    calls, loads, permits = fakes
+    cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
+                                 "eval.data": "arithmetic:8", "eval.every": 1,
+                                 "eval.producer": "dedicated"})
+    endpoint = RecordingEndpoint()
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def recv_announce(timeout: float = 1.0):
+        try:
+            return await asyncio.wait_for(queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    endpoint.recv_announce = recv_announce
+    ev = Evaluator(cfg, None, None, endpoint, None)
+
+    async def run() -> None:
+        tasks = [asyncio.create_task(ev._listen()), asyncio.create_task(ev._evaluate_versions())]
+        try:
+            queue.put_nowait(_announce(2))
+            permits.put_nowait(1)
+            await settle(lambda: calls == [2], "v2's evaluation", timeout=2.0)
+            restarted = _announce(2)
+            restarted.learner_session = "s2"
+            restarted.snapshot_uri = "file:///snap/s2/v2.safetensors"
+            queue.put_nowait(restarted)
+            permits.put_nowait(1)
+            await settle(lambda: calls == [2, 2], "v2 of the new learner evaluated", timeout=2.0)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(run())
+    assert loads == [2, 2]  # the restarted learner's v2 loaded before its evaluation
