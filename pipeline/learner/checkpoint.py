@@ -72,6 +72,10 @@ class CheckpointError(RuntimeError):
     pass
 
 
+# Not a failed write: these stop the process, and a save they land in passes them on.
+_INTERRUPTS = (KeyboardInterrupt, SystemExit, GeneratorExit, asyncio.CancelledError)
+
+
 @dataclass
 class LearnerState:
     """Everything besides tensors that a resumed learner needs to carry on exactly."""
@@ -83,6 +87,18 @@ class LearnerState:
     counters: dict[str, float] = field(default_factory=dict)  # cumulative run counters
     first_reward: float | None = None
     ledger: dict = field(default_factory=dict)  # buffer.ledger.GroupLedger.to_dict()
+
+
+def failure_text(e: BaseException) -> str:
+    """One line for a failed write: DCP's CheckpointException by the failures it gathered (its
+    own text is a traceback per rank), any other by its type and message."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = [f"{type(x).__name__}: {x}" for x, _trace in
+                 (v if isinstance(v, tuple) else (v, None) for v in failures.values())]
+    else:
+        parts = [f"{type(e).__name__}: {e}"]
+    return " ".join("; ".join(dict.fromkeys(parts)).split())
 
 
 def _fsync(path: Path) -> None:
@@ -230,8 +246,11 @@ def save_checkpoint(run_dir: Path, state: LearnerState, tensors: dict[str, Any],
                     threads: int = WRITE_THREADS) -> Path:
     """Write a checkpoint atomically and keep the newest ``keep``; ``shards(tmp_dir)``, if
     given, adds other ranks' files (a collective under DeepSpeed: ``PolicyTrainer.save_shards``)
-    before the rename. Any failure (ENOSPC, EIO) removes what this save wrote and raises a
-    CheckpointError naming the previous checkpoint, which stays named by ``LATEST``."""
+    before the rename. Any failure (ENOSPC, EIO, whatever a writer raises for them: DeepSpeed's
+    ``torch.save`` a RuntimeError, DCP a CheckpointException, which is a BaseException) removes
+    what this save wrote and raises a CheckpointError naming the previous checkpoint, which
+    stays named by ``LATEST``; only an interrupt (KeyboardInterrupt, SystemExit) passes as it
+    is."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp_step_{state.step}_{_HOST}_{os.getpid()}"
@@ -256,10 +275,12 @@ def save_checkpoint(run_dir: Path, state: LearnerState, tensors: dict[str, Any],
         shutil.rmtree(tmp, ignore_errors=True)
         if final is not None and not switched:
             shutil.rmtree(final, ignore_errors=True)
-        if not isinstance(e, (OSError, TypeError)) or switched:
+        if isinstance(e, _INTERRUPTS) or switched:
             raise
         prev = latest_checkpoint(run_dir)
-        raise CheckpointError(f"checkpoint at step {state.step} failed ({e}); the previous "
+        why = " ".join(str(e).split()) if isinstance(e, (OSError, CheckpointError)) \
+            else failure_text(e)
+        raise CheckpointError(f"checkpoint at step {state.step} failed ({why}); the previous "
                               f"checkpoint {prev or '(none)'} is intact") from e
     _prune(root, final, keep)
     return final

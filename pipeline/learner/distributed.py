@@ -75,6 +75,17 @@ def sum_dicts(d: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` with one process)."""
+    if not is_distributed():
+        return [obj]
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
 def shutdown() -> None:
     """Tear the process group down before the interpreter exits: left to the C++ destructors at
     exit, a rank of a gloo group can abort ("terminate called without an active exception")

@@ -486,20 +486,22 @@ class Learner:
                 for task in background:
                     task.cancel()
         finally:
-            with contextlib.suppress(Exception):
-                self.routes.release_host_memory()
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._final_checkpoint())
-            if finished:  # producers of other launchers (--role producer) exit on this
+            try:
                 with contextlib.suppress(Exception):
-                    await self.control.publish(finished=True)
-            self.endpoint.close()  # LINGER flushes that last announce
-            if server is not None:
-                server.close()
-            self.metrics.close()
-            self.routes.close()
-            if not self.cfg.sync.snapshot_dir:
-                shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+                    self.routes.release_host_memory()
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._final_checkpoint())
+                if finished:  # producers of other launchers (--role producer) exit on this
+                    with contextlib.suppress(Exception):
+                        await self.control.publish(finished=True)
+            finally:  # whatever the above raised (a second stop lands as a CancelledError)
+                self.endpoint.close()  # LINGER flushes that last announce
+                if server is not None:
+                    server.close()
+                self.metrics.close()
+                self.routes.close()
+                if not self.cfg.sync.snapshot_dir:
+                    shutil.rmtree(self.snapshot_dir, ignore_errors=True)
             if finished:
                 self.summary()
 

@@ -60,6 +60,7 @@ from pipeline.learner.checkpoint import (
     DEEPSPEED_DIR,
     DEEPSPEED_TAG,
     CheckpointError,
+    failure_text,
     tensor_bytes,
 )
 from pipeline.learner.flops import ModelShape, peak_flops
@@ -203,8 +204,14 @@ class PolicyTrainer:
                 for _ in self._snapshot_buckets(*args):
                     pass
                 continue
+            if op == "save":
+                try:
+                    self._save_shards(*args)
+                except CheckpointError as e:  # every rank raised it; rank 0 reports it
+                    log.info("rank %d: checkpoint shards not kept: %s", self.rank, e)
+                continue
             {"grads": self._accumulate, "snapshot": self._snapshot, "state": self._state,
-             "load": self._load_state, "save": self._save_shards}[op](*args)
+             "load": self._load_state}[op](*args)
 
     def release_followers(self) -> None:
         """Rank 0, at the end: let the other ranks return from ``follow()``."""
@@ -494,13 +501,29 @@ class PolicyTrainer:
             self._save_shards(str(directory))
 
     def _save_shards(self, directory: str) -> None:
-        if self.fsdp2:
-            fsdp.save(self.policy, self.optimizer, Path(directory))
-            D.barrier()
-            return
-        self.policy.save_checkpoint(str(Path(directory) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
-                                    client_state={}, save_latest=False)
-        D.barrier()  # every rank's files are complete before rank 0 renames the directory
+        """This rank's files, then every rank learns every rank's outcome (a collective in
+        place of a barrier: every rank's files are complete before rank 0 renames the
+        directory). A rank whose write fails (a full disk: DeepSpeed's ``torch.save`` raises
+        RuntimeError, DCP a CheckpointException, which is a BaseException) still runs every
+        collective the others run, so no rank waits in one that another skipped; then every
+        rank raises the same CheckpointError (followers log it and go on following)."""
+        error: str | None = None
+        try:
+            if self.fsdp2:  # DCP raises the same failure on every rank
+                fsdp.save(self.policy, self.optimizer, Path(directory))
+            else:
+                with _write_failures_kept(self.policy) as failures:
+                    self.policy.save_checkpoint(str(Path(directory) / DEEPSPEED_DIR),
+                                                tag=DEEPSPEED_TAG, client_state={},
+                                                save_latest=False)
+                error = failures[0] if failures else None
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is one
+            error = failure_text(e)
+        failed = [(r, e) for r, e in enumerate(D.gather_objects(error)) if e is not None]
+        if failed:
+            raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
 
     def load_state(self, state: dict[str, Any], directory: Path | None = None) -> None:
         """Restore ``state()``; under DeepSpeed every rank also reads its partitions from the
@@ -538,6 +561,38 @@ class PolicyTrainer:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
+
+
+@contextlib.contextmanager
+def _write_failures_kept(engine: Any) -> Iterator[list[str]]:
+    """DeepSpeed's ``save_checkpoint`` runs collectives between its writes (barriers, the tag
+    check): a rank whose write raised would leave the others waiting in the next one. Inside
+    this block the engine's writes (its checkpoint engine's ``makedirs`` and ``save``, the
+    recovery script's copy) keep their failures in the yielded list instead of raising, so
+    every rank runs the same collectives; the caller reports them."""
+    failures: list[str] = []
+
+    def kept(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                failures.append(failure_text(e))
+                return None
+        return call
+
+    writer = getattr(engine, "checkpoint_engine", None)
+    targets = [(writer, "makedirs"), (writer, "save"), (engine, "_copy_recovery_script")]
+    patched = []
+    for obj, name in targets:
+        if callable(getattr(obj, name, None)) and name not in vars(obj):
+            setattr(obj, name, kept(getattr(obj, name)))
+            patched.append((obj, name))
+    try:
+        yield failures
+    finally:
+        for obj, name in patched:
+            delattr(obj, name)
 
 
 def _add_loss_metrics(acc: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor],
