@@ -228,13 +228,21 @@ def _switch_latest(root: Path, name: str) -> None:
     os.replace(tmp, root / "LATEST")
 
 
-def _prune(root: Path, current: Path, keep: int) -> None:
+def _prune(root: Path, current: Path, keep: int, previous: Path | None = None) -> None:
     """Remove checkpoints superseded by ``current`` (named by LATEST now): any other of its
-    step, and all but the newest ``keep`` - 1 others."""
+    step, orphans, and all but the newest ``keep`` - 1 others. ``previous`` is the checkpoint
+    LATEST named before: a directory newer than it (a later step, or a rewrite of its step) was
+    renamed by a writer that died before switching LATEST, or belongs to a run LATEST was
+    turned back from; it is not of the run ``current`` continues, so it is removed and never
+    kept in place of ``previous`` (the checkpoint the run resumed from)."""
     step = int(STEP_DIR.match(current.name).group(1))
     others = sorted((s, p.name) for s, p in step_dirs(root) if p != current)
     drop = [n for s, n in others if s == step]
-    rest = [n for s, n in others if s != step]
+    if previous is not None and (m := STEP_DIR.match(previous.name)):
+        before = int(m.group(1))
+        drop += [n for s, n in others
+                 if s != step and (s > before or (s == before and n != previous.name))]
+    rest = [n for s, n in others if n not in drop]
     drop += rest[:max(0, len(rest) - (keep - 1))]
     for name in drop:
         shutil.rmtree(root / name, ignore_errors=True)
@@ -256,6 +264,7 @@ def save_checkpoint(run_dir: Path, state: LearnerState, tensors: dict[str, Any],
     tmp = root / f".tmp_step_{state.step}_{_HOST}_{os.getpid()}"
     final: Path | None = None
     switched = False
+    previous = latest_checkpoint(run_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
@@ -282,7 +291,7 @@ def save_checkpoint(run_dir: Path, state: LearnerState, tensors: dict[str, Any],
             else failure_text(e)
         raise CheckpointError(f"checkpoint at step {state.step} failed ({why}); the previous "
                               f"checkpoint {prev or '(none)'} is intact") from e
-    _prune(root, final, keep)
+    _prune(root, final, keep, previous)
     return final
 
 

@@ -168,6 +168,28 @@ def test_keep_prunes_oldest(tmp_path, keep):
     assert latest_checkpoint(tmp_path).name == "step_11"
 
 
+def _orphan_beside(tmp_path, named: int, orphan: str) -> None:
+    """checkpoints/ as a writer killed between its rename and the switch of LATEST leaves it:
+    ``orphan`` complete on disk, LATEST still naming step ``named``."""
+    save_checkpoint(tmp_path, _state(named), _tensors(named), b"", keep=3)
+    path = save_checkpoint(tmp_path, _state(99), _tensors(99), b"", keep=3)
+    path.rename(path.with_name(orphan))
+    ck._switch_latest(tmp_path / "checkpoints", f"step_{named}")
+
+
+@pytest.mark.parametrize("orphan", ["step_10", "step_8-1"])
+def test_an_orphan_is_removed_and_the_resumed_checkpoint_kept(tmp_path, orphan):
+    """The run resumed from step_8 (LATEST) writes step_9 with keep 2: it keeps step_9 and
+    step_8, and removes the orphan (a later step, or a rewrite of step 8 never named), which
+    holds another run's weights and took step_8's place as the newest."""
+    _orphan_beside(tmp_path, 8, orphan)
+    assert latest_checkpoint(tmp_path).name == "step_8"
+    save_checkpoint(tmp_path, _state(9), _tensors(9), b"", keep=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*"))
+    assert names == ["step_8", "step_9"]
+    assert load_checkpoint(tmp_path / "checkpoints" / "step_8")[0].step == 8
+
+
 def test_resaving_same_step_replaces_it(tmp_path):
     save_checkpoint(tmp_path, _state(4), _tensors(4), b"old")
     path = save_checkpoint(tmp_path, _state(4), _tensors(4), b"new")
