@@ -68,6 +68,12 @@ class Completion:
     between the turns of an episode), sorted, disjoint, within [0, T). They are context for the
     tokens after them and are left out of the loss; their logprobs are 0 and carry no meaning.
     Empty for a single-turn completion (the wire then omits the field)."""
+    sampling_segments: list[tuple[int, float, float, int]] = field(default_factory=list)
+    """[(start_token_index, temperature, top_p, top_k), ...]: the distribution the engine drew
+    the tokens from ``start`` on (top_k 0: no top-k), starts strictly increasing and < T. Tokens
+    before the first start, and every token when empty, were drawn from the untempered,
+    untruncated distribution (1.0, 1.0, 0): the learner computes each token's logprob from the
+    same distribution (an episode's turns may each override it)."""
 
     def loss_mask(self) -> np.ndarray:
         """bool (T,): True on tokens the policy sampled (trained on), False on masked spans."""
@@ -83,6 +89,18 @@ class Completion:
         versions = np.fromiter((v for _, v in self.version_segments), dtype=np.int32)
         lengths = np.diff(np.asarray([*starts, n], dtype=np.int64))
         return np.repeat(versions, lengths).astype(np.int32, copy=False)
+
+    def per_token_sampling(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """float32 temperature, float32 top_p and int32 top_k of each token, shape (T,) each."""
+        n = len(self.token_ids)
+        temp = np.ones(n, dtype=np.float32)
+        top_p = np.ones(n, dtype=np.float32)
+        top_k = np.zeros(n, dtype=np.int32)
+        segs = self.sampling_segments
+        ends = [s for s, *_ in segs[1:]] + [n] if segs else []
+        for (start, t, p, k), end in zip(segs, ends, strict=True):
+            temp[start:end], top_p[start:end], top_k[start:end] = t, p, k
+        return temp, top_p, top_k
 
     @property
     def oldest_version(self) -> int:
@@ -100,6 +118,8 @@ class Completion:
             and self.reward_breakdown == other.reward_breakdown
             and self.finish_reason == other.finish_reason
             and [tuple(s) for s in self.masked_spans] == [tuple(s) for s in other.masked_spans]
+            and [tuple(s) for s in self.sampling_segments]
+            == [tuple(s) for s in other.sampling_segments]
         )
 
 
@@ -151,6 +171,8 @@ class RolloutGroup:
 # --------------------------------------------------------------------------------------------
 _Count = Annotated[int, Meta(ge=0)]
 _Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+_Temperature = Annotated[float, Meta(gt=0, le=sys.float_info.max)]
+_TopP = Annotated[float, Meta(gt=0, le=1)]
 
 
 class _CompletionWire(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -162,6 +184,8 @@ class _CompletionWire(Struct, forbid_unknown_fields=True, omit_defaults=True):
     # Optional, omitted when empty: frames of single-turn completions are byte-for-byte those
     # of a build without it, and decode where it is unknown.
     masked_spans: list[tuple[_Count, _Count]] = []
+    # Omitted when every token was drawn at temperature 1 with no truncation (the same rule).
+    sampling_segments: list[tuple[_Count, _Temperature, _TopP, _Count]] = []
 
 
 class _GroupWire(Struct, forbid_unknown_fields=True):
@@ -217,10 +241,13 @@ def _encode_group(g: RolloutGroup) -> _GroupWire:
             _segments(segs, n, f"completion {i}.version_segments")
             spans = [(int(a), int(b)) for a, b in c.masked_spans]
             _spans(spans, n, f"completion {i}.masked_spans")
+            sampling = _sampling_segments(
+                [(int(s), float(t), float(p), int(k)) for s, t, p, k in c.sampling_segments],
+                n, f"completion {i}.sampling_segments")
             completions.append(_CompletionWire(
                 num_tokens=n, version_segments=segs, reward=float(c.reward),
                 reward_breakdown=_fdict(c.reward_breakdown), finish_reason=c.finish_reason,
-                masked_spans=spans))
+                masked_spans=spans, sampling_segments=sampling))
         _check_logprobs(lp)
     except DecodeError as e:
         raise ValueError(f"invalid rollout group {g.group_id!r}: {e}") from None
@@ -315,6 +342,22 @@ def _spans(spans: list[tuple[int, int]], n_tokens: int, where: str) -> list[tupl
     return [(int(a), int(b)) for a, b in spans]
 
 
+def _sampling_segments(segs: list[tuple[int, float, float, int]], n_tokens: int, where: str
+                       ) -> list[tuple[int, float, float, int]]:
+    """Sampling segments of one completion: starts strictly increasing and below n_tokens,
+    temperature > 0 and finite, 0 < top_p <= 1, top_k >= 0."""
+    prev = -1
+    for i, (start, temp, top_p, top_k) in enumerate(segs):
+        if start <= prev or (start and start >= n_tokens):
+            raise DecodeError(f"{where}[{i}]: start {start} must be above {prev} and below "
+                              f"{n_tokens} (strictly increasing, within the completion)")
+        if not (0 < temp < float("inf") and 0 < top_p <= 1 and top_k >= 0):
+            raise DecodeError(f"{where}[{i}]: ({temp}, {top_p}, {top_k}) needs temperature > 0,"
+                              " 0 < top_p <= 1, top_k >= 0")
+        prev = start
+    return [(int(s), float(t), float(p), int(k)) for s, t, p, k in segs]
+
+
 def _check_logprobs(lp: np.ndarray) -> None:
     if lp.size:
         if not np.isfinite(lp).all():
@@ -345,10 +388,13 @@ def _decode_group(w: _GroupWire) -> RolloutGroup:
         segs = _segments(c.version_segments, n, f"group.completions[{i}].version_segments")
         spans = _spans(c.masked_spans, n, f"group.completions[{i}].masked_spans") \
             if c.masked_spans else []
+        sampling = _sampling_segments(c.sampling_segments, n,
+                                      f"group.completions[{i}].sampling_segments") \
+            if c.sampling_segments else []
         completions.append(Completion(
             token_ids=tok[offset : offset + n], logprobs=lp[offset : offset + n],
             version_segments=segs, reward=c.reward, reward_breakdown=c.reward_breakdown,
-            finish_reason=c.finish_reason, masked_spans=spans))
+            finish_reason=c.finish_reason, masked_spans=spans, sampling_segments=sampling))
         offset += n
     if offset != total:
         raise DecodeError(

@@ -167,9 +167,14 @@ class GenerationConfig:
     max_tokens: int = opt(64, ge=1)
     """max new tokens per completion"""
     temperature: float = opt(1.0, gt=0)
-    """sampling temperature (1.0 keeps engine logprobs = policy)"""
+    """sampling temperature; the learner trains the same softmax(logits / temperature)
+    (docs/loss.md, "The sampled distribution")"""
     top_p: float = opt(1.0, gt=0, le=1)
-    """nucleus sampling"""
+    """nucleus sampling (1.0: off); the learner renormalises its logprobs over the same
+    nucleus of its own logits"""
+    top_k: int = opt(0, ge=0)
+    """sample among the k most likely tokens (0: off); the learner renormalises over the same
+    k of its own logits"""
     stop: list[str] = opt([])
     """stop strings"""
     ignore_eos: bool = False

@@ -38,10 +38,13 @@ def prepare(cfg: RunConfig, role: str = "all") -> str:
     if role in ("all", "producer"):
         check_installed_vllm(cfg.engine.allow_untested_vllm)
         from pipeline.producer.engine import EngineSetupError, check_extra
+        from pipeline.producer.trained_sampling import UntrainableSampling, distribution
 
+        g = cfg.generation
         try:
             check_extra(cfg.engine.extra)
-        except EngineSetupError as e:
+            distribution({"temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k})
+        except (EngineSetupError, UntrainableSampling) as e:
             raise ConfigError(str(e)) from None
     if role in ("all", "learner"):
         check_trackers(cfg.report_to)

@@ -36,6 +36,9 @@ class PackedBatch:
     versions: list[np.ndarray]      # per-token policy version of the completion tokens
     advantages: torch.Tensor        # (n_completions,)
     rewards: torch.Tensor           # (n_groups, G)
+    # Per completion token: (temperature, top_p, top_k) it was drawn with; None for a row drawn
+    # untempered and untruncated (the learner then computes plain log-softmax, at no cost).
+    sampling: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] | None = None
 
     def loss_tokens(self, i: int) -> int:
         """Sampled completion tokens of row ``i`` that the loss counts."""
@@ -53,6 +56,7 @@ def pack_groups(groups: list[RolloutGroup], scale_rewards: bool, std_eps: float)
                            dtype=torch.float32)
     adv = group_advantages(rewards, scale=scale_rewards, eps=std_eps).reshape(-1)
     seqs, plens, beh, vers = [], [], [], []
+    sampling: list[tuple[np.ndarray, np.ndarray, np.ndarray] | None] = []
     for g in groups:
         for c in g.completions:
             seqs.append(np.concatenate([g.prompt_token_ids, c.token_ids]).astype(np.int64))
@@ -62,7 +66,9 @@ def pack_groups(groups: list[RolloutGroup], scale_rewards: bool, std_eps: float)
             beh.append(np.where(c.loss_mask(), c.logprobs, np.nan).astype(np.float32)
                        if c.masked_spans else c.logprobs)
             vers.append(c.per_token_versions())
-    return PackedBatch(seqs, plens, beh, vers, adv, rewards)
+            sampling.append(c.per_token_sampling() if c.sampling_segments else None)
+    return PackedBatch(seqs, plens, beh, vers, adv, rewards,
+                       sampling if any(x is not None for x in sampling) else None)
 
 
 def plan_micro_batches(lengths: list[int], rows: list[int], max_rows: int, max_tokens: int,
@@ -106,7 +112,29 @@ def _grid(pb: PackedBatch, rows: list[int]) -> dict[str, torch.Tensor]:
             lp = torch.from_numpy(np.asarray(pb.behaviour[i], dtype=np.float32))
             behaviour[r, :t] = torch.nan_to_num(lp, nan=0.0, posinf=0.0, neginf=0.0)
             mask[r, :t] = torch.isfinite(lp)
-    return {"mask": mask, "behaviour": behaviour, "advantages": pb.advantages[rows]}
+    grid = {"mask": mask, "behaviour": behaviour, "advantages": pb.advantages[rows]}
+    if pb.sampling is not None and any(pb.sampling[i] is not None for i in rows):
+        grid |= _sampling_grid(pb, rows, T)
+    return grid
+
+
+def _sampling_grid(pb: PackedBatch, rows: list[int], T: int) -> dict[str, torch.Tensor]:
+    """Each loss token's (temperature, top_p, top_k) on the grid: ``temperature`` always,
+    ``top_p`` and ``top_k`` only when a token of the micro-batch was drawn truncated (their
+    sort over the vocabulary is the one cost of replaying a truncation)."""
+    temp = torch.ones((len(rows), T), dtype=torch.float32)
+    top_p = torch.ones((len(rows), T), dtype=torch.float32)
+    top_k = torch.zeros((len(rows), T), dtype=torch.int64)
+    for r, i in enumerate(rows):
+        if pb.sampling is not None and pb.sampling[i] is not None:
+            t, p, k = pb.sampling[i]
+            temp[r, :len(t)] = torch.from_numpy(t)
+            top_p[r, :len(p)] = torch.from_numpy(p)
+            top_k[r, :len(k)] = torch.from_numpy(k.astype(np.int64))
+    out = {"temperature": temp}
+    if bool((top_p < 1).any()) or bool((top_k > 0).any()):
+        out |= {"top_p": top_p, "top_k": top_k}
+    return out
 
 
 def collate(pb: PackedBatch, rows: list[int], pad_id: int) -> dict[str, torch.Tensor]:

@@ -13,6 +13,9 @@ Invariants:
   pass, and give the same numbers as the whole.
 - The selected positions, read row by row, are the grid's mask positions in row-major order
   (``batching``), so ``on_grid`` needs no index and both layouts give the same grid.
+- Every logprob (the policy's, the reference's) is of the distribution the engine sampled the
+  token from: logits / its temperature, cut to its top-k and top-p (``truncate``); a batch
+  drawn at temperature 1 with no truncation takes the plain path, unchanged.
 """
 
 from __future__ import annotations
@@ -27,17 +30,53 @@ from pipeline.learner.batching import PackedBatch, collate, collate_packed
 MODEL_KEYS = ("input_ids", "select", "attention_mask", "position_ids")  # the forward's inputs
 
 
-def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
-                   ) -> torch.Tensor:
+SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # per loss token, on the grid (batching)
+
+
+def truncate(logits: torch.Tensor, targets: torch.Tensor, top_p: torch.Tensor,
+             top_k: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token outside each row's top-k, then top-p, set (vLLM's sampler
+    rule: ties at the k-th value kept, the nucleus the smallest set whose mass reaches top_p
+    with at least one token), then -inf; ``top_k`` 0 and ``top_p`` 1 leave a row whole.
+
+    The target (the sampled token) is always kept: where the engine's and the learner's
+    numbers put it on opposite sides of the cut, its logprob stays finite and close to the
+    engine's instead of -inf. The kept set is a constant of the logits (no gradient flows
+    through the cut), as it is for the sampler."""
+    with torch.no_grad():
+        ranked, order = logits.sort(dim=-1)  # ascending
+        V = logits.shape[-1]
+        k = torch.where(top_k > 0, top_k.clamp(max=V), V).to(torch.long)
+        kth = ranked.gather(1, (V - k).unsqueeze(1))
+        drop = ranked < kth
+        ranked = ranked.masked_fill(drop, float("-inf"))
+        mass = ranked.softmax(dim=-1).cumsum(dim=-1)
+        drop |= mass <= (1 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        drop = torch.zeros_like(drop).scatter_(1, order, drop)
+        drop.scatter_(1, targets.unsqueeze(1), False)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                   *sampling: torch.Tensor) -> torch.Tensor:
     """log pi(target) from hidden states: the output projection and a fused log-softmax +
-    gather (cross-entropy), in fp32 over the vocabulary."""
-    return -torch.nn.functional.cross_entropy(head(hidden).float(), targets, reduction="none")
+    gather (cross-entropy), in fp32 over the vocabulary. ``sampling``: nothing (temperature
+    1, no truncation), each token's temperature, or temperature, top_p and top_k, so pi is the
+    distribution the engine drew the token from (``pipeline.producer.trained_sampling``)."""
+    logits = head(hidden).float()
+    if sampling:
+        logits = logits / sampling[0].unsqueeze(1)
+    if len(sampling) == 3:
+        logits = truncate(logits, targets, sampling[1], sampling[2])
+    return -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
 
 
 def selected_logprobs(model: Any, input_ids: torch.Tensor, select: torch.Tensor,
                       attention_mask: torch.Tensor | None = None,
                       position_ids: torch.Tensor | None = None, chunk: int = 0,
-                      **attention: Any) -> torch.Tensor:
+                      sampling: tuple[torch.Tensor, ...] = (), **attention: Any
+                      ) -> torch.Tensor:
     """log pi(x_t | x_<t) of the tokens whose predicting position ``select`` marks (``select`` is
     aligned with positions [:, :-1]); a flat (K,) tensor, row by row.
 
@@ -45,8 +84,11 @@ def selected_logprobs(model: Any, input_ids: torch.Tensor, select: torch.Tensor,
     vocabulary they dominate the cost, and prompt positions carry no loss. With ``chunk`` > 0 they
     run ``chunk`` positions at a time, each chunk recomputed in the backward pass
     (``torch.utils.checkpoint``), so the fp32 logits of at most one chunk exist at once instead
-    of K x vocabulary of them. ``attention``: keyword arguments for the attention layers (a
-    packed row's sequence boundaries, ``pipeline.learner.attention.varlen_kwargs``).
+    of K x vocabulary of them. ``sampling``: each selected token's temperature (and top_p,
+    top_k), flat (K,) like the result (``_head_logprobs``); fp32 values may come as their int32
+    bits (``micro_batch_logprobs``). ``attention``: keyword arguments
+    for the attention layers (a packed row's sequence boundaries,
+    ``pipeline.learner.attention.varlen_kwargs``).
     """
     if hasattr(model, "get_base_model"):  # peft: the HF model with LoRA layers injected
         model = model.get_base_model()
@@ -57,13 +99,15 @@ def selected_logprobs(model: Any, input_ids: torch.Tensor, select: torch.Tensor,
                               ).last_hidden_state[:, :-1]
     h = hidden[select]
     targets = input_ids[:, 1:][select]
+    sampling = tuple(x.view(torch.float32) if x.dtype == torch.int32 else x for x in sampling)
     head = model.get_output_embeddings()
     if chunk <= 0 or len(h) <= chunk:
-        return _head_logprobs(head, h, targets)
+        return _head_logprobs(head, h, targets, *sampling)
     from torch.utils.checkpoint import checkpoint
 
     return torch.cat([checkpoint(_head_logprobs, head, h[i: i + chunk], targets[i: i + chunk],
-                                 use_reentrant=False) for i in range(0, len(h), chunk)])
+                                 *(x[i: i + chunk] for x in sampling), use_reentrant=False)
+                      for i in range(0, len(h), chunk)])
 
 
 def on_grid(flat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -89,9 +133,10 @@ class Policy(torch.nn.Module):
         self.model = model
         self.chunk = chunk
 
-    def forward(self, input_ids, select, attention_mask=None, position_ids=None, **attention):
+    def forward(self, input_ids, select, attention_mask=None, position_ids=None, sampling=(),
+                **attention):
         return selected_logprobs(self.model, input_ids, select, attention_mask, position_ids,
-                                 self.chunk, **attention)
+                                 self.chunk, sampling, **attention)
 
 
 def device_batch(pb: PackedBatch, rows: list[int], packing: bool, pad_id: int,
@@ -114,6 +159,13 @@ def micro_batch_logprobs(policy: Any, ref_model: Any | None, b: dict[str, torch.
     """The policy's logprobs (with grad) and the frozen reference's (None without one) of a
     ``device_batch``, on its loss-side grid."""
     model_in = {k: b[k] for k in MODEL_KEYS if k in b} | attention
+    # The distribution each token was drawn from, flat in the selected positions' order, as
+    # the bits of its fp32 values: a mixed-precision wrapper (FSDP2's) casts floating inputs of
+    # the forward to bf16, which would turn a temperature of 0.7 into 0.6992.
+    sampling = tuple(b[k][b["mask"]].view(torch.int32) if b[k].is_floating_point()
+                     else b[k][b["mask"]] for k in SAMPLING_KEYS if k in b)
+    if sampling:
+        model_in["sampling"] = sampling
     lp = on_grid(policy(**model_in), b["mask"])
     ref = None
     if ref_model is not None:

@@ -44,6 +44,9 @@ def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: 
         "enforce_eager": eng.enforce_eager,
         "worker_extension_cls": WORKER_EXTENSION,
         "disable_log_stats": True,
+        # The logprob of each sampled token under the distribution it was drawn from (after
+        # temperature, top-k and top-p), which the learner recomputes (trained_sampling).
+        "logprobs_mode": "processed_logprobs",
     }
     if lora_rank > 0:
         kw.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank),
@@ -69,6 +72,7 @@ def engine_kwargs(model: ModelConfig, eng: EngineConfig, model_path: str, seed: 
             log.warning("dtype bfloat16 is not supported below compute capability 8.0; "
                         "using float16")
             kw["dtype"] = "float16"
+    check_distribution_args(eng.extra)
     overlap = set(eng.extra) & set(kw)
     if overlap:
         raise EngineSetupError(f"engine.extra repeats {sorted(overlap)}; set them through their "
@@ -95,9 +99,28 @@ def engine_arg_names() -> set[str] | None:
     return names or None
 
 
+# Engine arguments that change what the engine samples or reports beyond what the learner
+# recomputes (trained_sampling), each with why.
+_UNTRAINABLE_ARGS = {
+    "logprobs_mode": "the project sets processed_logprobs: the logprobs of the distribution the "
+                     "engine samples, which the learner trains",
+    "logits_processors": "a logits processor reshapes the sampled distribution, which the "
+                         "learner cannot recompute",
+}
+
+
+def check_distribution_args(extra: dict[str, Any]) -> None:
+    """engine.extra must not change the sampled distribution or its reported logprobs."""
+    for name, why in _UNTRAINABLE_ARGS.items():
+        if extra.get(name) not in (None, [], "processed_logprobs"):
+            raise EngineSetupError(f"engine.extra.{name}: not allowed ({why})")
+
+
 def check_extra(extra: dict[str, Any]) -> None:
     """engine.extra may only name arguments the installed vLLM accepts: an unknown one would
-    otherwise fail in every producer after its engine process started."""
+    otherwise fail in every producer after its engine process started; nor one that changes
+    the sampled distribution (``check_distribution_args``)."""
+    check_distribution_args(extra)
     known = engine_arg_names() if extra else None
     unknown = sorted(set(extra) - known) if known else []
     if unknown:

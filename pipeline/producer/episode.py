@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from buffer.schema import Completion
+from pipeline.producer.trained_sampling import DEFAULT, add_segment
 from sync.threads import in_daemon_thread
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Transcript:
     logprobs: list[float] = field(default_factory=list)
     segments: list[tuple[int, int]] = field(default_factory=list)
     masked_spans: list[tuple[int, int]] = field(default_factory=list)
+    sampling: list[tuple[int, float, float, int]] = field(default_factory=list)
     turns: int = 0
     finish_reason: str = ""
 
@@ -126,6 +128,14 @@ class Transcript:
         for s, v in comp.version_segments:
             if s < n:
                 self._tag(start + s, v)
+        # Each turn may override the sampling: its distribution is carried from its first token.
+        turn = comp.sampling_segments
+        ends = [s for s, *_ in turn[1:]] + [n] if turn else []
+        if not turn or turn[0][0] > 0:
+            add_segment(self.sampling, start, DEFAULT)
+        for (s, *dist), end in zip(turn, ends, strict=True):
+            if s < end:
+                add_segment(self.sampling, start + s, tuple(dist))
         self.token_ids.extend(int(t) for t in comp.token_ids)
         self.logprobs.extend(float(x) for x in comp.logprobs)
 
@@ -151,6 +161,7 @@ class Transcript:
             version_segments=list(self.segments) or [(0, version)],
             finish_reason=self.finish_reason,
             masked_spans=list(self.masked_spans),
+            sampling_segments=list(self.sampling),
         )
 
     @property

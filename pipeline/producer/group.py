@@ -42,6 +42,7 @@ from pipeline.producer.episode import (
 from pipeline.producer.outbox import Outbox
 from pipeline.producer.sampling import DropCap, is_uninformative
 from pipeline.producer.stats import ProducerStats
+from pipeline.producer.trained_sampling import DEFAULT, distribution, engine_options
 from pipeline.producer.weights import EngineWeights
 
 log = logging.getLogger(__name__)
@@ -190,14 +191,17 @@ class GroupRollout:
         return False
 
     def _sampling(self, **overrides: Any) -> Any:
-        """The run's SamplingParams (``generation``), with an episode turn's overrides."""
+        """The run's SamplingParams (``generation``), with an episode turn's overrides; raises
+        ``UntrainableSampling`` for an override the learner could not train."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         g = self.cfg.generation
-        opts = dict(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p,
-                    stop=list(g.stop) or None, ignore_eos=g.ignore_eos)
+        opts = dict(max_tokens=g.max_tokens, stop=list(g.stop) or None, ignore_eos=g.ignore_eos,
+                    **engine_options(g.temperature, g.top_p, g.top_k))
         opts.update(overrides)
+        opts.update(engine_options(*distribution(opts, "episode turn" if overrides else
+                                                 "generation")))
         return SamplingParams(
             n=1, logprobs=0,
             # vLLM detokenizes every token (and every logprob) in Python on the engine's
@@ -311,9 +315,13 @@ class GroupRollout:
         self.stats.tokens += len(tokens)
         if not segments:
             segments = [(0, tracker.version)]
+        # The distribution the tokens were drawn from, for the learner to recompute.
+        dist = distribution({"temperature": sp.temperature, "top_p": sp.top_p,
+                             "top_k": sp.top_k})
         comp = Completion(token_ids=np.asarray(tokens, dtype=np.int32),
                           logprobs=np.asarray(logprobs, dtype=np.float32),
-                          version_segments=segments, finish_reason=finish)
+                          version_segments=segments, finish_reason=finish,
+                          sampling_segments=[] if dist == DEFAULT else [(0, *dist)])
         if not sp.detokenize:
             return comp, self.tokenizer.decode(tokens, skip_special_tokens=True)
         return comp, "".join(text)

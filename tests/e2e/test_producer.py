@@ -237,6 +237,127 @@ def test_groups_shapes_rewards_and_admission_cap(engine_env, tiny_model):
     assert len({g.group_id for g in groups}) == len(groups)
 
 
+# generation overrides -> the (temperature, top_p, top_k) the completions must record
+SAMPLINGS = {
+    "temperature 0.5": ({"generation.temperature": 0.5}, (0.5, 1.0, 0)),
+    "temperature 1.0": ({}, None),
+    "temperature 1.5": ({"generation.temperature": 1.5}, (1.5, 1.0, 0)),
+    "temperature 0.7, top-p 0.9": ({"generation.temperature": 0.7, "generation.top_p": 0.9},
+                                   (0.7, 0.9, 0)),
+    "top-k 20": ({"generation.top_k": 20}, (1.0, 1.0, 20)),
+}
+EPISODES = "tests.e2e.support.episodes:tempered_turns"
+
+
+def _collect(engine_env, cfg: RunConfig, count: int) -> list[RolloutGroup]:
+    loop, engine, tokenizer = engine_env
+
+    async def scenario():
+        async with _running(cfg, engine, tokenizer) as (learner, _producer, ptask):
+            learner.announcing = True
+            learner.consumed = count  # room for all of them at once
+            await settle(lambda: len(learner.groups) >= count or ptask.done(),
+                         f"{count} groups", timeout=120)
+            assert not ptask.done(), ptask
+            return learner.groups[:count]
+
+    return loop.run_until_complete(asyncio.wait_for(scenario(), 200))
+
+
+def _reference(model, group: RolloutGroup) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Independent of the learner's code: per completion, log p(token) under each token's
+    recorded distribution (numpy: softmax of logits / T, cut to the k largest and to the
+    smallest nucleus whose mass before the token is below top_p, renormalised), and the raw
+    log_softmax(logits) beside it."""
+    import torch
+
+    out = []
+    for c in group.completions:
+        ids = np.concatenate([group.prompt_token_ids, c.token_ids]).astype(np.int64)
+        with torch.no_grad():
+            logits = model(torch.from_numpy(ids)[None]).logits[0].double().numpy()
+        p0 = len(group.prompt_token_ids)
+        temps, top_ps, top_ks = c.per_token_sampling()
+        ref, raw = [], []
+        for j, tok in enumerate(c.token_ids):
+            z = logits[p0 - 1 + j]
+            raw.append(z[tok] - z.max() - np.log(np.exp(z - z.max()).sum()))
+            q = np.exp((z - z.max()) / temps[j])
+            q /= q.sum()
+            keep = np.ones_like(q, dtype=bool)
+            if top_ks[j]:
+                keep &= q >= np.sort(q)[-top_ks[j]]
+            if top_ps[j] < 1:
+                order = np.argsort(-np.where(keep, q, 0))
+                masked = np.where(keep, q, 0) / np.where(keep, q, 0).sum()
+                before = np.cumsum(masked[order]) - masked[order]
+                nucleus = np.zeros_like(keep)
+                nucleus[order] = before < top_ps[j]
+                keep &= nucleus
+            ref.append(np.log(q[tok] / q[keep].sum()))
+        out.append((np.asarray(ref), np.asarray(raw)))
+    return out
+
+
+def _learner_gap(trainer, groups: list[RolloutGroup]) -> tuple[float, float]:
+    """Mean and max |behaviour - learner logprob| over the loss tokens of ``groups``, the
+    learner's logprobs computed as its step computes them (pack, collate, policy forward)."""
+    import torch
+
+    from pipeline.learner.batching import pack_groups
+    from pipeline.learner.logprobs import device_batch, micro_batch_logprobs
+
+    pb = pack_groups(groups, True, 1e-6)
+    rows = list(range(len(pb.sequences)))
+    b, attention = device_batch(pb, rows, False, trainer.pad_id, torch.device("cpu"))
+    with torch.no_grad():
+        lp, _ = micro_batch_logprobs(trainer.policy, None, b, attention)
+    gap = (lp - b["behaviour"]).abs()[b["mask"]]
+    return float(gap.mean()), float(gap.max())
+
+
+def test_logprobs_are_of_the_distribution_the_engine_sampled(engine_env, tiny_model):
+    """At lag 0 (fp32, CPU), for each temperature and truncation: every behaviour logprob the
+    engine returns equals an independent recomputation of the sampled distribution, and so does
+    the learner's, within 1e-4 a token; the raw log-softmax is far from both (the test fails
+    on it). Then an episode whose turns each draw from another distribution."""
+    from pipeline.learner.trainer import PolicyTrainer
+
+    trainer = PolicyTrainer(_config(tiny_model, "ipc:///tmp/unused"), str(tiny_model),
+                            device="cpu")
+    model = trainer.model.eval()
+    for name, (over, recorded) in SAMPLINGS.items():
+        cfg = _config(tiny_model, f"ipc://{_short_dir()}/l.sock", **over)
+        groups = _collect(engine_env, cfg, 2)
+        ref_gap, raw_gap = [], []
+        for g in groups:
+            for c, (ref, raw) in zip(g.completions, _reference(model, g), strict=True):
+                assert [tuple(s) for s in c.sampling_segments] == \
+                    ([] if recorded is None else [(0, *recorded)]), name
+                ref_gap.append(np.abs(c.logprobs - ref))
+                raw_gap.append(np.abs(c.logprobs - raw))
+        ref_gap, raw_gap = np.concatenate(ref_gap), np.concatenate(raw_gap)
+        mean, worst = _learner_gap(trainer, groups)
+        assert ref_gap.mean() <= 1e-4, f"{name}: engine vs reference {ref_gap.mean():.2e}"
+        assert mean <= 1e-4, f"{name}: learner vs engine {mean:.2e} (max {worst:.2e})"
+        if recorded is not None:
+            assert raw_gap.mean() > 1e-2, f"{name}: raw logprobs would pass ({raw_gap.mean()})"
+
+    # An episode: turns at temperature 0.5, then 1.5 with top-k 20, then the run's 0.7.
+    cfg = _config(tiny_model, f"ipc://{_short_dir()}/l.sock", **{
+        "episode.fn": EPISODES, "episode.max_tokens": 30, "generation.temperature": 0.7})
+    groups = _collect(engine_env, cfg, 2)
+    kinds = set()
+    for g in groups:
+        for c, (ref, _raw) in zip(g.completions, _reference(model, g), strict=True):
+            keep = c.loss_mask()
+            assert np.abs(c.logprobs - ref)[keep].mean() <= 1e-4
+            kinds |= {tuple(s[1:]) for s in c.sampling_segments}
+    assert kinds == {(0.5, 1.0, 0), (1.5, 1.0, 20), (0.7, 1.0, 0)}, kinds
+    mean, worst = _learner_gap(trainer, groups)
+    assert mean <= 1e-4, f"episode: learner vs engine {mean:.2e} (max {worst:.2e})"
+
+
 def _records(cfg: RunConfig):
     from pipeline.producer.data import load_records
 

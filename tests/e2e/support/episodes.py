@@ -48,3 +48,13 @@ async def two_turns(
         with open(log, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
     return None  # the run's reward functions score the transcript
+
+
+async def tempered_turns(ctx, prompt, **meta):
+    """Three turns drawn from three distributions (temperature 0.5; 1.5 with top-k 20; the
+    run's own), a tool answer between the first two: the learner must recompute each turn's
+    tokens under the distribution that turn was drawn from."""
+    await ctx.generate(max_tokens=5, temperature=0.5)
+    await ctx.generate(" -> 42 ", max_tokens=5, temperature=1.5, top_k=20)
+    await ctx.generate(max_tokens=5)
+    return None

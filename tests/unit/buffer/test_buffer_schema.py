@@ -102,6 +102,35 @@ def test_encode_refuses_invalid_groups():
         encode("not a message")  # type: ignore[arg-type]
 
 
+def test_sampling_segments_round_trip_and_default_frames_are_unchanged():
+    g = make_group(n_completions=2, n_tokens=8)
+    plain = encode(g)
+    assert "sampling_segments" not in _raw(g)["body"]["completions"][0]
+    g.completions[0].sampling_segments = [(0, 0.7, 0.9, 0), (5, 1.5, 1.0, 20)]
+    back = decode(encode(g))
+    assert back == g
+    assert back.completions[0].sampling_segments == g.completions[0].sampling_segments
+    temp, _top_p, top_k = back.completions[0].per_token_sampling()
+    assert temp.tolist() == pytest.approx([0.7] * 5 + [1.5] * 3)
+    assert top_k.tolist() == [0] * 5 + [20] * 3
+    g.completions[0].sampling_segments = []
+    assert encode(g) == plain
+
+
+@pytest.mark.parametrize("segments, says", [
+    ([[0, 0.0, 1.0, 0]], "sampling_segments"),
+    ([[0, 0.7, 1.5, 0]], "sampling_segments"),
+    ([[0, 0.7, 1.0, -1]], "sampling_segments"),
+    ([[3, 0.7, 1.0, 0], [3, 1.0, 1.0, 0]], "strictly increasing"),
+    ([[8, 0.7, 1.0, 0]], "within the completion"),
+])
+def test_invalid_sampling_segments_are_rejected(segments, says):
+    raw = _raw(make_group(n_completions=2, n_tokens=8))
+    raw["body"]["completions"][0]["sampling_segments"] = segments
+    with pytest.raises(DecodeError, match=says):
+        decode(_pack(raw))
+
+
 # ---- rejections -----------------------------------------------------------------------------
 
 

@@ -99,6 +99,10 @@ def test_bind_check_only_for_the_learner_and_lifted_by_insecure(tiny_model, tmp_
 @pytest.mark.parametrize("bad, option", [
     ({"data.path": "/nonexistent/prompts.jsonl"}, "data.path"),
     ({"rewards.specs": [{"fn": "pipeline.tasks.rewards:no_such_reward"}]}, "rewards.specs"),
+    # A sampled distribution the learner could not recompute (trained_sampling).
+    ({"engine.extra": {"logprobs_mode": "raw_logprobs"}}, "engine.extra.logprobs_mode"),
+    ({"engine.extra": {"logits_processors": ["m:P"]}}, "engine.extra.logits_processors"),
+    ({"generation.temperature": 1e-9}, "generation: temperature 1e-09 cannot be trained"),
 ])
 def test_checks_that_need_no_model_fail_before_it_is_built(tmp_path, bad, option):
     """A mistyped option is one line before the model is resolved, which builds or converts

@@ -88,6 +88,7 @@ def _error_line(err: str) -> str:
         (["--max-tokens", "4096"], "generation.max_tokens: must be below engine.max_model_len"),
         (["--connect", "nohost"], "--connect"),
         (["--set", "train.loss=1"], "--set: unknown option 'train.loss'"),
+        (["--set", "generation.top_k=-1"], "generation.top_k: must be >= 0"),
     ],
 )
 def test_each_mistake_exits_2_with_one_line_naming_the_option(fake_run, capsys, argv, names):
