@@ -12,6 +12,7 @@ beyond the restarts is reported in one line and the run goes on without evaluati
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -172,6 +173,9 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     """
     # 1. Everything that can fail is checked before any process starts.
     model_path = prepare(cfg, role)
+    cfg, memory_plan = plan_memory(cfg, model_path, role)
+    if role in ("all", "learner"):
+        check_fresh_run_space(cfg, model_path, resume)
     ray_rewards = _check_ray_rewards(cfg, role)
     # 2. Children inherit this launcher's owner tag: what they leave in /dev/shm names it, so a
     #    later run reclaims it should this launcher be killed (pipeline.launch.shm).
@@ -181,6 +185,8 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     # 3. The run's directory: an earlier run set aside, the launcher's log, the config.
     run_dir = Path(cfg.run_dir)
     file_log, follower = _set_up_run_dir(cfg, role, resume, verbose)
+    if memory_plan is not None:  # beside config.yaml: the bench reads the predicted peak
+        (run_dir / "memory_plan.json").write_text(json.dumps(memory_plan, indent=1))
     # 4. The children, started after the signal handlers and the reward replicas.
     sup = _Supervisor(cfg, role, model_path, resume, producer_index, shm_before, follower,
                       max_producer_restarts, max_learner_restarts)
@@ -220,6 +226,37 @@ def run(cfg: RunConfig, *, role: str = "all", resume: bool = False, producer_ind
     return code
 
 
+def check_fresh_run_space(cfg: RunConfig, model_path: str, resume: bool) -> None:
+    """A fresh run's disk holds its checkpoints besides an earlier run's: that run is set aside
+    on the same disk (``set_aside_previous_run``) and keeps its bytes, so its checkpoints are
+    not counted as this run's (the check before, ``prepare``, cannot tell a fresh run from a
+    resumed one). Raises the one-line ConfigError before anything is moved or started."""
+    from pipeline.learner.disk import check_run_space
+
+    short = None if resume else check_run_space(cfg, model_path, own_checkpoints=False)
+    if short:
+        raise ConfigError(short)
+
+
+def plan_memory(cfg: RunConfig, model_path: str, role: str
+                ) -> tuple[RunConfig, dict[str, Any] | None]:
+    """The learner's memory plan (``pipeline.memory_plan``) applied to the run's config before
+    config.yaml is written, so every role reads the same options: its line on the console, a
+    warning line for each value of the user's that will not fit; the plan's record, or None
+    where no plan applies (no GPU, a producer-only launcher, a sharded learner)."""
+    if role not in ("all", "learner"):
+        return cfg, None
+    from pipeline.memory_plan import apply_memory_plan, record
+
+    planned, plan, lines = apply_memory_plan(cfg, model_path)
+    if plan is None:
+        return cfg, None
+    tell(log, lines[0])
+    for line in lines[1:]:
+        log.warning("%s", line)
+    return planned, record(plan)
+
+
 def _check_ray_rewards(cfg: RunConfig, role: str) -> bool:
     """Whether the run has ``executor: ray`` rewards, which only a whole run can start."""
     ray_rewards = [i for i, s in enumerate(cfg.rewards.specs) if s.executor == "ray"]
@@ -240,7 +277,8 @@ def _set_up_run_dir(cfg: RunConfig, role: str, resume: bool, verbose: bool
     run_dir.mkdir(parents=True, exist_ok=True)
     file_log = log_to_run_dir(run_dir)
     resource_tracker_to(log_file(run_dir, "launcher"))  # before the first child shares it
-    follower = LogFollower(run_dir / LOGS_DIR, verbose=verbose)  # before any child writes
+    # Before any child writes, or starts: they inherit the relay's name.
+    follower = LogFollower(run_dir / LOGS_DIR, verbose=verbose, relay=True)
     if not resume:
         # A fresh run must not resend the outbox of an earlier run in the same run_dir.
         for stale in (run_dir / "producers").glob("*.wal"):

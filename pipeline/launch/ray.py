@@ -137,12 +137,14 @@ def _prepare(ray: Any, cfg: RunConfig, resume: bool) -> tuple[Any, str, float]:
     """Check the run (model, data, rewards) while the private node starts, set run_dir up
     (absolute, an earlier run set aside, its config written), connect. Returns the private node
     (or None), the model's path and when connecting began; the node is stopped on failure."""
+    from pipeline.launch.local import check_fresh_run_space
     from pipeline.launch.preflight import prepare
     from pipeline.launch.run_dir import roster_for_launch, set_aside_previous_run
 
     node = start_private_node(cfg)
     try:
         model_path = prepare(cfg, "all")
+        check_fresh_run_space(cfg, model_path, resume)
         run_dir = Path(cfg.run_dir).resolve()
         cfg.run_dir = str(run_dir)
         if not resume:

@@ -62,13 +62,16 @@ def trainable_parameters(hf: dict[str, Any], params: int, lora: bool, freeze_lay
 
 
 def space_shortfall(run_dir: Path, each: int, keep: int, free: int | None = None,
-                    final_only: bool = False) -> str | None:
+                    final_only: bool = False, own_checkpoints: bool = True) -> str | None:
     """None if ``keep`` + 1 checkpoints of ``each`` bytes fit under ``run_dir`` (the kept ones
-    and the one written beside them before the oldest goes; those already there count as
-    written), else the one-line reason naming bytes needed, bytes free, run_dir and
-    train.keep_checkpoints. ``final_only``: the run writes no checkpoint before its final one
-    (no ``checkpoint_every``, no elastic producers), so one more beside those held is the peak."""
-    held = sorted(step_dirs(Path(run_dir) / "checkpoints"))[-keep:]
+    and the one written beside them before the oldest goes), else the one-line reason naming
+    bytes needed, bytes free, run_dir and train.keep_checkpoints. ``final_only``: the run
+    writes no checkpoint before its final one (no ``checkpoint_every``, no elastic producers),
+    so one more beside those held is the peak. ``own_checkpoints``: the checkpoints already
+    there are this run's (``--resume``: it removes them as it writes, so they count as
+    written); False for a fresh run, whose launcher sets an earlier run aside on the same disk,
+    where its checkpoints keep their bytes."""
+    held = sorted(step_dirs(Path(run_dir) / "checkpoints"))[-keep:] if own_checkpoints else []
     have = sum(dir_bytes(p) for _s, p in held)
     need = each if final_only else max(0, (keep + 1) * each - have)
     # The checkpoints' own filesystem: run_dir/checkpoints may be a mount or link elsewhere.
@@ -85,9 +88,10 @@ def space_shortfall(run_dir: Path, each: int, keep: int, free: int | None = None
             f"each{already}; lower train.keep_checkpoints, free space or choose another run_dir")
 
 
-def check_run_space(cfg: Any, model_path: str) -> str | None:
+def check_run_space(cfg: Any, model_path: str, own_checkpoints: bool = True) -> str | None:
     """``space_shortfall`` for a run's config (``RunConfig``) and model directory, estimated
-    from its ``config.json``; None when it has none (a model this cannot size)."""
+    from its ``config.json``; None when it has none (a model this cannot size). A launcher
+    passes ``own_checkpoints=False`` for a fresh run (no ``--resume``)."""
     import json
 
     from pipeline.memory import learner_setup, model_parameters
@@ -106,4 +110,5 @@ def check_run_space(cfg: Any, model_path: str) -> str | None:
     run_dir = Path(cfg.run_dir or f"runs/{cfg.name}")
     final_only = t.checkpoint_every == 0 and cfg.max_producers == 0
     return space_shortfall(run_dir, estimate_checkpoint_bytes(params, trainable, ds),
-                           t.keep_checkpoints, final_only=final_only)
+                           t.keep_checkpoints, final_only=final_only,
+                           own_checkpoints=own_checkpoints)
