@@ -118,6 +118,9 @@ class Learner:
         # Evaluation figures, and the dedicated evaluator (eval.producer), never a producer.
         self.evals = Evaluations(cfg, self.metrics)
         self._unlogged: PendingRow | None = None
+        # A step's update that makes a version (``_publish``) but has not been given one yet:
+        # a stop between the two lands here, and the final checkpoint gives it its number.
+        self._owes_version = False
         self.final_checkpoint_failed = False  # a multi-rank learner's ranks must then end at once
         self.counters = dict(self.state.counters)
         for k in ("dropped_batches", "dropped_batch_groups"):
@@ -282,6 +285,8 @@ class Learner:
             c.steps_taken = st.step  # the batch was dropped: its step needs another
             return None
         st.step += 1
+        self._owes_version = not m["skipped_nonfinite"] and \
+            st.step % self.cfg.sync.sync_every == 0 and st.step < t.steps
         if st.first_reward is None:
             st.first_reward = m["reward_mean"]
         self._unlogged = PendingRow(st.step, m, wait_s, since)
@@ -304,6 +309,7 @@ class Learner:
         m["snapshot_copy_s"] = time.monotonic() - t1
         m["snapshot_buckets"] = float(self.routes.capture_buckets)
         st.version += 1
+        self._owes_version = False
         self.writer.submit(st.version, flat, layout)
         del flat
         if self.routes.on_gpu(st.version):
@@ -392,6 +398,13 @@ class Learner:
         # the state is a copy, as the background write reads it while training goes on.
         prefixes = self.ledger.prefixes()
         state = copy.deepcopy(self.state)
+        if self._owes_version:
+            # Stopped between a step's update and its version (the final checkpoint): the
+            # weights saved are that version's, so the checkpoint says so, and a resumed
+            # learner publishes them under it. Under the old number, producers still holding
+            # it would keep the older weights and their groups would be counted one version
+            # fresher than they are (in sync mode: off-policy data taken for on-policy).
+            state.version += 1
         buf = self.buffer.snapshot()
 
         def durable(path: Path) -> None:

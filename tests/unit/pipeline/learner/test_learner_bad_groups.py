@@ -214,3 +214,34 @@ def test_a_stop_that_lands_mid_step_waits_for_the_step_and_checkpoints_it(tiny_m
     st = RolloutBuffer.restore(buf_bytes, 10**6, None).stats
     assert state.step == 2 and st.served == 2 * 2  # every group that left the buffer trained
     assert st.received == st.served + st.size
+    # Step 2's update makes version 2 (it would have been published had no stop come): the
+    # checkpoint holds it under that number, and the resumed learner publishes it as version
+    # 2 first, so a producer still on version 1 loads it instead of keeping the older weights.
+    assert state.version == 2
+
+    import torch
+
+    from sync.snapshot import read_snapshot
+
+    cfg = _cfg(tiny_model, tmp_path, steps=5)
+    cfg.train.batch_groups = 3  # more than the 2 groups it holds: it waits, trains nothing
+    resumed = Learner(cfg, str(tiny_model), resume=True)
+
+    async def start() -> None:
+        task = asyncio.create_task(resumed.run())
+        try:
+            while resumed.control.snapshot is None:
+                assert not task.done()
+                await asyncio.sleep(0.05)
+            ref = resumed.control.snapshot
+            assert ref.version == 2
+            weights = read_snapshot(ref)
+            own = resumed.trainer.snapshot_tensors()  # the checkpoint's weights, after step 2
+            assert set(weights) == set(own)
+            assert all(torch.equal(weights[k], own[k]) for k in own)
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(start())
