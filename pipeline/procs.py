@@ -8,19 +8,32 @@ Each process of a run writes everything it prints to ``run_dir/logs/<process>.lo
 it starts (vLLM's engine core inherits the file), raw tracebacks. The launcher follows those
 files and alone writes to the console (``pipeline.launch.console``). Lines meant for the user
 (progress, the summary) are records of the ``CONSOLE`` logger.
+
+A full disk never stops a process through its output: its ``sys.stdout`` and ``sys.stderr``
+(``LogStream``) drop a line the log file has no room for, count it (``dropped_lines``), and send
+it to the launcher over a socket that needs no disk (``CONSOLE_SOCKET``), which shows it if it
+is a line for the console; no print or log record raises, and no "--- Logging error ---" block
+is written. Once there is room again, one line in the file says how many were dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
+import multiprocessing
 import os
+import re
 import signal
+import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from pipeline.appendfile import is_disk_full
 
 LOG_FORMAT = "%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"
 LOG_DATEFMT = "%H:%M:%S"
@@ -40,6 +53,127 @@ def log_file(run_dir: str | Path, process: str) -> Path:
     return Path(run_dir) / LOGS_DIR / f"{process}.log"
 
 
+CONSOLE_SOCKET = "PIPELINE_CONSOLE_SOCKET"
+"""Environment variable: the launcher's datagram socket (Linux abstract namespace: no file) for
+the lines a child's log file has no room for (``LogStream``, ``pipeline.launch.console``)."""
+RELAY_MAX_BYTES = 16384  # a longer line (a traceback record) is cut to this when relayed
+# A record below WARNING, ours ("12:00:00 producer0 pipeline.x INFO ...") or a library's: the
+# console does not show it, so it is not relayed (the socket queues a few datagrams only).
+_QUIET_RECORD = re.compile(r"^(?:\S+\s+){0,4}?\[?(DEBUG|INFO)\b")
+_dropped = [0]  # lines of this process's output its log file could not take
+
+
+def dropped_lines() -> int:
+    """Lines of this process's output dropped so far because its disk was full."""
+    return _dropped[0]
+
+
+class _Relay:
+    """This process's end of ``CONSOLE_SOCKET``: best effort, never blocks."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+
+    def send(self, data: bytes) -> None:
+        name = os.environ.get(CONSOLE_SOCKET)
+        if not name:
+            return
+        with contextlib.suppress(OSError):
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._sock.setblocking(False)
+            self._sock.sendto(data[:RELAY_MAX_BYTES], b"\0" + name.encode())
+
+
+class LogStream(io.TextIOBase):
+    """File descriptor 1 or 2 of a run's process (its log file) as ``sys.stdout`` or
+    ``sys.stderr``: whole lines, written unbuffered, each write one ``os.write`` (lines of the
+    processes sharing the file interleave whole). A line the disk has no room for is dropped,
+    counted and relayed (the module docstring); a line is not begun when the file system
+    reports less room than it needs, so a line is rarely torn, and one torn by a race is ended
+    before the next."""
+
+    encoding = "utf-8"
+    errors = "replace"
+
+    def __init__(self, fd: int, relay: bool = True) -> None:
+        """``relay``: send a dropped line to the launcher (``CONSOLE_SOCKET``)."""
+        super().__init__()
+        self._fd = fd
+        self._pending = ""
+        self._lock = threading.RLock()
+        self._torn = False
+        self._dropped_here = 0  # dropped since the last line that went in
+        self._relay = _Relay() if relay else None
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def isatty(self) -> bool:
+        return False
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            if "\n" in self._pending:
+                head, _, self._pending = self._pending.rpartition("\n")
+                self._emit(head + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                text, self._pending = self._pending, ""
+                self._emit(text)
+
+    def _emit(self, text: str) -> None:
+        data = text.encode("utf-8", "replace")
+        if self._dropped_here:
+            data = self._notice() + data
+        if self._torn:
+            data = b"\n" + data
+        if not self._room_for(len(data)):
+            self._drop(text)
+            return
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            self._torn = len(view) < len(data)
+            self._drop(text)
+            return
+        self._torn = False
+        self._dropped_here = 0
+
+    def _room_for(self, n: int) -> bool:
+        try:
+            st = os.fstatvfs(self._fd)
+        except OSError:
+            return True  # not a file system that says: write and see
+        return st.f_bavail * st.f_frsize >= n or st.f_blocks == 0
+
+    def _drop(self, text: str) -> None:
+        lines = max(text.count("\n"), 1)
+        self._dropped_here += lines
+        _dropped[0] += lines
+        first = text.lstrip("\n").split("\n", 1)[0]
+        if self._relay is not None and (f" {CONSOLE} " in first
+                                        or not _QUIET_RECORD.match(first)):
+            self._relay.send(text.encode("utf-8", "replace"))
+
+    def _notice(self) -> bytes:
+        """A record (``LOG_FORMAT``) saying how many lines this file lacks."""
+        return (f"{time.strftime(LOG_DATEFMT)} {multiprocessing.current_process().name} "
+                f"{__name__} INFO {self._dropped_here} line(s) of this process's output "
+                f"were dropped here: the disk was full\n").encode()
+
+
 def to_log_file(path: Path) -> None:
     """Point this process's stdout and stderr (file descriptors 1 and 2, so that the processes
     it starts inherit them) at ``path``, appended to: a restarted process continues its file,
@@ -51,9 +185,9 @@ def to_log_file(path: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)  # the launcher follows the file as it grows
+    # Whole lines as they come (the launcher follows the file as it grows); a full disk drops
+    # them (``LogStream``).
+    sys.stdout, sys.stderr = LogStream(1), LogStream(2)
 
 
 class ConsoleStream:

@@ -13,10 +13,15 @@ the only process that writes to the console, so lines of different processes nev
   (up to its next ``ENGINE_START``: the noise of an engine stopping, the run's outcome decided);
 - with ``verbose``, every line (the libraries' INFO and warnings too): on stderr.
 
-The launcher's own records go to ``logs/launcher.log`` and, from WARNING up (every level with
-``verbose``), to stderr. Multiprocessing's resource tracker, which the launcher starts with
-its stderr in ``launcher.log``, writes there too: its exit-time warnings about what killed
-children left ("leaked semaphore objects") stay in that file.
+A line a child's log file has no room for (its disk is full) comes to the launcher over a
+datagram socket instead (``ConsoleRelay``; ``pipeline.procs.LogStream`` sends it), and is shown
+or not as if read from the file.
+
+The launcher's own records go to ``logs/launcher.log`` (a full disk drops and counts them, as a
+child's) and, from WARNING up (every level with ``verbose``), to stderr. Multiprocessing's
+resource tracker, which the launcher starts with its stderr in ``launcher.log``, writes there
+too: its exit-time warnings about what killed children left ("leaked semaphore objects") stay
+in that file.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -33,11 +39,13 @@ from typing import TextIO
 
 from pipeline.procs import (
     CONSOLE,
+    CONSOLE_SOCKET,
     ENGINE_SHUTDOWN,
     ENGINE_START,
     LOG_DATEFMT,
     LOG_FORMAT,
     LOGS_DIR,
+    LogStream,
     log_file,
     setup_logging,
     to_log_file,
@@ -108,6 +116,11 @@ class LineFilter:
             return "err", line
         return None
 
+    def new_write(self) -> None:
+        """The next line begins a write of its own (a relayed datagram): it continues no
+        record."""
+        self._show = self._console = False
+
     def _start(self, level: int, ours: bool) -> None:
         self._console = False
         self._show = level >= logging.ERROR or (level >= logging.WARNING and ours)
@@ -118,11 +131,49 @@ class LineFilter:
             self.shutdown_errors += 1
 
 
+class ConsoleRelay:
+    """The launcher's end of ``CONSOLE_SOCKET``: a datagram socket in Linux's abstract
+    namespace (no file, so a full disk cannot stop it), named in the environment the children
+    inherit. Each datagram is one write of a child's output that its log file could not take
+    (whole lines). Elsewhere (no abstract namespace) there is none, and such lines are only
+    counted by the child."""
+
+    def __init__(self) -> None:
+        self.name = f"pipeline-console-{os.getpid()}-{os.urandom(4).hex()}"
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self._sock.bind(b"\0" + self.name.encode())
+        except OSError:
+            self._sock.close()
+            self._sock = None
+            return
+        self._sock.setblocking(False)
+        os.environ[CONSOLE_SOCKET] = self.name
+
+    def drain(self) -> list[bytes]:
+        """The datagrams received since the last call."""
+        out = []
+        while self._sock is not None:
+            try:
+                out.append(self._sock.recv(1 << 16))
+            except (BlockingIOError, InterruptedError):
+                break
+        return out
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            if os.environ.get(CONSOLE_SOCKET) == self.name:
+                del os.environ[CONSOLE_SOCKET]
+
+
 class LogFollower:
     """Follows every ``*.log`` file under ``logs_dir`` but the launcher's own (or those named
     in ``only``) and copies to the console what ``LineFilter`` lets through. Files that exist
     when it starts are followed from their end (a resumed run does not replay its earlier
-    logs); new ones from the start."""
+    logs); new ones from the start. ``relay``: also the lines the children's log files could
+    not take (``ConsoleRelay``; create the follower before the children start)."""
 
     def __init__(
         self,
@@ -132,12 +183,15 @@ class LogFollower:
         err: TextIO | None = None,
         skip: tuple[str, ...] = ("launcher.log",),
         only: tuple[str, ...] | None = None,
+        relay: bool = False,
     ) -> None:
         self.dir, self.verbose, self.skip, self.only = Path(logs_dir), verbose, skip, only
         self._out, self._err = out, err
         self._offsets = {p.name: p.stat().st_size for p in self._files()}
         self._partial: dict[str, bytes] = {}
         self._filters: dict[str, LineFilter] = {}
+        self.relay = ConsoleRelay() if relay else None
+        self._relayed = LineFilter(verbose)  # lines of every child: each datagram whole lines
 
     def _files(self) -> list[Path]:
         return sorted(p for p in self.dir.glob("*.log") if p.name not in self.skip
@@ -165,6 +219,13 @@ class LogFollower:
                 if got is not None:
                     stream, text = got
                     print(text, file=out if stream == "out" else err)
+        for data in self.relay.drain() if self.relay is not None else []:
+            self._relayed.new_write()
+            for line in data.decode("utf-8", errors="replace").splitlines():
+                if got := self._relayed.feed(line.rstrip("\r")):
+                    print(got[1], file=out if got[0] == "out" else err)
+        if final and self.relay is not None:
+            self.relay.close()
         if final and not self.verbose and self.hidden_warnings:
             print(
                 f"pipeline-train: {self.hidden_warnings} warnings of vLLM and other libraries "
@@ -181,7 +242,8 @@ class LogFollower:
 
     @property
     def hidden_warnings(self) -> int:
-        return sum(f.hidden_warnings for f in self._filters.values())
+        return sum(f.hidden_warnings for f in self._filters.values()) + \
+            self._relayed.hidden_warnings
 
 
 @contextlib.contextmanager
@@ -265,16 +327,32 @@ def resource_tracker_to(path: Path) -> None:
         os.close(console)
 
 
+class _LogFileHandler(logging.StreamHandler):
+    """Records appended to a log file through a ``LogStream``: a full disk drops and counts
+    them (``pipeline.procs.dropped_lines``); never a "--- Logging error ---" block on the
+    console. Its lines are not relayed: the launcher's console has its records already."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        super().__init__(LogStream(self._fd, relay=False))
+
+    def close(self) -> None:
+        super().close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 def log_to_run_dir(run_dir: Path) -> logging.Handler:
     """Add ``run_dir/logs/launcher.log`` to the launcher's records (every level from INFO)."""
     path = log_file(run_dir, "launcher")
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = _LogFileHandler(path)
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATEFMT))
     logging.getLogger().addHandler(handler)
     return handler
 
 
-__all__ = ["LOGS_DIR", "LineFilter", "LogFollower", "console_to_log", "launcher_logging",
-           "log_to_run_dir", "resource_tracker_to", "tell"]
+__all__ = ["LOGS_DIR", "ConsoleRelay", "LineFilter", "LogFollower", "console_to_log",
+           "launcher_logging", "log_to_run_dir", "resource_tracker_to", "tell"]

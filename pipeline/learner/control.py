@@ -20,6 +20,7 @@ and waits for a checkpoint of its groups) and the sync timings (``take_sync``).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
 from typing import Any
@@ -40,6 +41,7 @@ from buffer.protocol import (
 )
 from buffer.store import RolloutBuffer
 from buffer.transport import LearnerEndpoint
+from pipeline.appendfile import DiskFull, is_disk_full
 from pipeline.config import RunConfig
 from pipeline.learner.checkpoint import LearnerState
 from pipeline.learner.evaluation import Evaluations
@@ -80,6 +82,7 @@ class Control:
         # When this learner began to answer (``serve``): the grace of a member it knows as
         # leaving only from the roster starts then, not at a start slowed by a big snapshot.
         self._started: float | None = None
+        self._roster_unsaved = False  # run_dir's disk had no room for the roster's last change
 
     # ------------------------------------------------------------------ requests
     def answer(self, msg: ControlMessage) -> Welcome | Reply:
@@ -133,7 +136,7 @@ class Control:
             log.info("producer %s joined the run: %s", msg.producer_id, self.members)
         elif msg.leaving and msg.producer_id not in self.members:
             self.checkpoint_soon = True  # it left and waits for a checkpoint of its groups
-        self.roster.save()
+        self._save_roster()
 
     def _on_control(self, msg: ControlMessage) -> None:
         """A checked control message from a producer (or evaluator) that said Hello."""
@@ -148,14 +151,14 @@ class Control:
             self._read[msg.producer_id] = msg.cursor
             if msg.leaving:
                 self.roster.mark_leaving(msg.producer_id)
-                self.roster.save()
+                self._save_roster()
         elif isinstance(msg, SyncReady):
             self.routes.on_sync_ready(msg)
         elif isinstance(msg, EvalResult):
             self.evals.result(msg, self.state.step)
         elif isinstance(msg, Leave):
             was = self.roster.leave(msg.producer_id, msg.cursor)
-            self.roster.save()
+            self._save_roster()
             if was:
                 self.checkpoint_soon = True
                 log.info("producer %s left the run after %d groups: %s", msg.producer_id,
@@ -204,7 +207,8 @@ class Control:
         version = ref.version if ref else 0
         routes, transfer = self.routes.offer(self.state.version)
         self.roster.top_up(self.state.cursors, self._read)
-        self.roster.save()  # before any producer can read a new lease
+        if not self._save_roster():  # before any producer can read a new lease
+            raise DiskFull(errno.ENOSPC, "the roster cannot be saved: run_dir's disk is full")
         return Announce(version=version, snapshot_uri=ref.uri if ref else "",
                         snapshot_checksum=ref.checksum if ref else "",
                         learner_session=self.session, received=received, consumed=consumed,
@@ -217,9 +221,30 @@ class Control:
                         finished=finished)
 
     async def publish(self, finished: bool = False) -> None:
-        """Broadcast the announcement now."""
+        """Broadcast the announcement now; none while the roster it would name cannot be saved
+        (run_dir's disk is full): producers go on with the last one until there is room."""
         assert self.endpoint is not None
-        await self.endpoint.publish(self.announcement(finished))
+        try:
+            ann = self.announcement(finished)
+        except DiskFull:
+            return
+        await self.endpoint.publish(ann)
+
+    def _save_roster(self) -> bool:
+        """Save the roster if it changed; False while run_dir's disk has no room for it (it
+        stays changed, saved at the next chance, and no announce names the change before)."""
+        try:
+            self.roster.save()
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            if not self._roster_unsaved:
+                log.info("the roster cannot be saved (run_dir's disk is full): announcements "
+                         "wait until it can")
+            self._roster_unsaved = True
+            return False
+        self._roster_unsaved = False
+        return True
 
     async def announce(self) -> None:
         """Re-broadcast every second; keep NCCL links offered; drop members that died leaving."""
@@ -243,7 +268,7 @@ class Control:
             heard = max(info.last_seen if info else -ALIVE_S, self._started)
             if now - heard >= ALIVE_S:
                 self.roster.leave(pid, self.state.cursors.get(pid, 0))
-                self.roster.save()
+                self._save_roster()
                 self.checkpoint_soon = True
                 log.warning("producer %s died while leaving: out of the run: %s", pid,
                             self.members)

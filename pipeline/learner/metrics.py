@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from pipeline.appendfile import AppendFile
+
 __all__ = [
     "METRICS_FILE",
     "MetricsLogger",
@@ -116,10 +118,12 @@ class MetricsLogger:
                 torn = f.read(1) != b"\n"
         else:
             torn = False
-        self._file: TextIO | None = self.path.open("a", encoding="utf-8")
+        # Whole rows only; a row the disk has no room for waits, in order, for the next
+        # (``pipeline.appendfile``): a full run_dir delays rows, never loses or tears them.
+        self._file: AppendFile | None = AppendFile(self.path)
         if torn:
             # A crash mid-write left a partial line; start on a fresh one so it stays isolated.
-            self._file.write("\n")
+            self._file.append(b"\n")
         self._start = time.monotonic()
 
     def log(self, step: int, metrics: Mapping[str, float | int], progress: bool = True) -> None:
@@ -137,8 +141,7 @@ class MetricsLogger:
             "ts": round(time.time(), 3),
             **values,
         }
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._file.append((json.dumps(record) + "\n").encode())
 
         if self.first_reward is None and "reward_mean" in values:
             self.first_reward = float(values["reward_mean"])
@@ -171,6 +174,9 @@ class MetricsLogger:
 
     def close(self) -> None:
         if self._file is not None:
+            if not self._file.retry():
+                warnings.warn(f"{len(self._file.waiting)} metrics row(s) not written to "
+                              f"{self.path}: its disk is full", RuntimeWarning, stacklevel=2)
             self._file.close()
             self._file = None
         if self._writer is not None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from buffer.schema import Completion, RolloutGroup
+from pipeline.appendfile import AppendFile
 from pipeline.config import RunConfig
 from pipeline.producer.data import PromptRecord
 from pipeline.producer.episode import (
@@ -68,6 +69,7 @@ class GroupRollout:
         self.episode_failures = FailureLog()
         self.seq = 0  # groups of this incarnation sent (exactly-once delivery, buffer.ledger)
         self.sent_log = outbox.dir / f"{incarnation}.jsonl"
+        self._sent = AppendFile(self.sent_log)  # a line the disk has no room for waits
         self.learner_consumed = 0  # groups the learner has taken (Announce): the cap's step
         # Groups started and neither numbered for sending nor ended: the producer's admission
         # counts them as generating. A group leaves this count in the same step as it takes its
@@ -147,9 +149,10 @@ class GroupRollout:
         return group
 
     async def _send(self, group: RolloutGroup) -> None:
-        """Keep ``group`` in the outbox until the learner has it in a checkpoint, and send it."""
+        """Keep ``group`` in the outbox until the learner has it in a checkpoint, and send it
+        (once logged: on a full disk it waits, ``Outbox.record``)."""
         group_id = group.group_id
-        self.outbox.add(group)
+        await self.outbox.record(group)
         self.stats.retention_overflow = self.outbox.overflow
         await self.endpoint.send(group)
         self._log_sent({"seq": group.metadata["seq"], "group_id": group_id,
@@ -255,8 +258,12 @@ class GroupRollout:
     def _log_sent(self, record: dict[str, Any]) -> None:
         """One line per group handed to the transport: the producer side of the soak's
         conservation check (groups produced = trained + dropped + held)."""
-        with self.sent_log.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        self._sent.append((json.dumps(record) + "\n").encode())  # on a full disk: later
+
+    def close(self) -> None:
+        """Write the sent log's lines that waited for room on the disk, and close it."""
+        self._sent.retry()
+        self._sent.close()
 
     async def _generate_one(self, rid: str, prompt_ids: list[int], sp: Any
                             ) -> tuple[Completion, str]:

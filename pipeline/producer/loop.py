@@ -47,6 +47,7 @@ from buffer import protocol
 from buffer.staleness import groups_to_go, may_admit, producer_budget
 from buffer.transport import ProducerEndpoint
 from pipeline.config import RunConfig
+from pipeline.procs import dropped_lines
 from pipeline.producer.data import PromptSource, render_prompt
 from pipeline.producer.engine import engine_devices, engine_progress
 from pipeline.producer.episode import load_episode
@@ -178,9 +179,10 @@ class Producer:
                  self.producer_id, share[0], ", ".join(members), share[1], share[0])
 
     def may_start(self) -> bool:
-        """Whether the admission budget lets us start one more group now."""
+        """Whether the admission budget lets us start one more group now (never while a
+        group waits for room on the disk to be logged: ``Outbox.record``)."""
         share = self.share()
-        return self._synced.is_set() and share is not None and may_admit(
+        return self._synced.is_set() and share is not None and not self.outbox.full and may_admit(
             self.outstanding(), self.cfg.train.batch_groups, self.cfg.train.max_staleness,
             *share, self.weights.version, self.learner_heading_to, self.learner_to_go)
 
@@ -442,6 +444,10 @@ class Producer:
         ``reward/<name>/<kind>``, once the rewards have run): the learner logs them to
         metrics.jsonl and TensorBoard."""
         return {**self.stats.to_dict(),
+                # run_dir's disk full: the pauses, their seconds, and the lines of this
+                # process's output its log file could not take (pipeline.procs.LogStream).
+                "disk_full_pauses": float(self.outbox.full_pauses),
+                "disk_full_s": self.outbox.full_s, "log_lines_dropped": float(dropped_lines()),
                 **{k: float(v) for k, v in self.rewards.reported_stats().items()}}
 
     async def _heartbeat(self) -> None:
@@ -510,6 +516,7 @@ class Producer:
                                                self._watch(), self._leave()])
         finally:
             self.rollout.summarise_failures(max(self._failures_version, 0))
+            self.rollout.close()
             self.outbox.close()
             self.weights.close()
             for t in list(self._group_tasks):

@@ -10,21 +10,32 @@ the same id recovers the dead incarnation's log and resends it.
 What is in these logs and not in the learner's ledger when a run ends (a producer restarted late,
 whose successor was still starting when the learner finished; groups in flight at the end) is
 what ``undelivered`` counts: ``--resume`` resends it.
+
+A group is in the log before it is sent. When the disk has no room for it (``record``), it waits
+in memory, none of it in the file (``pipeline.appendfile``), and is retried every
+``DISK_RETRY_S``; meanwhile ``full`` is set and the producer admits no new group (one warning,
+``DISK_FULL``). The first group that goes in clears it: generation resumes by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import struct
+import time
 from pathlib import Path
 
 from buffer.ledger import GroupLedger
 from buffer.schema import DecodeError, RolloutGroup, decode, encode
+from pipeline.appendfile import AppendFile, DiskFull, is_disk_full
 
 log = logging.getLogger(__name__)
 _LEN = struct.Struct("<I")
 COMPACT_BYTES = 64 << 20  # rewrite our log once it is this big and mostly durable
+DISK_RETRY_S = 1.0  # a group the disk had no room for is tried again this often
+DISK_FULL = "run_dir's disk is full: generation paused; free space to continue"
 
 
 def read_log(path: Path) -> list[RolloutGroup]:
@@ -91,16 +102,47 @@ class Outbox:
             log.info("%s: recovered %d unconfirmed group(s) of earlier %s process(es)",
                      incarnation, self.recovered, producer_id)
         self._path = self.dir / f"{incarnation}.wal"
-        self._fh = self._path.open("ab")
+        self._log = AppendFile(self._path)
+        self.producer_id = producer_id
+        self.full = False  # a group waits for room on the disk: admit nothing new
+        self.full_pauses = 0  # times the disk filled
+        self._full_since = 0.0
+        self._full_s = 0.0  # seconds of the pauses that ended
+
+    @property
+    def full_s(self) -> float:
+        """Seconds the producer has waited for disk space, the wait under way included."""
+        now = time.monotonic()
+        return self._full_s + (now - self._full_since if self.full else 0.0)
 
     def add(self, group: RolloutGroup) -> None:
+        """Log ``group`` (in the page cache: survives kill -9 of this process) and keep it until
+        durable; ``DiskFull`` with none of it logged when the disk has no room."""
         frame = encode(group)
-        self._fh.write(_LEN.pack(len(frame)) + frame)
-        self._fh.flush()  # in the page cache: survives kill -9 of this process
+        self._log.write(_LEN.pack(len(frame)) + frame)
         self.pending[_key(group)] = group
         if len(self.pending) > self.max_groups:
             del self.pending[min(self.pending, key=lambda k: k[1])]
             self.overflow += 1
+
+    async def record(self, group: RolloutGroup) -> None:
+        """``add``, waiting while the disk has no room (``full``; the module docstring)."""
+        while True:
+            try:
+                self.add(group)
+                break
+            except DiskFull:
+                if not self.full:
+                    self.full, self._full_since = True, time.monotonic()
+                    self.full_pauses += 1
+                    log.warning("%s: %s", self.producer_id, DISK_FULL)
+                await asyncio.sleep(DISK_RETRY_S)
+        if self.full:
+            self.full = False
+            paused = time.monotonic() - self._full_since
+            self._full_s += paused
+            log.info("%s: room on the disk again after %.0f s: generation resumes",
+                     self.producer_id, paused)
 
     def forget_durable(self, durable: dict[str, int]) -> None:
         for key in [k for k in self.pending if k[1] < durable.get(k[0], 0)]:
@@ -108,19 +150,28 @@ class Outbox:
         live = {inc for inc, _ in self.pending}
         for inc in [i for i in self._foreign if i not in live]:
             self._foreign.pop(inc).unlink(missing_ok=True)
-        if self._fh.tell() > COMPACT_BYTES:
+        if self._log.tell() > COMPACT_BYTES and not self.full:
             self._compact()
 
     def _compact(self) -> None:
+        """Rewrite our log with only the groups not yet durable; on a full disk the log stays
+        as it is (compacted at a later announce)."""
         tmp = self._path.with_suffix(".tmp")
-        with tmp.open("wb") as fh:
-            for key in sorted(self.pending, key=lambda k: k[1]):
-                if key[0] == self.incarnation:
-                    frame = encode(self.pending[key])
-                    fh.write(_LEN.pack(len(frame)) + frame)
-        self._fh.close()
+        try:
+            with tmp.open("wb") as fh:
+                for key in sorted(self.pending, key=lambda k: k[1]):
+                    if key[0] == self.incarnation:
+                        frame = encode(self.pending[key])
+                        fh.write(_LEN.pack(len(frame)) + frame)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if not is_disk_full(e):
+                raise
+            return
+        self._log.close()
         os.replace(tmp, self._path)
-        self._fh = self._path.open("ab")
+        self._log = AppendFile(self._path)
 
     @property
     def incarnations_recovered(self) -> list[str]:
@@ -131,4 +182,4 @@ class Outbox:
         return [self.pending[k] for k in sorted(self.pending)]
 
     def close(self) -> None:
-        self._fh.close()
+        self._log.close()

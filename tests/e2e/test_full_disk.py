@@ -12,32 +12,19 @@ import contextlib
 import os
 import re
 import shutil
-import subprocess
+import time
 
 import pytest
 
 from bench.soak import tally
 from pipeline.learner.checkpoint import load_checkpoint
 from tests.e2e.support.launcher import ENGINE_START_S, Launcher, read_metrics
+from tests.small_fs import fill, small_filesystem
 
 pytestmark = pytest.mark.slow
 
 FAILED = re.compile(r"checkpoint at step (\d+) failed \(.*No space left on device.*\); the "
                     r"previous checkpoint (\S+) is intact; training goes on")
-
-
-@contextlib.contextmanager
-def small_filesystem(path, megabytes: int):
-    path.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs",
-                           str(path)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): needs root; the "
-                    "injected-ENOSPC unit tests (test_checkpoint_background.py) cover the logic")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def test_a_full_disk_mid_run_is_one_line_and_the_run_goes_on(tiny_model, tmp_path):
@@ -97,3 +84,49 @@ def test_a_full_disk_mid_run_is_one_line_and_the_run_goes_on(tiny_model, tmp_pat
         t = tally(run_dir)
         assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
         assert not os.path.exists(filler)
+
+
+PAUSED = "run_dir's disk is full: generation paused; free space to continue"
+ABOUT_IT = re.compile(r"disk|space|full|ENOSPC|Logging error", re.IGNORECASE)
+
+
+def test_a_full_run_dir_pauses_generation_and_the_run_finishes(tiny_model, tmp_path):
+    """The whole run_dir on a 48 MB filesystem, filled once the learner has trained 2 steps
+    and freed 5 s after the producer says it paused: the run trains its last step and exits 0,
+    no group is lost, and the console shows at most 3 lines about it and no traceback."""
+    run_dir = tmp_path / "run"
+    with small_filesystem(run_dir, 48):
+        la = Launcher(tiny_model, run_dir, "--mode", "async", "--max-staleness", "1",
+                      "--steps", "8", "--num-producers", "1",
+                      "--train.checkpoint_every", "1", "--train.keep_checkpoints", "1",
+                      verbose=False)
+        filler = run_dir / "filler"
+        try:
+            la.wait_for(lambda: la.steps_done() >= 2, ENGINE_START_S, "step 2")
+            fill(filler)
+            la.wait_for(lambda: any(PAUSED in ln for ln in la.lines), 120, "the pause line")
+            time.sleep(5)  # the learner trains what it holds and skips its checkpoints
+            filler.unlink()
+            rc = la.wait(300)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                filler.unlink()
+            la.stop()
+        console = la.stdout.splitlines() + la.lines
+        about = [ln for ln in console if ABOUT_IT.search(ln.replace(str(tmp_path), ""))]
+        assert rc == 0, la.tail()
+        assert [ln for ln in about if PAUSED in ln] and len(about) <= 3, "\n".join(console)
+        assert not [ln for ln in console if "Traceback" in ln], la.tail()
+        print("console lines about the full disk:", *about, sep="\n  ")
+        rows = [r for r in read_metrics(run_dir) if "reward_mean" in r]
+        assert [r["step"] for r in rows] == list(range(1, 9))  # rows that waited, written
+        last = rows[-1]
+        # Generation waited (a pause, its seconds), and the lines the log files could not
+        # take were counted, not printed.
+        assert last["producer/disk_full_pauses"] >= 1 and last["producer/disk_full_s"] > 1, last
+        assert last["producer/log_lines_dropped"] >= 1, last
+        assert "line(s) of this process's output were dropped here" in \
+            (run_dir / "logs" / "producer-0.log").read_text()
+        t = tally(run_dir)
+        assert t["lost"] == 0 and t["conservation_ok"] and t["buffer_invariant_ok"], t
+        assert t["steps"] == 8, t

@@ -29,14 +29,16 @@ CONNECTED = re.compile(r"producer (p\d+) \(pid (\d+)[^)]*\) connected at version
 class Launcher:
     """`python -m pipeline.launch.cli ...` under Popen; stderr is collected line by line."""
 
-    def __init__(self, tiny_model: Path, run_dir: Path, *extra: str):
+    def __init__(self, tiny_model: Path, run_dir: Path, *extra: str, verbose: bool = True):
+        """``verbose``: the processes' INFO lines on stderr, which most tests follow; False:
+        the console a user sees."""
         cmd = [sys.executable, "-m", "pipeline.launch.cli", "--model", str(tiny_model),
                "--data", "arithmetic:200", "--reward", "pipeline.tasks.rewards:length_reward",
                "--num-producers", "2", "--batch-groups", "2", "--group-size", "4",
                "--max-tokens", "8", "--run-dir", str(run_dir),
                "--engine.max_model_len", "256", "--engine.cpu_kvcache_space_gib", "1",
                "--tensorboard", "false", "--progress", "false",
-               "--verbose", *extra]  # the tests follow the processes' INFO lines
+               *(["--verbose"] if verbose else []), *extra]
         self.run_dir = run_dir
         self.lines: list[str] = []
         self._cond = threading.Condition()

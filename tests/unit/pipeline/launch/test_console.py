@@ -305,3 +305,51 @@ def test_console_to_log_verbose_shows_every_line(tmp_path, capfd):
     assert out == "eval: reward_mean 0.5\n"
     assert [x.split("] ", 1)[1] for x in err.splitlines()] == [
         "engine config dump", "OpenMP binding", "engine core died"]
+
+
+def test_a_full_disk_drops_and_counts_a_childs_lines_and_relays_them_to_the_console(tmp_path):
+    """A real child whose log file is on a full 1 MB filesystem (a tmpfs; needs root): its
+    prints and records never raise, nothing reaches its own stdout/stderr (no "--- Logging
+    error ---" block), every line is counted as dropped and relayed to the launcher, whose
+    console shows the warning alone; once there is room the file says how many it lacks."""
+    from pipeline.procs import CONSOLE_SOCKET
+    from tests.small_fs import small_filesystem
+
+    out, err = io.StringIO(), io.StringIO()
+    with small_filesystem(tmp_path / "fs", 1) as fs:
+        (fs / "logs").mkdir()
+        follower = LogFollower(fs / "logs", out=out, err=err, relay=True)
+        assert follower.relay is not None
+        path = log_file(fs, "producer-0")
+        code = textwrap.dedent(f"""
+            import logging
+            from pathlib import Path
+            from pipeline.procs import dropped_lines, setup_logging, to_log_file
+            from tests.small_fs import fill
+            to_log_file(Path({str(path)!r}))
+            setup_logging()
+            loop = logging.getLogger("pipeline.producer.loop")
+            loop.info("before the disk fills")
+            fill(Path({str(fs / "filler")!r}))
+            for i in range(50):
+                loop.info("info %d while full", i)
+            logging.getLogger("pipeline.producer.outbox").warning("p0: the disk is full")
+            print("a print while full")
+            assert dropped_lines() == 52, dropped_lines()
+            Path({str(fs / "filler")!r}).unlink()
+            loop.info("room again")
+        """)
+        repo = Path(__file__).resolve().parents[4]
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              cwd=repo, timeout=60,
+                              env={"PYTHONPATH": str(repo), CONSOLE_SOCKET: follower.relay.name})
+        follower.pump(final=True)
+        text = path.read_text()
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr
+    assert "before the disk fills" in text and "room again" in text, text
+    assert "while full" not in text and "Logging error" not in text, text
+    # stderr's count (the print was stdout's: its count comes with its next line)
+    assert "INFO 51 line(s) of this process's output were dropped here" in text, text
+    shown = err.getvalue().splitlines()
+    assert len(shown) == 1 and shown[0].endswith("WARNING p0: the disk is full"), shown
+    assert out.getvalue() == ""

@@ -79,3 +79,37 @@ def test_undelivered_counts_what_the_learners_ledger_lacks_per_log(tmp_path):
     assert undelivered(tmp_path, GroupLedger()) == {"p0-1.wal": [0, 1, 2, 3, 4],
                                                     "p1-2.wal": [4, 4, 4]}
     assert undelivered(tmp_path / "none", ledger) == {}
+
+
+def test_a_full_disk_pauses_recording_once_and_resumes_by_itself(tmp_path, monkeypatch, caplog):
+    """A real 1 MB filesystem (a tmpfs; needs root) filled while groups are recorded: the group
+    waits in memory, none of it in the log, ``full`` is set (the producer admits nothing) with
+    one warning; once the filler is gone the group goes in and ``full`` clears."""
+    import asyncio
+    import logging
+
+    from tests.small_fs import fill, small_filesystem
+
+    monkeypatch.setattr(outbox_mod, "DISK_RETRY_S", 0.05)
+    with small_filesystem(tmp_path / "fs", 1) as fs:
+        box = Outbox(fs, "p0", "p0-1", max_groups=100)
+        box.add(_group("p0-1", 0))
+        fill(fs / "filler")
+
+        async def run() -> None:
+            # More than the page the log has begun holds: the last ones find no room.
+            waiting = [asyncio.create_task(box.record(_group("p0-1", s))) for s in range(1, 61)]
+            await asyncio.sleep(0.3)
+            assert box.full and not all(t.done() for t in waiting)
+            assert box.full_pauses == 1
+            (fs / "filler").unlink()
+            await asyncio.wait_for(asyncio.gather(*waiting), 5)
+            assert not box.full and box.full_s > 0.2
+
+        with caplog.at_level(logging.INFO, logger="pipeline.producer.outbox"):
+            asyncio.run(run())
+        box.close()
+        groups = read_log(fs / "p0-1.wal")
+        assert sorted(g.metadata["seq"] for g in groups) == list(range(61))  # none torn
+        warned = [r for r in caplog.records if outbox_mod.DISK_FULL in r.getMessage()]
+        assert len(warned) == 1 and warned[0].levelname == "WARNING"
