@@ -3,8 +3,9 @@ checkpoints directory, filled by the test once the first checkpoint is saved): t
 is one console line, its partial directory is removed, ``LATEST`` keeps naming the previous
 checkpoint, training goes on (``train.on_checkpoint_error: continue``), and once space is back
 the run writes its later checkpoints; stopped by Ctrl-C, it writes its final one and loses no
-group.
-Real `pipeline-train` run (vLLM CPU engine, tiny model)."""
+group. And the whole run_dir on a small filesystem filled mid-run: generation pauses (one
+console line) and resumes once the filler is gone, and the run ends as planned.
+Real `pipeline-train` runs (vLLM CPU engine, tiny model)."""
 
 from __future__ import annotations
 
