@@ -33,6 +33,9 @@ from sync.snapshot import SnapshotError, SnapshotRef, base_snapshot_files, read_
 VLLM_LORA_MODULES = frozenset(
     {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 )
+# Embedding layers: peft keeps their LoRA as ``lora_embedding_A``/``lora_embedding_B``, not the
+# ``lora_A``/``lora_B`` weights of a linear layer that an adapter file here carries.
+EMBEDDING_MODULES = frozenset({"embed_tokens", "wte", "word_embeddings"})
 # The ranks vLLM accepts for ``max_lora_rank`` (LoRAConfig's allowed values).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 CONFIG_NAME = "adapter_config.json"
@@ -41,12 +44,22 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 
 def adapter_sync_plan(mode: str, lora_rank: int, target_modules: list[str]) -> tuple[bool, str]:
     """(on, reason): whether versions travel as LoRA adapters; ``reason`` says why not (empty
-    when on, or when nothing is asked: ``mode`` off or a full fine-tune). ``mode`` "auto", "on"
-    and "merge" ask alike (whether "auto" asks at all, e.g. not on CPU, is decided before);
-    with "merge" the producers merge each adapter into their engine's weights
-    (``merge_adapter``) instead of serving it through vLLM's LoRA support."""
+    when on, or when nothing is asked: ``mode`` off or a full fine-tune). ``mode`` "auto" and
+    "on" ask to serve the adapter through vLLM's LoRA support, so vLLM's limits apply (the
+    modules it serves, its largest rank); whether "auto" asks at all (not on CPU) is decided
+    before. With "merge" the producers merge each adapter into their engine's weights
+    (``merge_adapter``) and vLLM's LoRA is not used: any linear module, any rank."""
     if mode == "off" or lora_rank <= 0:
         return False, ""
+    embeddings = sorted(set(target_modules) & EMBEDDING_MODULES)
+    if mode == "merge":
+        if embeddings:
+            return False, (
+                f"train.lora_target_modules {', '.join(embeddings)}: an embedding's LoRA "
+                f"tensors (peft's lora_embedding_A/B) are not carried by adapter files, which "
+                f"hold linear layers' lora_A/lora_B"
+            )
+        return True, ""
     unsupported = sorted(set(target_modules) - VLLM_LORA_MODULES)
     if unsupported:
         served = ", ".join(sorted(VLLM_LORA_MODULES))

@@ -180,7 +180,7 @@ def parse(argv: list[str] | None = None) -> tuple[RunConfig, argparse.Namespace]
             raise ConfigError(f"--connect {args.connect!r}: expected HOST:PORT with a port in "
                               "1-65535")
         overrides["addr"] = f"tcp://{args.connect}"
-    return resolve(load_config(args.config, overrides)), args
+    return resolve(load_config(args.config, overrides), args.role), args
 
 
 def check_producer_index(cfg: RunConfig, role: str, index: int) -> None:

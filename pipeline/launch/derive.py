@@ -12,9 +12,13 @@ adapter plan. What it decides:
   config still runs as documented with ``--train.lora_rank``);
 - ``buffer_capacity``: when 0, 4 x the admission budget of the resolved staleness;
 - ``sync.lora_adapters`` with LoRA: 'auto' becomes 'on' where the launcher sees a GPU and 'off'
-  on CPU; 'on' or 'merge' becomes 'off' where vLLM cannot serve the adapter
-  (``sync.lora.adapter_sync_plan``). Resolved, the option is the run's adapter plan
-  (``RunConfig.adapter_plan``); adapter-only versions where weights are streamed are refused.
+  on CPU; 'on' becomes 'off' where vLLM cannot serve the adapter, 'merge' where an adapter file
+  cannot carry it (``sync.lora.adapter_sync_plan``). Resolved, the option is the run's adapter
+  plan (``RunConfig.adapter_plan``); adapter-only versions where weights are streamed are
+  refused. A producer launched on its own (``--role producer``) does not decide 'auto': the
+  learner's launcher did, from its own GPUs, and the producer must be told the same value;
+- ``sync.route``: 'file' for adapter-only versions, which every producer loads from their files
+  (a GPU copy offered on ipc or nccl would never be opened, and an IPC export is never freed).
 
 Invariants: resolving a resolved config changes nothing and says nothing; the config passed in
 is not modified; a value set to other than its default that a decision overrides is one
@@ -37,10 +41,17 @@ from pipeline.options import ConfigError
 log = logging.getLogger(__name__)
 
 
-def resolve(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with every derived value decided (this module's docstring lists them); a
-    ConfigError when the decisions rule the config out."""
+def resolve(cfg: RunConfig, role: str = "all") -> RunConfig:
+    """``cfg`` with every derived value decided (this module's docstring lists them) for a
+    launch of ``role`` (all | learner | producer); a ConfigError when the decisions rule the
+    config out."""
     train = _train(cfg.train)
+    if role == "producer" and train.lora_rank and cfg.sync.lora_adapters == "auto":
+        raise ConfigError(
+            "sync.lora_adapters auto is decided by the learner's launcher (from its GPUs); a "
+            "producer launched on its own (--role producer) must be given the same value: "
+            "set sync.lora_adapters to the one in the learner's run_dir/config.yaml (on, merge "
+            "or off)")
     sync = _sync(cfg.sync, train)
     capacity = cfg.buffer_capacity or 4 * admission_budget(train.batch_groups,
                                                            train.max_staleness)
@@ -86,7 +97,15 @@ def _sync(s: SyncConfig, t: TrainConfig) -> SyncConfig:
         tell(log, f"sync.lora_adapters {mode} {ignored}: LoRA versions ship as merged full "
                   f"weights: {why}")
         resolved = "off"
-    return dataclasses.replace(s, lora_adapters=resolved) if resolved != mode else s
+    changes: dict[str, Any] = {}
+    if resolved != mode:
+        changes["lora_adapters"] = resolved
+    if resolved != "off" and s.route != "file":
+        if s.route != _default(SyncConfig, "route"):
+            tell(log, f"sync.route {s.route} is ignored: adapter-only versions (sync.lora_adapters "
+                      f"{resolved}) are loaded from their snapshot files")
+        changes["route"] = "file"
+    return dataclasses.replace(s, **changes) if changes else s
 
 
 def _check_streamed_adapters(cfg: RunConfig) -> None:

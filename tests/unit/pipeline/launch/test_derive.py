@@ -98,8 +98,8 @@ def test_an_unresolved_auto_plan_is_an_error_not_a_guess():
     ({"sync.lora_adapters": "on", "train.lora_target_modules": ["q_proj", "lm_head"]},
      "sync.lora_adapters on is ignored: LoRA versions ship as merged full weights: vLLM's LoRA "
      "does not serve train.lora_target_modules lm_head"),
-    ({"sync.lora_adapters": "merge", "train.lora_rank": 1024},
-     "sync.lora_adapters merge is ignored: LoRA versions ship as merged full weights: "
+    ({"sync.lora_adapters": "on", "train.lora_rank": 1024},
+     "sync.lora_adapters on is ignored: LoRA versions ship as merged full weights: "
      "train.lora_rank 1024 is above vLLM's largest max_lora_rank 512"),
     ({"train.lora_target_modules": ["q_proj", "lm_head"]},
      "sync.lora_adapters auto (default): LoRA versions ship as merged full weights: vLLM's LoRA "
@@ -110,6 +110,66 @@ def test_adapters_vllm_cannot_serve_ship_merged_with_one_line(capsys, gpus, over
     cfg, said = _resolve(capsys, **{**LORA, **over})
     assert cfg.sync.lora_adapters == "off" and cfg.adapter_plan.serving == ""
     assert len(said) == 1 and said[0].startswith(f"pipeline-train: {why}"), said
+
+
+@pytest.mark.parametrize("over", [{"train.lora_rank": 1024},
+                                  {"train.lora_target_modules": ["q_proj", "lm_head"]}])
+def test_merge_is_not_held_to_the_limits_of_vllms_lora_serving(capsys, gpus, over):
+    """With merge the producers merge each adapter into their weights; vLLM's LoRA (its
+    served modules, its largest rank) is never used."""
+    gpus(1)
+    cfg, said = _resolve(capsys, **{**LORA, "sync.lora_adapters": "merge", **over})
+    assert cfg.sync.lora_adapters == "merge" and cfg.adapter_plan.serving == "merge"
+    assert said == []
+
+
+def test_merge_of_an_embedding_ships_merged_weights_saying_why(capsys, gpus):
+    gpus(1)
+    cfg, said = _resolve(capsys, **{**LORA, "sync.lora_adapters": "merge",
+                                    "train.lora_target_modules": ["q_proj", "embed_tokens"]})
+    assert cfg.sync.lora_adapters == "off"
+    assert len(said) == 1 and "vLLM" not in said[0], said
+    assert said[0].startswith("pipeline-train: sync.lora_adapters merge is ignored: LoRA "
+                              "versions ship as merged full weights: "
+                              "train.lora_target_modules embed_tokens: an embedding's"), said
+
+
+@pytest.mark.parametrize("mode", ["on", "merge"])
+def test_adapter_versions_go_by_file_even_on_the_learners_gpu(capsys, gpus, mode):
+    """A producer on the learner's GPU would get the ipc route (auto): the learner would export
+    a GPU copy of each version that the producer, loading adapters from files, never opens."""
+    from sync.routes.base import choose_route
+
+    gpus(1)
+    cfg, said = _resolve(capsys, **{**LORA, "sync.lora_adapters": mode})
+    assert cfg.sync.route == "file" and said == []  # 'auto' was nobody's choice
+    assert choose_route(cfg.sync.route, "GPU-0", ["GPU-0"]) == "file"
+    assert choose_route(cfg.sync.route, "GPU-0", ["GPU-1"]) == "file"
+    cfg, said = _resolve(capsys, **{**LORA, "sync.lora_adapters": mode, "sync.route": "ipc"})
+    assert cfg.sync.route == "file"
+    assert said == [f"pipeline-train: sync.route ipc is ignored: adapter-only versions "
+                    f"(sync.lora_adapters {mode}) are loaded from their snapshot files"]
+    cfg, _ = _resolve(capsys, **{**LORA, "sync.lora_adapters": "off", "sync.route": "ipc"})
+    assert cfg.sync.route == "ipc"  # merged full weights: any route
+
+
+def test_a_producer_launched_alone_does_not_decide_auto_from_its_own_gpus(capsys, gpus):
+    """The learner's launcher decided 'auto' from its GPUs; a producer deciding again from its
+    own could disagree (adapters against merged weights). It is told to take the learner's."""
+    from pipeline.launch.cli import parse
+
+    gpus(1)
+    with pytest.raises(ConfigError, match=r"^sync\.lora_adapters auto is decided by the "
+                                          r"learner's launcher"):
+        resolve(load_config(None, LORA), "producer")
+    with pytest.raises(ConfigError, match="--role producer"):
+        parse(["--role", "producer", "--train.lora_rank", "8"])
+    for mode in ("on", "merge", "off"):  # given: taken as it is
+        cfg = resolve(load_config(None, {**LORA, "sync.lora_adapters": mode}), "producer")
+        assert cfg.sync.lora_adapters == mode
+    assert resolve(load_config(None, {}), "producer").sync.lora_adapters == "auto"  # no LoRA
+    assert resolve(load_config(None, LORA), "learner").sync.lora_adapters == "on"
+    capsys.readouterr()
 
 
 def test_adapter_versions_are_refused_where_weights_are_streamed(capsys):
