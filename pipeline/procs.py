@@ -112,6 +112,11 @@ class LogStream(io.TextIOBase):
     def fileno(self) -> int:
         return self._fd
 
+    @property
+    def buffer(self) -> _BinarySide:
+        """For code that writes bytes to ``sys.stdout.buffer``: the same lines, decoded."""
+        return _BinarySide(self)
+
     def isatty(self) -> bool:
         return False
 
@@ -172,6 +177,18 @@ class LogStream(io.TextIOBase):
         return (f"{time.strftime(LOG_DATEFMT)} {multiprocessing.current_process().name} "
                 f"{__name__} INFO {self._dropped_here} line(s) of this process's output "
                 f"were dropped here: the disk was full\n").encode()
+
+
+class _BinarySide:
+    def __init__(self, stream: LogStream) -> None:
+        self._stream = stream
+
+    def write(self, data: bytes) -> int:
+        self._stream.write(bytes(data).decode("utf-8", "replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 def to_log_file(path: Path) -> None:
