@@ -49,6 +49,7 @@ from pipeline.learner.metrics import carry_counters, producer_metrics
 from pipeline.learner.producers import ALIVE_S, ProducerInfo
 from pipeline.learner.roster import Roster
 from pipeline.learner.routes import LearnerRoutes
+from pipeline.procs import dropped_lines
 from sync.snapshot import SnapshotRef
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,8 @@ class Control:
         m = producer_metrics({p: {**i.stats, **carry_counters(i.carried, i.stats)}
                               for p, i in self.producers.items()})
         m["gen_tokens_per_s"] = m.pop("producer/gen_tokens_per_s", 0.0)
+        if dropped := dropped_lines():  # this process's lines its full disk refused
+            m["learner/log_lines_dropped"] = float(dropped)
         return {"producers_alive": float(len(self.alive(now))),
                 "producers_members": float(len(self.members)),
                 **m, **self.evals.step_metrics(), **self.registry.metrics(), **self.take_sync()}
