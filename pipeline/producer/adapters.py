@@ -13,6 +13,8 @@ get the new version's adapter); ``swap`` does both with no engine pause. Invaria
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import shutil
 import time
@@ -35,6 +37,9 @@ class AdapterSet:
         self.current = 0
         self.requests: dict[int, Any] = {}  # version -> LoRARequest, staged or in use
         self.users: dict[int, int] = {}  # version -> requests in flight on it
+        # vLLM knows an adapter by its id and refuses one it holds: a restarted learner's
+        # version is another adapter under an old number, so ids are never reused.
+        self._ids = itertools.count(1)
 
     def request_for(self, version: int) -> Any:
         """The LoRARequest of ``version`` (None for the base weights); count one user."""
@@ -57,10 +62,18 @@ class AdapterSet:
         self.directory = Path(ref.uri).parent / self.subdir
         path = stage_adapter(ref, self.config, self.directory / f"v{ref.version}")
         t1 = time.perf_counter()
-        req = LoRARequest(f"v{ref.version}", ref.version, str(path))
+        n = next(self._ids)
+        name = f"v{ref.version}" if n == ref.version else f"v{ref.version}.{n}"
+        req = LoRARequest(name, n, str(path))
         if not await self.engine.add_lora(req):
             raise RuntimeError(f"vLLM refused LoRA adapter v{ref.version} ({path})")
+        # A version staged before (by a learner since restarted): its adapter leaves the
+        # engine now, unless requests still run on it (then it stays until vLLM evicts it).
+        old = self.requests.get(ref.version)
         self.requests[ref.version] = req
+        if old is not None and not self.users.get(ref.version):
+            with contextlib.suppress(Exception):
+                await self.engine.remove_lora(old.lora_int_id)
         return {
             "write_s": t1 - t0,
             "add_lora_s": time.perf_counter() - t1,

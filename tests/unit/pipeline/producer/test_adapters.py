@@ -89,3 +89,46 @@ def test_swap_switches_version_and_adapter_together_without_pausing(tmp_path):
         assert not rep.ok and "checksum" in rep.error and tracker.version == 1
 
     asyncio.run(main())
+
+
+class KeepingLoraEngine(FakeLoraEngine):
+    """As vLLM's LRU adapter manager: an adapter id it holds already is not loaded again (the
+    weights it holds stay, and add_lora returns True)."""
+
+    def __init__(self):
+        super().__init__()
+        self.paths: dict[int, str] = {}
+
+    async def add_lora(self, req) -> bool:
+        self.paths.setdefault(req.lora_int_id, req.lora_path)
+        return await super().add_lora(req)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.paths.pop(lora_id, None)
+        return await super().remove_lora(lora_id)
+
+
+def test_a_restarted_learners_version_under_an_old_number_is_a_new_adapter(tmp_path):
+    """v1 and v2 ran; the learner restarts from v1's checkpoint and trains v2 anew: the engine
+    serves the new v2's adapter (not the old one, held under the same id), and the old v2's
+    adapter leaves the engine."""
+    def ref(v: int, value: float, where: str):
+        return write_snapshot({f"{P}.lora_A.weight": torch.full((2, 4), value),
+                               f"{P}.lora_B.weight": torch.zeros(4, 2)}, v, tmp_path / where)
+
+    eng = KeepingLoraEngine()
+    ad = AdapterSet(eng, "lora-p0", adapter_config(2, 4.0, ["q_proj"]))
+    tracker = RequestTracker()
+
+    async def main():
+        for v in (1, 2):
+            assert (await ad.swap(ref(v, v, "s1"), tracker)).ok
+        old_v2 = ad.requests[2]
+        assert (await ad.swap(ref(1, 1.0, "s2"), tracker)).ok  # the restarted learner's v1
+        assert (await ad.swap(ref(2, 5.0, "s2"), tracker)).ok  # its v2: other weights
+        new_v2 = ad.request_for(await tracker.admit("r"))
+        served = eng.paths[new_v2.lora_int_id]
+        assert "/s2/" in served and served == new_v2.lora_path, served
+        assert old_v2.lora_int_id not in eng.loaded
+
+    asyncio.run(main())
