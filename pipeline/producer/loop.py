@@ -313,7 +313,7 @@ class Producer:
         route = ann.routes.get(self.producer_id, "file")
         await self.weights.connect(route, ann.transfer)
         ref = self._target(ann, route)
-        if ref is not None and ref.version != self.weights.version:
+        if ref is not None and not self._holds(ref, ann.learner_session):
             self._synced.clear()  # generate nothing more on weights the learner has left
             await self._wake()
             async with self._engine_lock:
@@ -334,7 +334,7 @@ class Producer:
         if ref is None and self._loaded_session != ann.learner_session:
             # The learner's base weights: nothing to load.
             self.weights.tracker.version = ann.version
-        if ref is None or self.weights.version == ref.version:
+        if ref is None or self._holds(ref, ann.learner_session):
             await self._evaluate_if_due()
             self._synced.set()
         self._budget_changed.set()
@@ -373,6 +373,12 @@ class Producer:
         if answer is None or not answer.ok:
             log.warning("%s: the learner did not take the evaluation of v%d: %s",
                         self.producer_id, v, answer.reason if answer else "no answer")
+
+    def _holds(self, ref: SnapshotRef, learner_session: str) -> bool:
+        """Whether the engine runs ``ref``'s weights: its version, loaded from that learner
+        session (a restarted learner trains its versions anew: the same number from another
+        session is other weights)."""
+        return self.weights.version == ref.version and self._loaded_session == learner_session
 
     def _target(self, ann: protocol.Announce, route: str) -> SnapshotRef | None:
         """The version to run next, or None when there is nothing to load.

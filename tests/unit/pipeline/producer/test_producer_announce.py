@@ -78,3 +78,34 @@ def test_a_restarted_producer_does_not_read_again_what_its_predecessor_sent(tmp_
 
     asyncio.run(run())
     assert prompts.cursor == 5 and prompts.take().position == 5
+
+
+def test_a_restarted_learners_version_under_the_number_we_run_is_loaded_fake_engine(tmp_path):
+    """The producer runs v5 of a learner since restarted from an older checkpoint; the first
+    announce it hears of the new learner is its v5 (trained anew meanwhile, while the producer
+    was busy): it loads it, rather than generate on the old weights tagged as the new v5."""
+    from sync.barrier import SwapReport
+
+    cfg = load_config(overrides={"run_dir": str(tmp_path)})
+    producer = Producer(cfg, 0, None, None, RecordingEndpoint(), None, Cursor())
+    loads: list[str] = []
+
+    async def load(ref, route="file", transfer=None):
+        loads.append(ref.uri)
+        producer.weights.tracker.version = ref.version
+        return SwapReport(ref.version, True)
+
+    producer.weights.load = load
+
+    def announce(session: str) -> Announce:
+        return Announce(version=5, snapshot_uri=f"/snaps/{session}/v5.safetensors",
+                        snapshot_checksum="c", learner_session=session, received={},
+                        consumed={})
+
+    async def run() -> None:
+        await producer._apply_announce(announce("first"))
+        await producer._apply_announce(announce("first"))  # held: not loaded again
+        await producer._apply_announce(announce("second"))
+
+    asyncio.run(run())
+    assert loads == ["/snaps/first/v5.safetensors", "/snaps/second/v5.safetensors"]
