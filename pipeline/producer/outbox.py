@@ -14,7 +14,8 @@ what ``undelivered`` counts: ``--resume`` resends it.
 A group is in the log before it is sent. When the disk has no room for it (``record``), it waits
 in memory, none of it in the file (``pipeline.appendfile``), and is retried every
 ``DISK_RETRY_S``; meanwhile ``full`` is set and the producer admits no new group (one warning,
-``DISK_FULL``). The first group that goes in clears it: generation resumes by itself.
+``DISK_FULL``, at most every ``DISK_WARN_EVERY_S``). The first group that goes in clears it:
+generation resumes by itself.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _LEN = struct.Struct("<I")
 COMPACT_BYTES = 64 << 20  # rewrite our log once it is this big and mostly durable
 DISK_RETRY_S = 1.0  # a group the disk had no room for is tried again this often
 DISK_FULL = "run_dir's disk is full: generation paused; free space to continue"
+DISK_WARN_EVERY_S = 600.0  # a pause within this long of the last one told is logged only
 
 
 def read_log(path: Path) -> list[RolloutGroup]:
@@ -108,6 +110,7 @@ class Outbox:
         self.full_pauses = 0  # times the disk filled
         self._full_since = 0.0
         self._full_s = 0.0  # seconds of the pauses that ended
+        self._warned_at = -DISK_WARN_EVERY_S  # when the last pause was told on the console
 
     @property
     def full_s(self) -> float:
@@ -135,7 +138,12 @@ class Outbox:
                 if not self.full:
                     self.full, self._full_since = True, time.monotonic()
                     self.full_pauses += 1
-                    log.warning("%s: %s", self.producer_id, DISK_FULL)
+                    # One console line, not one per pause of a disk that hovers near full.
+                    quiet = self._full_since - self._warned_at < DISK_WARN_EVERY_S
+                    if not quiet:
+                        self._warned_at = self._full_since
+                    log.log(logging.INFO if quiet else logging.WARNING, "%s: %s",
+                            self.producer_id, DISK_FULL)
                 await asyncio.sleep(DISK_RETRY_S)
         if self.full:
             self.full = False

@@ -84,7 +84,8 @@ def test_undelivered_counts_what_the_learners_ledger_lacks_per_log(tmp_path):
 def test_a_full_disk_pauses_recording_once_and_resumes_by_itself(tmp_path, monkeypatch, caplog):
     """A real 1 MB filesystem (a tmpfs; needs root) filled while groups are recorded: the group
     waits in memory, none of it in the log, ``full`` is set (the producer admits nothing) with
-    one warning; once the filler is gone the group goes in and ``full`` clears."""
+    one warning; once the filler is gone the group goes in and ``full`` clears. Full again
+    soon after: a second pause, logged but not warned of again."""
     import asyncio
     import logging
 
@@ -105,11 +106,17 @@ def test_a_full_disk_pauses_recording_once_and_resumes_by_itself(tmp_path, monke
             (fs / "filler").unlink()
             await asyncio.wait_for(asyncio.gather(*waiting), 5)
             assert not box.full and box.full_s > 0.2
+            fill(fs / "filler")  # full again soon after: counted, not told again
+            again = [asyncio.create_task(box.record(_group("p0-1", s))) for s in range(61, 121)]
+            await asyncio.sleep(0.3)
+            assert box.full and box.full_pauses == 2
+            (fs / "filler").unlink()
+            await asyncio.wait_for(asyncio.gather(*again), 5)
 
         with caplog.at_level(logging.INFO, logger="pipeline.producer.outbox"):
             asyncio.run(run())
         box.close()
         groups = read_log(fs / "p0-1.wal")
-        assert sorted(g.metadata["seq"] for g in groups) == list(range(61))  # none torn
+        assert sorted(g.metadata["seq"] for g in groups) == list(range(121))  # none torn
         warned = [r for r in caplog.records if outbox_mod.DISK_FULL in r.getMessage()]
-        assert len(warned) == 1 and warned[0].levelname == "WARNING"
+        assert [r.levelname for r in warned] == ["WARNING", "INFO"]  # the console's: one
