@@ -115,6 +115,15 @@ class RunResult:
     # GB of each GPU in use at its highest over the whole run (NVML, every process on it: the
     # engines' share and the learner's peak together; results.json only)
     gpu_mem_peak_gb: dict = field(default_factory=dict)
+    # ours: the memory plan's prediction (run_dir/memory_plan.json: the learner's peak and the
+    # whole card's, engines included) and the learner's measured peak (the allocator's reserved
+    # bytes at their highest over the steps, metric mem_peak_gb), GB; the card's size
+    plan_peak_gb: float | None = None
+    plan_learner_gb: float | None = None
+    learner_peak_gb: float | None = None
+    card_gb: float | None = None
+    plan: str = ""
+    oom_retries: int = 0
     # GPUs in both roles (colocated, split-shared): their busy fraction is in both busy columns
     shared_gpus: list = field(default_factory=list)
     reward_curve: list = field(default_factory=list)  # [(seconds since first step, reward)]
@@ -216,6 +225,9 @@ def summarize(name: str, metrics: list[dict], wall_s: float, warmup: int,
         res.gpu_mem_peak_gb = {str(g): round(peaks[g] / 1e9, 1)
                                for g in sorted({g for gs in roles.values() for g in gs})
                                if g in peaks}
+    peaks = [m["mem_peak_gb"] for m in metrics if m.get("mem_peak_gb") is not None]
+    res.learner_peak_gb = round(max(peaks), 1) if peaks else None
+    res.oom_retries = int(sum(m.get("oom_retries", 0.0) for m in metrics))
     first = metrics[0]["ts"]
     res.reward_curve = [(round(m["ts"] - first, 2), round(m.get("reward_mean", 0.0), 4))
                         for m in metrics]
@@ -326,7 +338,21 @@ def run_ours(args: argparse.Namespace, name: str, model: str, out: Path) -> RunR
         roles = physical_roles(args, roles)
     for kv in (*extra, *args.set):
         cmd += ["--set", kv]
-    return _timed(args, name, cmd, run_dir / "metrics.jsonl", roles, out / f"{name}.log", env=env)
+    res = _timed(args, name, cmd, run_dir / "metrics.jsonl", roles, out / f"{name}.log", env=env)
+    return with_plan(res, run_dir / "memory_plan.json")
+
+
+def with_plan(res: RunResult, path: Path) -> RunResult:
+    """``res`` with the memory plan's prediction from the run's memory_plan.json, if any."""
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return res
+    res.plan_peak_gb = round(plan["peak"] / 1e9, 1)
+    res.plan_learner_gb = round(plan["learner"] / 1e9, 1)
+    res.card_gb = round(plan["card"] / 1e9, 1)
+    res.plan = plan.get("line", "")
+    return res
 
 
 def _yaml_float(x: float) -> str:
@@ -348,7 +374,8 @@ def run_trl(args: argparse.Namespace, name: str, model: str, out: Path) -> RunRe
            "--steps", str(args.steps), "--batch-groups", str(args.batch_groups),
            "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
            "--ignore-eos", "--lr", str(args.lr), "--out", str(steps_json),
-           "--num-prompts", "4000", "--max-operand", "99"]  # bench.yaml's arithmetic:4000:99
+           "--num-prompts", "4000", "--max-operand", "99",  # bench.yaml's arithmetic:4000:99
+           *args.trl_arg]
     # colocate: trainer and vLLM on GPU 0; server: trainer on GPU 0, vLLM server on GPU 1.
     roles = {"generation": [0], "learner": [0]} if vllm_mode == "colocate" else (
         {"generation": [1], "learner": [0]})
@@ -706,6 +733,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "colocated-2, 0.5 elsewhere)")
     p.add_argument("--config", type=Path, default=Path(__file__).with_name("bench.yaml"))
     p.add_argument("--set", action="append", default=[], help="extra KEY=VALUE for our runs")
+    p.add_argument("--trl-arg", action="append", default=[],
+                   help="extra argument of bench/trl_grpo.py (e.g. --trl-arg=--lora-rank=16)")
     p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--models-dir", type=Path, default=Path("/tmp/bench-models"))
     p.add_argument("--out", type=Path, default=Path("runs/bench"))

@@ -36,6 +36,11 @@
 #   lora           bench.lora_sync, rank 16 on the 0.5B model with CUDA graphs: generation tok/s
 #                  of an adapter version vs merged weights (and their ratio), bytes and swap
 #                  time per version (1 GPU; peft from .whl, bench/fetch_wheels.sh)
+#   one-card       one 80 GB card, colocated: ours async1 at each of MODELS (default "1.5b 3b
+#                  7b-lora 0.5b"; SIZE-lora = LoRA rank 16) with the memory plan choosing every
+#                  memory option and the engine share; TRL=1 adds TRL colocate beside each; a
+#                  table of samples/s, MFU, the card's NVML peak and the learner's against the
+#                  plan's predictions (bench.one_card), one-card-logs.tgz (1 GPU)
 #   checkpoint     the disk and /dev/shm by dd; bench.checkpoint_bench at 3B (CKPT_MODEL) writing
 #                  under /dev/shm (CKPT_DIR; /tmp if /dev/shm has under 45 GB free), one
 #                  checkpoint at a time: stall and write GB/s vs one torch.save stream; then ours
@@ -306,6 +311,32 @@ for m in '${MODEL:-0.5b}'.split(','): print(p(m, Path('/tmp/bench-models')))"
         \( -name '*.log' -o -name '*.jsonl' -o -name '*.yaml' \) -print
     done | tar czf "$out/checkpoint/checkpoint-logs.tgz" -T - 2>/dev/null
     rm -rf "$runs"
+    ;;
+  one-card)
+    # MODELS: SIZE or SIZE-lora (LoRA rank 16), in order; each is ours async1 colocated on GPU 0
+    # with the engine share and every memory option left to the memory plan, and with TRL=1
+    # TRL colocate beside it (gradient checkpointing from 1.5B up, peft LoRA for -lora). Each
+    # model gets an equal share of what is left of the call.
+    models=(${MODELS:-1.5b 3b 7b-lora 0.5b})
+    models=(${models[@]//,/ })
+    for i in "${!models[@]}"; do
+      m=${models[$i]} size=${models[$i]%-lora} ours=() trl=()
+      [ "$m" = "$size" ] || { ours=(--set train.lora_rank=16); trl=(--trl-arg=--lora-rank=16); }
+      [ "$size" = 0.5b ] || trl+=(--trl-arg=--gradient-checkpointing)
+      t=$(( ($(left) - 20) / (${#models[@]} - i) ))
+      [ "$t" -ge 90 ] || { echo "one-card: $(left) s left, not enough for $m" >&2; break; }
+      runs=$([ -n "${TRL:-}" ] && echo 2 || echo 1)
+      echo "one-card: $m, $t s"
+      timeout -k 15 "$t" python3 -m bench.gpu_bench --out "$out/one-card/$m" --layout colocated \
+        --model "$size" --steps "$steps" --set engine.enforce_eager=false \
+        --set "sync.route=${ROUTE:-auto}" --runs async1 ${TRL:+--trl colocate} "${trl[@]}" \
+        --gpu-mem 0.3 --run-timeout $(( (t - 10) / runs )) "${ours[@]}" 2>&1 | quiet
+    done
+    python3 -m bench.one_card "$out/one-card" --json "$out/one-card.json" | tee "$out/one-card.md"
+    (cd "$out/one-card" && find . \( -name checkpoints -o -name snapshots -o -name producers \
+      -o -name tb -o -name tensorboard \) -prune -o -type f \( -name '*.log' -o -name '*.jsonl' \
+      -o -name '*.json' -o -name '*.yaml' -o -name '*.md' \) -print | tar czf ../one-card-logs.tgz -T -)
+    rm -rf "$out/one-card"
     ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac

@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "server GPU (default 0.9); TRL's defaults for each")
     p.add_argument("--vllm-enable-sleep-mode", action="store_true",
                    help="colocate: vLLM sleeps (frees weights + KV cache) during training")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="TRL's gradient_checkpointing (what a full fine-tune needs to fit one "
+                        "card beside its engine at 1.5B and up)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train a peft LoRA adapter of this rank on every projection (0: full)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="server: start vLLM with --enforce-eager (TRL's default is CUDA graphs; "
                         "TRL's colocate mode has no such option)")
@@ -173,9 +178,11 @@ def grpo_config_kwargs(args: argparse.Namespace, *, cuda: bool, output_dir: str,
         scale_rewards="group",
         generation_kwargs=gen_kwargs or None,
         bf16=bf16,
-        model_init_kwargs={"dtype": "float32"},
+        # fp32 master weights, as ours; a LoRA base is frozen: bf16, as ours on a GPU
+        model_init_kwargs={"dtype": "bfloat16" if args.lora_rank and bf16 else "float32"},
         logging_first_step=True,
         use_vllm=args.vllm_mode != "none",
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     if args.vllm_mode == "colocate":
         kw.update(vllm_mode="colocate",
@@ -188,6 +195,17 @@ def grpo_config_kwargs(args: argparse.Namespace, *, cuda: bool, output_dir: str,
                   vllm_group_port=args.server_group_port,
                   vllm_server_timeout=args.server_timeout)
     return kw
+
+
+def lora_config(rank: int) -> Any:
+    """peft's LoraConfig on the projections our runs adapt (train.lora_target_modules' default,
+    alpha 16), or None for a full fine-tune."""
+    if rank <= 0:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=16, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
 
 # ----------------------------------------------------------------------------- data + reward
@@ -420,7 +438,8 @@ def run(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
             config = GRPOConfig(**cfg_kw)
             trainer = GRPOTrainer(model=str(args.model), reward_funcs=exact_match_reward,
                                   args=config, train_dataset=Dataset.from_list(rows),
-                                  processing_class=tokenizer, callbacks=[make_callback(rec)])
+                                  processing_class=tokenizer, callbacks=[make_callback(rec)],
+                                  peft_config=lora_config(args.lora_rank))
             result["grpo_config"] = {k: v for k, v in cfg_kw.items() if k != "output_dir"}
             result["grpo_config"].update(
                 steps_per_generation=config.steps_per_generation,

@@ -339,6 +339,10 @@ class SyncConfig:
     # The previous snapshot is the rollback target, so two are always kept.
     keep_snapshots: int = opt(2, ge=2)
     """snapshot files kept on disk"""
+    host_copies: bool | None = None
+    """keep the packed versions that ipc/nccl producers load in pinned host memory, served to
+    the engines bucket by bucket, instead of on the learner's GPU (up to 3 copies of the bf16
+    weights there); None: the memory plan decides on a GPU (pipeline/memory_plan.py)"""
     bucket_mb: float = opt(1024.0, gt=0)
     """weights are copied out of the learner, and sent to GPU-route producers, this many MB (MiB,
     engine dtype) at a time: a ZeRO-3 learner gathers one bucket at a time, never the whole
@@ -401,6 +405,9 @@ class TrainConfig:
     vocabulary logits held at once (0: all positions of a micro-batch at once)"""
     gradient_checkpointing: bool = False
     """recompute decoder activations in the backward (less memory, about 1/3 more compute)"""
+    optimizer_state: Literal["auto", "fp32", "bf16"] = "auto"
+    """dtype of AdamW's two moments (the master weights stay fp32): bf16 saves 4 bytes a
+    parameter; auto: the memory plan picks (pipeline/memory_plan.py), fp32 without a GPU"""
     loss: LossConfig = field(default_factory=LossConfig)
     """GRPO loss"""
     checkpoint_every: int = opt(0, ge=0)

@@ -98,6 +98,9 @@ OVER: dict[str, tuple[float, str]] = {
     "tests/unit/pipeline/learner/test_trainer.py::"
     "test_packed_token_budget_step_equals_padded_rows": (
         15, "two optimiser steps of the tiny model per loss mode"),
+    "tests/unit/pipeline/learner/test_oom_retry.py::"
+    "test_injected_oom_retries_the_same_batch_in_one_line": (
+        20, "builds the tiny model's trainer (module fixture), then three optimiser steps"),
     "tests/unit/pipeline/learner/test_sampled_logprobs.py::"
     "test_the_learners_logprobs_are_of_each_tokens_distribution": (
         12, "builds a small Llama (the first case imports transformers) and recomputes every "

@@ -3,7 +3,8 @@ config, the policy model (varlen attention, gradient checkpointing, frozen layer
 frozen reference for the KL term, and the autocast region a step runs in.
 
 Invariants:
-- Models load in fp32 (the master weights); bf16 autocast is used only where the hardware has
+- Models load in fp32 (the master weights; a LoRA run's frozen base on a GPU in model.dtype);
+  bf16 autocast is used only where the hardware has
   bf16 math, and DeepSpeed with bf16 keeps bf16 weights with fp32 masters in its partitions.
 - DeepSpeed's config is adjusted before any model is built (ZeRO-3's zero3_init_flag makes
   ``from_pretrained`` load partitions only), and ``train.micro_batch`` and ``train.grad_clip``
@@ -67,13 +68,16 @@ def configure_deepspeed(c: dict[str, Any], t: TrainConfig, world: int) -> int:
     return stage
 
 
-def load_policy_model(model_path: str, t: TrainConfig, attn: dict[str, str]
-                      ) -> tuple[Any, dict[str, float]]:
+def load_policy_model(model_path: str, t: TrainConfig, attn: dict[str, str],
+                      lora_base: torch.dtype = torch.float32) -> tuple[Any, dict[str, float]]:
     """The trainable HF model in fp32 (``attn``: its attention implementation), with gradient
-    checkpointing, frozen layers and LoRA as ``t`` asks, and its LoRA modules ({} without)."""
+    checkpointing, frozen layers and LoRA as ``t`` asks, and its LoRA modules ({} without).
+    Under LoRA the frozen base loads in ``lora_base`` (bf16 on a GPU: a 7B base is 15 GB, not
+    30, beside its engine on one card); peft keeps the adapter itself in fp32."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **attn)
+    dtype = lora_base if t.lora_rank > 0 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **attn)
     if t.gradient_checkpointing:
         model.config.use_cache = False
         model.gradient_checkpointing_enable(

@@ -51,6 +51,7 @@ from pipeline.learner.control import Control
 from pipeline.learner.disk import disk_free
 from pipeline.learner.evaluation import Evaluations
 from pipeline.learner.metrics import MetricsLogger, plot_run
+from pipeline.learner.oom import MemoryFloorError
 from pipeline.learner.producers import ProducerInfo
 from pipeline.learner.roster import Roster
 from pipeline.learner.routes import LearnerRoutes, serve_stream, snapshot_dir
@@ -365,6 +366,9 @@ class Learner:
         the learner. Only a trainer that fails MAX_FAILED_STEPS batches in a row stops it."""
         try:
             m = await asyncio.to_thread(self.trainer.step, batch, version)
+        except MemoryFloorError as e:  # nothing smaller to retry: the learner stops
+            log.error("%s", e)  # its one line; the entry exits 1 without a traceback
+            raise
         except Exception as e:
             self._failed_steps += 1
             self.counters["dropped_batches"] = self.counters.get("dropped_batches", 0) + 1

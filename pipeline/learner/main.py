@@ -37,11 +37,14 @@ def learner_entry(cfg_dict: dict, model_path: str, resume: bool, gpu_env: dict[s
     os.environ.update(gpu_env)
     cfg = load_config(overrides=flatten(cfg_dict))
     from pipeline.learner.loop import Learner
+    from pipeline.learner.oom import MemoryFloorError
 
     try:
         asyncio.run(run_with_sigterm(Learner(cfg, model_path, resume=resume).run()))
     except (KeyboardInterrupt, asyncio.CancelledError):
         log.info("learner stopped")
+    except MemoryFloorError:  # its one line is logged where it was raised
+        raise SystemExit(1) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,12 +63,15 @@ def main(argv: list[str] | None = None) -> None:
         D.shutdown()
         return
     from pipeline.learner.loop import Learner
+    from pipeline.learner.oom import MemoryFloorError
 
     learner = Learner(cfg, args.model, resume=args.resume)
     try:
         asyncio.run(run_with_sigterm(learner.run()))
     except (KeyboardInterrupt, asyncio.CancelledError):
         log.info("learner stopped")
+    except MemoryFloorError:  # its one line is logged where it was raised
+        raise SystemExit(1) from None
     finally:
         if learner.final_checkpoint_failed and D.world_size() > 1:
             end_every_rank()

@@ -67,6 +67,8 @@ from pipeline.learner.flops import ModelShape, peak_flops
 from pipeline.learner.logprobs import Policy, device_batch, micro_batch_logprobs
 from pipeline.learner.lora import merge_lora
 from pipeline.learner.loss import grpo_loss
+from pipeline.learner.oom import step_with_retry
+from pipeline.learner.optim import make_adamw
 from pipeline.learner.step_metrics import batch_metrics, reward_means, staleness_hist, throughput
 from sync.lora import adapter_tensors
 from sync.packing import plan_buckets, plan_layout_of
@@ -109,7 +111,9 @@ class PolicyTrainer:
         # DeepSpeed with bf16 keeps bf16 weights and fp32 masters in the optimiser partitions.
         # Packed rows need attention that stays inside each sequence (pipeline.learner.attention).
         self.attn = {"attn_implementation": register_varlen()} if t.packing else {}
-        self.model, self._lora = load_policy_model(model_path, t, self.attn)
+        # A LoRA base is frozen: on a GPU it stays in model.dtype (no fp32 master weights).
+        base = getattr(torch, cfg.model.dtype) if cuda and t.lora_rank else torch.float32
+        self.model, self._lora = load_policy_model(model_path, t, self.attn, base)
         # Adapter sync: each version ships the LoRA tensors alone (sync.lora). The producers
         # read the same plan, decided once by the launcher, so both sides agree on what a
         # snapshot holds.
@@ -163,8 +167,7 @@ class PolicyTrainer:
         # One fused kernel for the whole update on a GPU (DeepSpeed keeps its own partitions;
         # fused AdamW takes FSDP2's sharded parameters as they are).
         fused = cuda and self.deepspeed is None
-        optimizer = torch.optim.AdamW(params, lr=t.optimizer_lr, weight_decay=t.weight_decay,
-                                      fused=fused or None)
+        optimizer = make_adamw(params, t.optimizer_lr, t.weight_decay, t.optimizer_state, fused)
         warm = max(t.warmup_steps, 0)
         # The scheduler stays outside accelerate: it steps once per optimiser step, not per rank.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -226,7 +229,10 @@ class PolicyTrainer:
         skips the update (``skipped_nonfinite`` = 1) so bad weights never reach producers."""
         with self._lock:
             self._lead("step", groups, learner_version)
-            return self._step(groups, learner_version)
+            # An OOM retries the batch at half the micro-batch tokens (pipeline.learner.oom).
+            return step_with_retry(self, lambda: self._step(groups, learner_version),
+                                   [len(g.prompt_token_ids) + len(c.token_ids) for g in groups
+                                    for c in g.completions])
 
     def accumulate_gradients(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """Forward/backward only: leaves the (rank-averaged) gradients of the batch loss in
