@@ -17,9 +17,12 @@ Invariants:
   sync time (host copies) or compute (gradient checkpointing); large micro-batches first.
 - The predicted learner peak covers what the trainer holds during a backward (where it peaks):
   the model state (``state_bytes``), the packed versions, the activations of one micro-batch
-  (``activation_bytes``) and the CUDA context. Its per-token coefficients were measured with
+  (``activation_bytes``), what the caching allocator holds beyond that (``allocator_bytes``)
+  and the CUDA contexts. The per-token activation coefficients are measured on the CPU with
   ``python -m bench.memory_coefficients`` (saved tensors of Qwen2 layers under bf16 autocast);
-  the bench table (``bash bench/run_gpu.sh one-card``) sets each prediction beside the NVML peak.
+  the head, allocator and context terms are fitted to the first H100 runs of ``bash
+  bench/run_gpu.sh one-card`` (1.5B and 3B full, 7B LoRA; BENCHMARKS.md, "One 80 GB card"),
+  whose table sets each prediction beside the measured peaks.
 
 Pure functions, except ``apply_memory_plan`` (reads config.json and the GPUs' memory).
 """
@@ -35,16 +38,28 @@ from typing import Any, Literal
 from pipeline.memory import GB, model_parameters
 
 TARGET = 0.85  # of the card: the plan's whole-card peak (engines + learner) stays below this
-CONTEXT = 1.0e9  # the learner's CUDA context, cuBLAS workspace and allocator slack, bytes
+CEILING = 0.97  # when nothing fits TARGET: the cheapest plan below this, else the smallest
+# On the card beyond the learner's reserved bytes and the engines' share: the CUDA contexts and
+# cuBLAS workspaces (NVML peak - reserved peak - share: 2.15 GB at 1.5B, 2.25 GB at 7B, H100).
+CONTEXT = 2.2e9
+# A full fine-tune frees and re-allocates its fp32 gradients (zero_grad to None) and autocast's
+# bf16 weight copies every step, between the activations' blocks: the allocator then reserves
+# this fraction of those bytes on top of the allocated peak (reserved - allocated: 6.4 GB of
+# 9.3 GB re-allocated at 1.5B, 11.3 GB of 18.5 GB at 3B; 1.1 GB at 7B LoRA, which re-allocates
+# almost nothing).
+FRAGMENTATION = 0.65
+# Versions held in host memory: on the card beyond the learner's two bucket slots, as this many
+# buckets (4.5 GB measured at 3B with 1 GiB buckets: the engine's copies of received buckets).
+HOST_EXTRA_BUCKETS = 4
 # Saved activations of a decoder layer per token under bf16 autocast (bench.memory_coefficients):
 # bytes = H * hidden + I * intermediate + K * (kv heads x head dim). Full fine-tune (fp32 weights,
 # fp32 residual stream) and LoRA on a bf16 base (bf16 residual stream).
 LAYER_COEF = {False: (30.0, 8.0, 4.0), True: (24.0, 8.0, 6.0)}
 # With gradient checkpointing only each layer's input is kept: the residual stream.
 CHECKPOINT_COEF = {False: 4.0, True: 2.0}
-# Bytes per (position x vocabulary entry) of one logprob chunk in the backward: bf16 head
-# output, its fp32 copy, the log-softmax kept by cross-entropy and its gradient.
-HEAD_COEF = 14.0
+# Bytes per (position x vocabulary entry) of one logprob chunk in the backward (its bf16 head
+# output, fp32 copy, log-softmax and gradient, not all alive at once): fitted to the runs.
+HEAD_COEF = 9.0
 TOKENS = (16384, 8192, 4096, 2048, 1024, 512)  # micro-batch token budgets tried, largest first
 NO_CHECKPOINT_MIN = 4096  # below this, checkpointed larger micro-batches are the better trade
 CHUNKS = (4096, 2048, 1024, 512)
@@ -125,14 +140,16 @@ class Plan:
     optimizer_state: OptimizerState
     host_copies: bool
     engine_share: float
-    learner: float        # predicted learner peak, bytes (context included)
+    learner: float        # predicted learner peak: its allocator's reserved bytes
     engines: float        # the engines' share of the card, bytes
     card: float
-    parts: dict[str, float]
+    parts: dict[str, float]  # the learner's parts, then "context" and "engine_copies"
 
     @property
     def peak(self) -> float:
-        return self.learner + self.engines
+        """The whole card: the learner, the engines' share, the CUDA contexts and the engines'
+        copies of received buckets."""
+        return self.learner + self.engines + self.parts["context"] + self.parts["engine_copies"]
 
     @property
     def fits(self) -> bool:
@@ -141,12 +158,16 @@ class Plan:
     def line(self) -> str:
         """The plan in one console line."""
         p = self.parts
+        engine_copies = (f" + the engines' bucket copies {p['engine_copies'] / GB:.1f} GB"
+                         if p["engine_copies"] else "")
         state = (f"model state {p['state'] / GB:.1f} GB (AdamW moments {self.optimizer_state})"
                  f", versions {p['versions'] / GB:.1f} GB "
                  f"({'host memory' if self.host_copies else 'on the GPU'})")
         return (f"memory plan: learner peak {self.learner / GB:.1f} GB [{state}, activations "
-                f"{p['activations'] / GB:.1f} GB] + engines {self.engines / GB:.1f} GB "
-                f"(gpu_memory_utilization {self.engine_share:g}) = {self.peak / GB:.1f} of "
+                f"{p['activations'] / GB:.1f} GB, allocator {p['allocator'] / GB:.1f} GB] + "
+                f"engines {self.engines / GB:.1f} GB (gpu_memory_utilization "
+                f"{self.engine_share:g}) + contexts {p['context'] / GB:.1f} GB"
+                f"{engine_copies} = {self.peak / GB:.1f} of "
                 f"{self.card / GB:.1f} GB ({self.peak / self.card:.0%}); gradient checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}, micro-batches of "
                 f"{self.micro_batch_tokens or 'train.micro_batch rows x'} tokens, logprob "
@@ -164,24 +185,47 @@ def state_bytes(shape: Shape, job: Job, optimizer_state: OptimizerState) -> floa
     return (8.0 + moments + (2.0 if job.bf16 else 0.0)) * shape.params
 
 
+def _version_weights(shape: Shape, job: Job) -> float:
+    """Bytes of one version: bf16 weights, or the adapter alone (LoRA adapter-only)."""
+    return 2.0 * (shape.lora_params(job.lora_rank, list(job.lora_targets))
+                  if job.lora_rank and job.adapter_only else shape.params)
+
+
 def version_bytes(shape: Shape, job: Job, host_copies: bool) -> float:
-    """The packed versions on the learner's GPU: the GPU routes keep the two newest and pack the
-    next beside them (3 x bf16 weights), or, held in host memory, two bucket slots per engine;
-    the file route packs one copy for its writer. LoRA adapter-only versions are the adapter."""
-    weights = 2.0 * (shape.lora_params(job.lora_rank, list(job.lora_targets))
-                     if job.lora_rank and job.adapter_only else shape.params)
+    """The packed versions on the learner's side during a backward: the GPU routes keep the two
+    newest (2 x bf16 weights; the next is packed after the step, when the activations are
+    gone), or, held in host memory, two bucket slots per engine; the file route packs one copy
+    for its writer. LoRA adapter-only versions are the adapter."""
+    weights = _version_weights(shape, job)
     if not job.gpu_routes:
         return weights
     if host_copies:
         return 2.0 * min(job.bucket_bytes, weights) * max(job.engines, 1)
-    return 3.0 * weights
+    return 2.0 * weights
+
+
+def engine_copy_bytes(shape: Shape, job: Job, host_copies: bool) -> float:
+    """Versions held in host memory: what the engines hold of received buckets beyond their
+    share (``HOST_EXTRA_BUCKETS``)."""
+    if not (host_copies and job.gpu_routes):
+        return 0.0
+    return HOST_EXTRA_BUCKETS * min(job.bucket_bytes, _version_weights(shape, job)) * job.engines
+
+
+def allocator_bytes(shape: Shape, job: Job) -> float:
+    """What the caching allocator reserves beyond the allocated peak (``FRAGMENTATION``): a full
+    fine-tune's gradients (4 bytes a parameter) and bf16 weight copies (2) come and go each
+    step."""
+    if job.lora_rank:
+        return 0.0
+    return FRAGMENTATION * (4.0 + (2.0 if job.bf16 else 0.0)) * shape.params
 
 
 def activation_bytes(shape: Shape, tokens: int, checkpointing: bool, chunk: int,
                      lora: bool) -> float:
     """A micro-batch of ``tokens`` at the peak of its backward: the layers' saved activations
-    (or only their inputs when checkpointed, plus one layer recomputed), one layer's gradients
-    being formed, and the output head's logprob chunk (all positions when ``chunk`` is 0)."""
+    (or only their inputs when checkpointed, plus the one layer recomputed), the output head's
+    logprob chunk (all positions when ``chunk`` is 0) and the final hidden states."""
     a, b, c = LAYER_COEF[lora]
     layer = tokens * (a * shape.hidden + b * shape.intermediate + c * shape.kv_dim)
     if checkpointing:
@@ -189,7 +233,7 @@ def activation_bytes(shape: Shape, tokens: int, checkpointing: bool, chunk: int,
     else:
         saved = shape.layers * layer
     positions = min(chunk, tokens) if chunk > 0 else tokens
-    return saved + layer + HEAD_COEF * positions * shape.vocab + 8.0 * tokens * shape.hidden
+    return saved + HEAD_COEF * positions * shape.vocab + 8.0 * tokens * shape.hidden
 
 
 def engine_need(shape: Shape, job: Job) -> float:
@@ -203,14 +247,17 @@ def _plan(shape: Shape, job: Job, share: float, ckpt: bool, tokens: int, chunk: 
           state: OptimizerState, host: bool) -> Plan:
     parts = {"state": state_bytes(shape, job, state), "versions": version_bytes(shape, job, host),
              "activations": activation_bytes(shape, tokens, ckpt, chunk, bool(job.lora_rank)),
-             "context": CONTEXT}
-    return Plan(ckpt, tokens, chunk, state, host, share, sum(parts.values()),
+             "allocator": allocator_bytes(shape, job)}
+    learner = sum(parts.values())
+    parts.update(context=CONTEXT, engine_copies=engine_copy_bytes(shape, job, host))
+    return Plan(ckpt, tokens, chunk, state, host, share, learner,
                 job.engines * share * job.card, job.card, parts)
 
 
 def choose(shape: Shape, job: Job, fixed: Options) -> Plan:
     """The plan that fits (``Plan.fits``) at the least cost, the user's values kept; if none
-    fits, the one with the smallest peak (the caller warns with its figure)."""
+    fits, the cheapest below ``CEILING`` of the card, else the one with the smallest peak (the
+    caller warns with its figure either way)."""
     lora = bool(job.lora_rank)
     states: list[OptimizerState] = [fixed.optimizer_state] if fixed.optimizer_state else \
         (["fp32"] if lora else ["fp32", "bf16"])  # an adapter's moments are a few MB
@@ -243,7 +290,8 @@ def choose(shape: Shape, job: Job, fixed: Options) -> Plan:
                             if p.fits:
                                 return p
                             candidates.append(p)
-    return min(candidates, key=lambda p: p.peak)
+    below = [p for p in candidates if p.peak <= CEILING * p.card]
+    return below[0] if below else min(candidates, key=lambda p: p.peak)
 
 
 def options_from_config(cfg: Any) -> Options:
@@ -288,8 +336,9 @@ def warnings(plan: Plan, fixed: Options) -> list[str]:
               f"({plan.peak / plan.card:.0%}, more than {TARGET:.0%})")
     set_by_user = {k: v for k, v in dataclasses.asdict(fixed).items() if v is not None}
     if not set_by_user:
-        return [f"memory plan: nothing fits: {figure}; use LoRA (--train.lora_rank 16), a "
-                f"sharded learner (--train.fsdp2 over several GPUs) or a larger GPU"]
+        return [f"memory plan: no plan fits {TARGET:.0%} of the card: {figure}; to fit, use "
+                f"LoRA (--train.lora_rank 16), a sharded learner (--train.fsdp2 over several "
+                f"GPUs) or a larger GPU"]
     names = {"engine_share": "engine.gpu_memory_utilization", "host_copies": "sync.host_copies"}
     given = ", ".join(f"{names.get(k, 'train.' + k)} {v}" for k, v in set_by_user.items())
     return [f"memory plan: {given} will not fit: {figure}"]
