@@ -84,6 +84,13 @@ def capture_device(model_device: Any, copies_device: Any, gpu_routes: bool,
     return model_device if model_device.type == "cuda" else torch.device("cpu")
 
 
+def versions_on_host(sharded: bool, host_copies: bool | None) -> bool:
+    """Whether versions are packed into host memory (``capture_device``'s ``sharded`` case): a
+    sharded learner's always, an unsharded one's where ``sync.host_copies`` (the memory plan,
+    ``pipeline.memory_plan``) keeps its GPU for training."""
+    return sharded or bool(host_copies)
+
+
 class LearnerRoutes:
     """The routes of the producers in ``producers`` (the learner's table, shared), the learner
     ends of the GPU routes with their packed copies, and the counters of failed GPU copies
@@ -115,12 +122,6 @@ class LearnerRoutes:
             self.copies = GpuCopies(dev, bucket_bytes=int(self.cfg.sync.bucket_mb * 2**20))
             self.ends = learner_ends(self.copies, timeout_s=self.cfg.sync.nccl_timeout_s)
 
-    @property
-    def host_held(self) -> bool:
-        """Versions are packed into host memory (``capture_device``'s sharded case): a sharded
-        learner's, or where ``sync.host_copies`` (the memory plan) keeps the GPU for training."""
-        return self.trainer.sharded or bool(self.cfg.sync.host_copies)
-
     def device_capture_bytes(self) -> int:
         """Bytes of a version's buffer when ``capture`` puts it on a GPU (the writer then
         copies it to host memory through a pinned buffer of this size), else 0."""
@@ -129,7 +130,8 @@ class LearnerRoutes:
         if plan is None or tr.device.type != "cuda":
             return 0
         device = capture_device(tr.device, getattr(self.copies, "device", None),
-                                self.copies is not None, self.host_held)
+                                self.copies is not None,
+                                versions_on_host(tr.sharded, self.cfg.sync.host_copies))
         return total_bytes(plan_layout_of(plan)) if device.type == "cuda" else 0
 
     def release_host_memory(self) -> None:
@@ -251,7 +253,8 @@ class LearnerRoutes:
         tensors = tr.snapshot_tensors() if plan is None else None
         layout = plan_layout(tensors) if tensors is not None else plan_layout_of(plan)
         device = capture_device(tr.device, getattr(self.copies, "device", None),
-                                gpu_routes, self.host_held)
+                                gpu_routes,
+                                versions_on_host(tr.sharded, self.cfg.sync.host_copies))
         try:
             flat = torch.empty(total_bytes(layout), dtype=torch.uint8, device=device,
                                pin_memory=device.type == "cpu" and torch.cuda.is_available())

@@ -29,7 +29,8 @@ def _fake(routes, copies, ends=None, lora=False, bucket_mb=1):
         device=torch.device("cpu"), zero_stage=0, sharded=False, tensors=tensors, asked=asked)
     me = SimpleNamespace(trainer=trainer, copies=copies, ends=ends or {},
                          live_gpu_routes=lambda: routes, counters={},
-                         cfg=SimpleNamespace(sync=SimpleNamespace(bucket_mb=bucket_mb)))
+                         cfg=SimpleNamespace(sync=SimpleNamespace(bucket_mb=bucket_mb,
+                                                                  host_copies=None)))
     me.count_failure = lambda v, e: LearnerRoutes.count_failure(me, v, e)
     me.publish = lambda *a: LearnerRoutes.publish(me, *a)
     return me
@@ -127,6 +128,9 @@ def test_device_capture_bytes_only_for_a_buffer_on_a_gpu_fake_trainer():
     me.trainer.device = torch.device("cuda", 0)  # only read, never used: no GPU needed
     want = total_bytes(plan_layout_of(me.trainer.snapshot_plan()))
     assert want > 0 and LearnerRoutes.device_capture_bytes(me) == want
+    me.cfg.sync.host_copies = True  # the memory plan keeps versions in host memory
+    assert LearnerRoutes.device_capture_bytes(me) == 0
+    me.cfg.sync.host_copies = None
     me.trainer.sharded = True  # a sharded learner packs in host memory
     assert LearnerRoutes.device_capture_bytes(me) == 0
     assert LearnerRoutes.device_capture_bytes(_fake({}, None, lora=True)) == 0
