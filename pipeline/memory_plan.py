@@ -15,10 +15,12 @@ Invariants:
   that the plan predicts will not fit gets one warning line with the plan's figure.
 - Options are tried cheapest first: nothing that slows a step (bf16 moments) before what costs
   sync time (host copies) or compute (gradient checkpointing); large micro-batches first.
-- The predicted learner peak covers what the trainer holds during a backward (where it peaks):
-  the model state (``state_bytes``), the packed versions, the activations of one micro-batch
-  (``activation_bytes``), what the caching allocator holds beyond that (``allocator_bytes``)
-  and the CUDA contexts. The per-token activation coefficients are measured on the CPU with
+- The predicted learner peak is its allocator's reserved bytes during a backward (where it
+  peaks): the model state (``state_bytes``), the packed versions (``version_bytes``), the
+  activations of one micro-batch (``activation_bytes``) and what the caching allocator holds
+  beyond them (``allocator_bytes``). The card's adds the engines' share, the CUDA contexts and
+  the engines' copies of host-held versions. The per-token activation coefficients are
+  measured on the CPU with
   ``python -m bench.memory_coefficients`` (saved tensors of Qwen2 layers under bf16 autocast);
   the head, allocator and context terms are fitted to the first H100 runs of ``bash
   bench/run_gpu.sh one-card`` (1.5B and 3B full, 7B LoRA; BENCHMARKS.md, "One 80 GB card"),
@@ -169,9 +171,13 @@ class Plan:
                 f"{self.engine_share:g}) + contexts {p['context'] / GB:.1f} GB"
                 f"{engine_copies} = {self.peak / GB:.1f} of "
                 f"{self.card / GB:.1f} GB ({self.peak / self.card:.0%}); gradient checkpointing "
-                f"{'on' if self.gradient_checkpointing else 'off'}, micro-batches of "
-                f"{self.micro_batch_tokens or 'train.micro_batch rows x'} tokens, logprob "
-                f"chunk {self.logprob_chunk}")
+                f"{'on' if self.gradient_checkpointing else 'off'}, {self._micro_batches()}, "
+                f"logprob chunk {self.logprob_chunk}")
+
+    def _micro_batches(self) -> str:
+        if self.micro_batch_tokens:
+            return f"micro-batches of {self.micro_batch_tokens} tokens"
+        return "train.micro_batch rows a micro-batch"
 
 
 def state_bytes(shape: Shape, job: Job, optimizer_state: OptimizerState) -> float:
