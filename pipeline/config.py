@@ -408,6 +408,11 @@ class TrainConfig:
     optimizer_state: Literal["auto", "fp32", "bf16"] = "auto"
     """dtype of AdamW's two moments (the master weights stay fp32): bf16 saves 4 bytes a
     parameter; auto: the memory plan picks (pipeline/memory_plan.py), fp32 without a GPU"""
+    expandable_segments: bool | None = None
+    """the learner's CUDA allocator maps segments that grow in place
+    (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) instead of caching fixed blocks: a full
+    fine-tune's gradients and bf16 weight copies, freed and re-allocated every step, then leave
+    no fragments behind; None: on for a full fine-tune under the memory plan, else off"""
     loss: LossConfig = field(default_factory=LossConfig)
     """GRPO loss"""
     checkpoint_every: int = opt(0, ge=0)

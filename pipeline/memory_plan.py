@@ -3,7 +3,8 @@
 Owns the choice of the memory options of a single-process learner on a GPU, from the model's
 shape, LoRA or not, the optimiser state, the engines on the learner's GPU and the card's memory:
 ``train.gradient_checkpointing``, ``train.micro_batch_tokens``, ``train.logprob_chunk``,
-``train.optimizer_state`` (AdamW moments in fp32 or bf16), ``sync.host_copies`` (the packed
+``train.optimizer_state`` (AdamW moments in fp32 or bf16), ``train.expandable_segments`` (the
+learner's CUDA allocator on segments that grow in place), ``sync.host_copies`` (the packed
 versions the GPU routes serve from: on the learner's GPU or in pinned host memory) and, when the
 learner cannot fit beside them, a smaller ``engine.gpu_memory_utilization`` sized to what the
 engine needs (its bf16 weights and the KV cache of the sequences the run admits at once).
@@ -50,6 +51,9 @@ CONTEXT = 2.2e9
 # 9.3 GB re-allocated at 1.5B, 11.3 GB of 18.5 GB at 3B; 1.1 GB at 7B LoRA, which re-allocates
 # almost nothing).
 FRAGMENTATION = 0.65
+# The same with the learner's allocator on expandable segments (train.expandable_segments): a
+# freed range is unmapped or reused in place rather than kept as a cached block of its size.
+EXPANDABLE_FRAGMENTATION = 0.1
 # Versions held in host memory: on the card beyond the learner's two bucket slots, as this many
 # buckets (4.5 GB measured at 3B with 1 GiB buckets: the engine's copies of received buckets).
 HOST_EXTRA_BUCKETS = 4
@@ -132,6 +136,7 @@ class Options:
     optimizer_state: OptimizerState | None = None
     host_copies: bool | None = None
     engine_share: float | None = None
+    expandable_segments: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,7 @@ class Plan:
     engines: float        # the engines' share of the card, bytes
     card: float
     parts: dict[str, float]  # the learner's parts, then "context" and "engine_copies"
+    expandable_segments: bool = False
 
     @property
     def peak(self) -> float:
@@ -172,7 +178,8 @@ class Plan:
                 f"{engine_copies} = {self.peak / GB:.1f} of "
                 f"{self.card / GB:.1f} GB ({self.peak / self.card:.0%}); gradient checkpointing "
                 f"{'on' if self.gradient_checkpointing else 'off'}, {self._micro_batches()}, "
-                f"logprob chunk {self.logprob_chunk}")
+                f"logprob chunk {self.logprob_chunk}"
+                f"{', expandable segments' if self.expandable_segments else ''}")
 
     def _micro_batches(self) -> str:
         if self.micro_batch_tokens:
@@ -218,13 +225,14 @@ def engine_copy_bytes(shape: Shape, job: Job, host_copies: bool) -> float:
     return HOST_EXTRA_BUCKETS * min(job.bucket_bytes, _version_weights(shape, job)) * job.engines
 
 
-def allocator_bytes(shape: Shape, job: Job) -> float:
-    """What the caching allocator reserves beyond the allocated peak (``FRAGMENTATION``): a full
-    fine-tune's gradients (4 bytes a parameter) and bf16 weight copies (2) come and go each
-    step."""
+def allocator_bytes(shape: Shape, job: Job, expandable: bool = False) -> float:
+    """What the caching allocator reserves beyond the allocated peak (``FRAGMENTATION``, or
+    ``EXPANDABLE_FRAGMENTATION`` on expandable segments): a full fine-tune's gradients (4 bytes
+    a parameter) and bf16 weight copies (2) come and go each step."""
     if job.lora_rank:
         return 0.0
-    return FRAGMENTATION * (4.0 + (2.0 if job.bf16 else 0.0)) * shape.params
+    share = EXPANDABLE_FRAGMENTATION if expandable else FRAGMENTATION
+    return share * (4.0 + (2.0 if job.bf16 else 0.0)) * shape.params
 
 
 def activation_bytes(shape: Shape, tokens: int, checkpointing: bool, chunk: int,
@@ -250,14 +258,14 @@ def engine_need(shape: Shape, job: Job) -> float:
 
 
 def _plan(shape: Shape, job: Job, share: float, ckpt: bool, tokens: int, chunk: int,
-          state: OptimizerState, host: bool) -> Plan:
+          state: OptimizerState, host: bool, expandable: bool = False) -> Plan:
     parts = {"state": state_bytes(shape, job, state), "versions": version_bytes(shape, job, host),
              "activations": activation_bytes(shape, tokens, ckpt, chunk, bool(job.lora_rank)),
-             "allocator": allocator_bytes(shape, job)}
+             "allocator": allocator_bytes(shape, job, expandable)}
     learner = sum(parts.values())
     parts.update(context=CONTEXT, engine_copies=engine_copy_bytes(shape, job, host))
     return Plan(ckpt, tokens, chunk, state, host, share, learner,
-                job.engines * share * job.card, job.card, parts)
+                job.engines * share * job.card, job.card, parts, expandable)
 
 
 def choose(shape: Shape, job: Job, fixed: Options) -> Plan:
@@ -280,6 +288,9 @@ def choose(shape: Shape, job: Job, fixed: Options) -> Plan:
     chunks = [fixed.logprob_chunk] if fixed.logprob_chunk is not None else list(CHUNKS)
     ckpts = [fixed.gradient_checkpointing] if fixed.gradient_checkpointing is not None else \
         [False, True]
+    # Expandable segments cost nothing a step: on for a full fine-tune unless the user said.
+    expandable = fixed.expandable_segments if fixed.expandable_segments is not None else \
+        not lora
     candidates = []
     # Cheapest first: the optimiser state (no cost), then the engine share, then host copies
     # (sync time); within those, no checkpointing with micro-batches of NO_CHECKPOINT_MIN tokens
@@ -292,7 +303,8 @@ def choose(shape: Shape, job: Job, fixed: Options) -> Plan:
                         if not ckpt and len(ckpts) > 1 and t < NO_CHECKPOINT_MIN:
                             continue
                         for c in chunks:
-                            p = _plan(shape, job, share, ckpt, t, c, state, host)
+                            p = _plan(shape, job, share, ckpt, t, c, state, host,
+                                      expandable)
                             if p.fits:
                                 return p
                             candidates.append(p)
@@ -314,7 +326,8 @@ def options_from_config(cfg: Any) -> Options:
     return Options(gradient_checkpointing=mine(t, defaults, "gradient_checkpointing"),
                    micro_batch_tokens=tokens, logprob_chunk=mine(t, defaults, "logprob_chunk"),
                    optimizer_state=state, host_copies=cfg.sync.host_copies,
-                   engine_share=mine(cfg.engine, EngineConfig(), "gpu_memory_utilization"))
+                   engine_share=mine(cfg.engine, EngineConfig(), "gpu_memory_utilization"),
+                   expandable_segments=t.expandable_segments)
 
 
 def job_from_config(cfg: Any, card: float, engines: int) -> Job:
@@ -355,7 +368,8 @@ def apply(cfg: Any, plan: Plan) -> Any:
     train = dataclasses.replace(cfg.train, gradient_checkpointing=plan.gradient_checkpointing,
                                 micro_batch_tokens=plan.micro_batch_tokens,
                                 logprob_chunk=plan.logprob_chunk,
-                                optimizer_state=plan.optimizer_state)
+                                optimizer_state=plan.optimizer_state,
+                                expandable_segments=plan.expandable_segments)
     sync = dataclasses.replace(cfg.sync, host_copies=plan.host_copies)
     engine = dataclasses.replace(cfg.engine, gpu_memory_utilization=plan.engine_share)
     return dataclasses.replace(cfg, train=train, sync=sync, engine=engine)

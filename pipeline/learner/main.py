@@ -36,6 +36,9 @@ def learner_entry(cfg_dict: dict, model_path: str, resume: bool, gpu_env: dict[s
     child_setup(cfg_dict["run_dir"], "learner", log_to_file)
     os.environ.update(gpu_env)
     cfg = load_config(overrides=flatten(cfg_dict))
+    if cfg.train.expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        # Read by the CUDA caching allocator when it starts: before anything touches CUDA.
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     from pipeline.learner.loop import Learner
     from pipeline.learner.oom import MemoryFloorError
 

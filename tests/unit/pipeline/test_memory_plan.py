@@ -37,18 +37,19 @@ def _job(**over) -> Job:
     return Job(**{**base, **over})
 
 
-@pytest.mark.parametrize("size,lora", [("0.5b", 0), ("1.5b", 0), ("7b", 16)])
+@pytest.mark.parametrize("size,lora", [("0.5b", 0), ("1.5b", 0), ("3b", 0), ("7b", 16)])
 def test_benchmark_sizes_fit_one_80gb_card_by_default(size, lora):
     plan = choose(_shape(size), _job(lora_rank=lora), Options())
     assert plan.fits and plan.peak <= TARGET * CARD
     assert plan.micro_batch_tokens >= 4096 and plan.logprob_chunk >= 512
+    assert plan.expandable_segments == (not lora)  # a full fine-tune's fragments
 
 
-def test_3b_full_fits_no_target_and_says_so_in_one_line():
-    """With the allocator's share measured at 3B (gradients and bf16 copies re-allocated every
-    step), the leanest plan is still above TARGET: the cheapest one below CEILING runs, and the
-    console says what would fit."""
-    plan = choose(_shape("3b"), _job(), Options())
+def test_3b_full_on_fixed_blocks_fits_no_target_and_says_so_in_one_line():
+    """Without expandable segments the allocator's share measured at 3B (gradients and bf16
+    copies re-allocated every step) keeps the leanest plan above TARGET: the cheapest one below
+    CEILING runs, and the console says what would fit."""
+    plan = choose(_shape("3b"), _job(), Options(expandable_segments=False))
     assert not plan.fits and plan.peak <= CEILING * CARD
     lines = warnings(plan, Options())
     assert len(lines) == 1 and "--train.lora_rank 16" in lines[0]
