@@ -53,12 +53,23 @@ class BucketError(PackingError):
     """A bucket that must not be loaded, or a hand-over that failed (the message says which)."""
 
 
+SUM_CHUNK = 16 << 20  # int32 words per reduction of word_sum
+
+
 def word_sum(buf: torch.Tensor) -> int:
     """A cheap checksum of a bucket's bytes (int32 words summed into int64), computed where the
-    bytes are (on the GPU: one reduction): a torn or half-written bucket does not match."""
+    bytes are (on the GPU: a few reductions, one sync): a torn or half-written bucket does not
+    match. A reduction to int64 copies its int32 input to int64 first, so a whole 1 GiB bucket
+    in one would allocate 2 GiB beside it (on the learner's or the engine's GPU, every version):
+    it runs ``SUM_CHUNK`` words at a time, whose copy is 128 MiB."""
+    if not buf.numel():
+        return 0
     n = buf.numel() - buf.numel() % 4
-    return int(buf[:n].view(torch.int32).sum(dtype=torch.int64)) + int(
-        buf[n:].to(torch.int64).sum()) if buf.numel() else 0
+    words = buf[:n].view(torch.int32)
+    total = buf[n:].to(torch.int64).sum()
+    for i in range(0, len(words), SUM_CHUNK):
+        total += words[i: i + SUM_CHUNK].sum(dtype=torch.int64)
+    return int(total)
 
 
 class ControlBlock:

@@ -104,6 +104,10 @@ class Slots:
     handles: list[dict[str, Any]]
     control: ControlBlock
     lock: threading.Lock
+    # One side stream for every hand-over, never the training stream: the caching allocator
+    # reuses a freed block only on the stream it was made on, so a new stream a version (torch
+    # hands out up to 32 from its pool) kept each version's temporaries (the checksum's) cached.
+    stream: torch.cuda.Stream | None = None
 
     @property
     def nbytes(self) -> int:
@@ -197,8 +201,9 @@ class IpcLearnerEnd(LearnerEnd):
         device = self.copies.device
         deadline = time.monotonic() + self.timeout_s
         with slots.lock, torch.cuda.device(device):
-            stream = torch.cuda.Stream(device)  # never the training stream
-            with torch.cuda.stream(stream):
+            if slots.stream is None:
+                slots.stream = torch.cuda.Stream(device)
+            with torch.cuda.stream(slots.stream):
                 serve_buckets(slots.control, version, None if packed is None else packed.flat,
                               [] if packed is None else packed.ranges, slots.tensors, deadline)
 

@@ -257,6 +257,7 @@ class NcclLearnerEnd(LearnerEnd):
     def __init__(self, copies: GpuCopies, timeout_s: float = 30.0, max_link_failures: int = 3):
         super().__init__(copies, timeout_s)
         self.max_link_failures = max_link_failures
+        self._stream: torch.cuda.Stream | None = None  # made at the first send
         self.links: dict[str, Link] = {}
         self.link_failures: dict[str, int] = {}
         self._epoch = 0
@@ -414,7 +415,12 @@ class NcclLearnerEnd(LearnerEnd):
         host memory, through one staging bucket on our GPU (on a side stream)."""
         device = self.copies.device
         deadline = time.monotonic() + self.timeout_s
-        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
+        # One side stream for every send: the caching allocator reuses a freed block (the
+        # staging bucket) only on the stream it was made on, and a new stream a version (torch
+        # hands out up to 32 from its pool) kept each version's staging bucket cached.
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.device(device), torch.cuda.stream(self._stream):
             flat = packed.flat if packed is not None else None
             size = total_bytes(packed.layout) if packed is not None else 0
             ranges = packed.ranges if packed is not None else []
