@@ -101,7 +101,7 @@ OVER: dict[str, tuple[float, str]] = {
     "tests/unit/pipeline/learner/test_oom_retry.py::"
     "test_injected_oom_retries_the_same_batch_in_one_line": (
         20, "builds the tiny model's trainer (module fixture), then three optimiser steps"),
-    "tests/unit/pipeline/learner/test_sampled_logprobs.py::"
+    "tests/unit/pipeline/learner/test_logprobs_of_the_sampled_distribution.py::"
     "test_the_learners_logprobs_are_of_each_tokens_distribution": (
         12, "builds a small Llama (the first case imports transformers) and recomputes every "
             "token's distribution in numpy"),

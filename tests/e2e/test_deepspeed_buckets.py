@@ -54,7 +54,7 @@ def _compare(tr, out: Path, tag: str) -> dict:
     n = pack_buckets(tr.snapshot_buckets(bucket_bytes), layout, flat)
     views = unpack(flat, layout)
     me = SimpleNamespace(trainer=tr, copies=None, live_gpu_routes=lambda: {}, counters={},
-                         cfg=SimpleNamespace(sync=SimpleNamespace(bucket_mb=1)))
+                         cfg=SimpleNamespace(sync=SimpleNamespace(bucket_mb=1, host_copies=None)))
     cflat, clayout = LearnerRoutes.capture(me, 1)
     ref = write_packed(cflat, clayout, 1, out / f"snap_{tag}")
     from_file = read_snapshot(ref)

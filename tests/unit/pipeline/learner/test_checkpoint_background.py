@@ -259,7 +259,8 @@ def _fake_learner(tmp_path, live, on_error: str = "continue") -> SimpleNamespace
         buffer=SimpleNamespace(snapshot=lambda: b"buffer"),
         trainer=SimpleNamespace(state=lambda: live, has_shards=False, save_shards=None),
         checkpoints=CheckpointWriter(tmp_path), control=SimpleNamespace(durable={"p0-a": 2}),
-        cfg=SimpleNamespace(train=SimpleNamespace(on_checkpoint_error=on_error)))
+        cfg=SimpleNamespace(train=SimpleNamespace(on_checkpoint_error=on_error)),
+        _owes_version=False)
     me._checkpoint_failed = lambda final=False: Learner._checkpoint_failed(me, final)
     return me
 
