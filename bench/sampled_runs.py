@@ -31,9 +31,9 @@ def _mean(rows: list[dict], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def run(args: argparse.Namespace, entry: str, out: Path) -> dict:
+def run(args: argparse.Namespace, entry: str, out: Path, repeat: int = 0) -> dict:
     code, temp, top_p = entry.split(":")
-    name = f"{code}-T{temp}-p{top_p}"
+    name = f"{code}-T{temp}-p{top_p}" + (f"-{repeat + 1}" if repeat else "")
     run_dir = (out / name).resolve()
     producer_gpus, learner_gpus, roles = LAYOUTS[args.layout]
     cmd = [sys.executable, "-m", "pipeline.launch.cli", "--config", str(args.config.resolve()),
@@ -73,12 +73,14 @@ def table(results: list[dict]) -> str:
                      f"{fmt(r['mismatch_abs'], '.4f')} | {fmt(r['mismatch_kl'], '.4f')} | "
                      f"{fmt(r['samples_per_s'], '.2f')} | {fmt(peak, '.1f')} |"
                      + ("" if r["ok"] else f" failed: {r.get('note', '')[:120]}"))
-    by = {(r["code"], r["setting"]): r for r in results}
-    for (code, setting), r in by.items():
-        b = by.get(("before", setting))
-        if code == "after" and b and r["samples_per_s"] and b["samples_per_s"]:
-            lines.append(f"\nafter / before samples/s at {setting}: "
-                         f"{r['samples_per_s'] / b['samples_per_s']:.3f}")
+    for setting in dict.fromkeys(r["setting"] for r in results):
+        mean = {code: [r["samples_per_s"] for r in results if r["setting"] == setting
+                       and r["code"] == code and r["samples_per_s"]] for code in ("before",
+                                                                                  "after")}
+        if mean["before"] and mean["after"]:
+            a, b = (sum(v) / len(v) for v in (mean["after"], mean["before"]))
+            lines.append(f"\nafter / before samples/s at {setting} (mean of "
+                         f"{len(mean['after'])} and {len(mean['before'])} runs): {a / b:.3f}")
     return "\n".join(lines) + "\n"
 
 
@@ -103,7 +105,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/sampled"))
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = [run(args, entry, args.out) for entry in args.runs.split(",")]
+    entries = args.runs.split(",")  # a repeated entry runs again (interleaved A/B repeats)
+    results = [run(args, e, args.out, entries[:i].count(e)) for i, e in enumerate(entries)]
     text = table(results)
     print(text)
     (args.out / "results.md").write_text(text)
