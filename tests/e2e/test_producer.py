@@ -357,6 +357,17 @@ def test_logprobs_are_of_the_distribution_the_engine_sampled(engine_env, tiny_mo
     mean, worst = _learner_gap(trainer, groups)
     assert mean <= 1e-4, f"episode: learner vs engine {mean:.2e} (max {worst:.2e})"
 
+    # A turn's override the learner could not recompute never reaches the engine.
+    from types import SimpleNamespace
+
+    from pipeline.producer.group import GroupRollout
+    from pipeline.producer.trained_sampling import UntrainableSampling
+
+    rollout = SimpleNamespace(cfg=cfg, final=True)
+    assert GroupRollout._sampling(rollout, temperature=1.5, top_k=20).top_k == 20
+    with pytest.raises(UntrainableSampling, match=r"min_p=0\.1"):
+        GroupRollout._sampling(rollout, min_p=0.1)
+
 
 def _records(cfg: RunConfig):
     from pipeline.producer.data import load_records
