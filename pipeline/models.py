@@ -18,6 +18,7 @@ vLLM and the GGUF reader are imported lazily so that importing this module stays
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -185,10 +186,27 @@ def build_tiny_model(
             pad_token_id=config.pad_token_id,
             bos_token_id=config.bos_token_id,
         )
-        model.save_pretrained(tmp)
+        with _no_progress_bar():
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
 
     return _cached_build(out_dir, key, build)
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers' "Writing model shards" bar off while a model is written: the launcher says
+    what it builds in its own lines, and a bar on the console before a config error reads as if
+    the run had started. Restored as it was afterwards."""
+    from transformers.utils import logging as tf_logging
+
+    was = tf_logging.is_progress_bar_enabled()
+    tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            tf_logging.enable_progress_bar()
 
 
 # ------------------------------------------------------------------------------------ SmolLM2
@@ -262,7 +280,8 @@ def convert_smollm2(out_dir: Path, *, gguf_path: Path | None = None) -> Path:
         if not tokenizer.chat_template:
             tokenizer.chat_template = CHATML_TEMPLATE
         tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it unset
-        model.save_pretrained(tmp)
+        with _no_progress_bar():
+            model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         print(f"[models]   done in {time.monotonic() - t0:.1f} s", flush=True)
 

@@ -112,6 +112,18 @@ def test_tiny_build_does_not_disturb_global_rng(tmp_path):
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_tiny_build_draws_no_progress_bar_and_leaves_the_setting_alone(tmp_path, capfd):
+    """The launcher builds the model before some config checks: a "Writing model shards" bar
+    on the console then read as if the run had started."""
+    from transformers.utils import logging as tf_logging
+
+    assert tf_logging.is_progress_bar_enabled()
+    build_tiny_model(tmp_path / "t")
+    out, err = capfd.readouterr()
+    assert "Writing model shards" not in out + err
+    assert tf_logging.is_progress_bar_enabled()
+
+
 # ---------------------------------------------------------------------- cached atomic builds
 
 
