@@ -53,7 +53,10 @@ def run(args: argparse.Namespace, entry: str, out: Path, repeat: int = 0) -> dic
     env = None
     if code == "before":  # the other checkout's packages first: run from its root
         root = Path(args.legacy_root).resolve()
-        env = os.environ | {"PYTHONPATH": f"{root}:{Path.cwd()}"}
+        # Prepended: the GPU machine's activate.sh puts vLLM's and the wheels' site there.
+        path = os.pathsep.join(p for p in (str(root), str(Path.cwd()),
+                                           os.environ.get("PYTHONPATH", "")) if p)
+        env = os.environ | {"PYTHONPATH": path}
         cmd = ["env", "-C", str(root), *cmd]
     res = _timed(args, name, cmd, run_dir / "metrics.jsonl", roles if args.layout != "cpu"
                  else {}, out / f"{name}.log", env=env)
