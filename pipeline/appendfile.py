@@ -22,6 +22,20 @@ def is_disk_full(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in FULL_ERRNOS
 
 
+def write_all(fd: int, data: bytes) -> tuple[int, OSError | None]:
+    """Write ``data`` to ``fd`` to its end: (0, None), or on a full disk the bytes it left
+    unwritten and the error that stopped it. Any other OSError is raised."""
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        return len(view), e
+    return 0, None
+
+
 class DiskFull(OSError):
     """A record the disk had no room for: none of it is in the file."""
 
@@ -35,16 +49,11 @@ class AppendFile:
     def write(self, record: bytes) -> None:
         """Append ``record`` whole, or raise ``DiskFull`` with none of it in the file."""
         start = os.fstat(self._fd).st_size
-        view = memoryview(record)
-        try:
-            while view:
-                view = view[os.write(self._fd, view):]
-        except OSError as e:
-            if not is_disk_full(e):
-                raise
-            if len(view) < len(record):
+        left, e = write_all(self._fd, record)
+        if e is not None:
+            if left < len(record):
                 os.ftruncate(self._fd, start)  # shrinking a file needs no room
-            raise DiskFull(e.errno, f"{self.path}: {e.strerror}") from None
+            raise DiskFull(e.errno, f"{self.path}: {e.strerror}")
 
     def append(self, record: bytes) -> bool:
         """Append ``record`` after any that wait; on a full disk it waits too (kept in order

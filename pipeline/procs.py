@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.appendfile import is_disk_full
+from pipeline.appendfile import write_all
 
 LOG_FORMAT = "%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"
 LOG_DATEFMT = "%H:%M:%S"
@@ -143,14 +143,9 @@ class LogStream(io.TextIOBase):
         if not self._room_for(len(data)):
             self._drop(text)
             return
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self._fd, view):]
-        except OSError as e:
-            if not is_disk_full(e):
-                raise
-            self._torn = len(view) < len(data)
+        left, full = write_all(self._fd, data)
+        if full is not None:
+            self._torn = left < len(data)
             self._drop(text)
             return
         self._torn = False
