@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import uuid
 
 import pytest
@@ -20,20 +19,13 @@ from pipeline.launch.local import check_fresh_run_space
 from pipeline.learner.disk import check_run_space, estimate_checkpoint_bytes
 from pipeline.memory import model_parameters
 from pipeline.options import ConfigError
+from tests.small_fs import small_filesystem
 
 
 @pytest.fixture
 def tmpfs_16m(tmp_path):
-    mnt = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with small_filesystem(tmp_path / f"disk-{uuid.uuid4().hex[:6]}", 16) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_an_earlier_runs_checkpoints_are_not_counted_for_a_fresh_run(tmpfs_16m, tiny_model):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from pipeline.learner.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from tests.small_fs import small_filesystem
 
 
 def _state(step: int) -> LearnerState:
@@ -290,16 +290,8 @@ def test_latest_ignores_dangling_pointer(tmp_path):
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 2 MiB tmpfs mounted for the test (root only; skipped where mounting is refused)."""
-    mnt = tmp_path / f"full-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with small_filesystem(tmp_path / f"full-{uuid.uuid4().hex[:6]}", 2) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_real_full_disk_keeps_the_previous_checkpoint(small_tmpfs):

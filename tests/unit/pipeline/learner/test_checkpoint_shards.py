@@ -9,7 +9,6 @@ sockets, files and snapshot directory whatever its final checkpoint raised."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import uuid
 import warnings
 
@@ -23,21 +22,14 @@ from pipeline.learner.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
+from tests.small_fs import small_filesystem
 
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 2 MiB tmpfs mounted for the test (root only; skipped where mounting is refused)."""
-    mnt = tmp_path / f"full-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with small_filesystem(tmp_path / f"full-{uuid.uuid4().hex[:6]}", 2) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _torch_save(d, nbytes):  # DeepSpeed's checkpoint engine: torch.save per rank file
