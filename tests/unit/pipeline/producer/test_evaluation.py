@@ -216,9 +216,9 @@ def test_takes_the_newest_due_version_once_free_and_counts_the_skipped(tmp_path,
     assert not [m for m in endpoint.sent if isinstance(m, Hello)]  # the learner knew it
 
 
-def test_a_restarted_learner_gets_its_versions_evaluated_again(tmp_path, fakes):
-    """The learner restarted from an older checkpoint and trains v2 again: new weights under an
-    old number, so the evaluator evaluates it again rather than skip it as done."""
+def _v2_then_a_restarted_learners_v2(tmp_path, fakes, snapshot_uri: str | None) -> None:
+    """The dedicated evaluator hears v2, evaluates it, then hears v2 of a restarted learner
+    (another session; ``snapshot_uri``: another file too) and must evaluate it again."""
     calls, _loads, permits = fakes
     cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
                                  "eval.data": "arithmetic:8", "eval.every": 1,
@@ -243,47 +243,8 @@ def test_a_restarted_learner_gets_its_versions_evaluated_again(tmp_path, fakes):
             await settle(lambda: calls == [2], "v2's evaluation", timeout=2.0)
             restarted = _announce(2)
             restarted.learner_session = "s2"
-            queue.put_nowait(restarted)
-            permits.put_nowait(1)
-            await settle(lambda: calls == [2, 2], "v2 evaluated again for the new learner",
-                         timeout=2.0)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    asyncio.run(run())
-
-
-def test_after_a_learner_restart_a_version_held_by_number_is_loaded_again(tmp_path, fakes):
-    """The engine holds v2 of the learner before its restart; the restarted learner trains v2
-    anew (another file, other weights): the evaluator loads it before evaluating, rather than
-    report the old weights' figures under its number."""
-    calls, loads, permits = fakes
-    cfg = load_config(overrides={"run_dir": str(tmp_path), "train.steps": 3,
-                                 "eval.data": "arithmetic:8", "eval.every": 1,
-                                 "eval.producer": "dedicated"})
-    endpoint = RecordingEndpoint()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def recv_announce(timeout: float = 1.0):
-        try:
-            return await asyncio.wait_for(queue.get(), timeout)
-        except TimeoutError:
-            return None
-
-    endpoint.recv_announce = recv_announce
-    ev = Evaluator(cfg, None, None, endpoint, None)
-
-    async def run() -> None:
-        tasks = [asyncio.create_task(ev._listen()), asyncio.create_task(ev._evaluate_versions())]
-        try:
-            queue.put_nowait(_announce(2))
-            permits.put_nowait(1)
-            await settle(lambda: calls == [2], "v2's evaluation", timeout=2.0)
-            restarted = _announce(2)
-            restarted.learner_session = "s2"
-            restarted.snapshot_uri = "file:///snap/s2/v2.safetensors"
+            if snapshot_uri is not None:
+                restarted.snapshot_uri = snapshot_uri
             queue.put_nowait(restarted)
             permits.put_nowait(1)
             await settle(lambda: calls == [2, 2], "v2 of the new learner evaluated", timeout=2.0)
@@ -293,4 +254,17 @@ def test_after_a_learner_restart_a_version_held_by_number_is_loaded_again(tmp_pa
             await asyncio.gather(*tasks, return_exceptions=True)
 
     asyncio.run(run())
-    assert loads == [2, 2]  # the restarted learner's v2 loaded before its evaluation
+
+
+def test_a_restarted_learner_gets_its_versions_evaluated_again(tmp_path, fakes):
+    """The learner restarted from an older checkpoint and trains v2 again: new weights under an
+    old number, so the evaluator evaluates it again rather than skip it as done."""
+    _v2_then_a_restarted_learners_v2(tmp_path, fakes, None)
+
+
+def test_after_a_learner_restart_a_version_held_by_number_is_loaded_again(tmp_path, fakes):
+    """The engine holds v2 of the learner before its restart; the restarted learner trains v2
+    anew (another file, other weights): the evaluator loads it before evaluating, rather than
+    report the old weights' figures under its number."""
+    _v2_then_a_restarted_learners_v2(tmp_path, fakes, "file:///snap/s2/v2.safetensors")
+    assert fakes[1] == [2, 2]  # the restarted learner's v2 loaded before its evaluation
