@@ -103,6 +103,15 @@ def test_admission_stops_once_the_groups_out_cover_the_last_step_fake_endpoint(t
     asyncio.run(run())
 
 
+def _shared_eval_config(tmp_path):
+    """Two of at most three producers, shared evaluation of every version."""
+    return load_config(overrides={"run_dir": str(tmp_path), "num_producers": 2,
+                                  "max_producers": 3, "data.path": "arithmetic:12",
+                                  "train.mode": "async", "train.batch_groups": 2,
+                                  "train.max_staleness": 1, "train.steps": 10,
+                                  "eval.every": 1, "eval.data": "arithmetic:4"})
+
+
 def _evaluating_producer(tmp_path, index: int, monkeypatch) -> tuple[Producer, list[int]]:
     """Shared evaluation every version; generation is a fake that records the version."""
     import pipeline.producer.loop as loop_mod
@@ -114,11 +123,7 @@ def _evaluating_producer(tmp_path, index: int, monkeypatch) -> tuple[Producer, l
         return {"eval/reward_mean": 0.5}
 
     monkeypatch.setattr(loop_mod, "generate_and_score", generate_and_score)
-    cfg = load_config(overrides={"run_dir": str(tmp_path), "num_producers": 2,
-                                 "max_producers": 3, "data.path": "arithmetic:12",
-                                 "train.mode": "async", "train.batch_groups": 2,
-                                 "train.max_staleness": 1, "train.steps": 10,
-                                 "eval.every": 1, "eval.data": "arithmetic:4"})
+    cfg = _shared_eval_config(tmp_path)
     prompts = PromptSource(DataConfig(path="arithmetic:12"))
     return Producer(cfg, index, None, None, RecordingEndpoint(), None, prompts), evaluated
 
@@ -204,11 +209,7 @@ def test_the_evaluating_producer_evaluates_while_it_leaves_fake_engine(tmp_path,
         return {"eval/reward_mean": 0.5}
 
     monkeypatch.setattr(loop_mod, "generate_and_score", generate_and_score)
-    cfg = load_config(overrides={"run_dir": str(tmp_path), "num_producers": 2,
-                                 "max_producers": 3, "data.path": "arithmetic:12",
-                                 "train.mode": "async", "train.batch_groups": 2,
-                                 "train.max_staleness": 1, "train.steps": 10,
-                                 "eval.every": 1, "eval.data": "arithmetic:4"})
+    cfg = _shared_eval_config(tmp_path)
     for i in (0, 1):
         producers[f"p{i}"] = Producer(cfg, i, None, None, RecordingEndpoint(), None,
                                       PromptSource(DataConfig(path="arithmetic:12")))
