@@ -24,6 +24,7 @@ from pipeline.config import RunConfig, load_config
 from pipeline.producer.data import PromptSource, render_prompt
 from pipeline.producer.loop import Producer
 from pipeline.producer.rewards.runner import RewardSet
+from tests.sampling_reference import sampled_logprob
 from tests.waiting import settle
 
 pytestmark = pytest.mark.slow
@@ -266,9 +267,8 @@ def _collect(engine_env, cfg: RunConfig, count: int) -> list[RolloutGroup]:
 
 def _reference(model, group: RolloutGroup) -> list[tuple[np.ndarray, np.ndarray]]:
     """Independent of the learner's code: per completion, log p(token) under each token's
-    recorded distribution (numpy: softmax of logits / T, cut to the k largest and to the
-    smallest nucleus whose mass before the token is below top_p, renormalised), and the raw
-    log_softmax(logits) beside it."""
+    recorded distribution (``tests.sampling_reference``), and the raw log_softmax(logits)
+    beside it."""
     import torch
 
     out = []
@@ -282,19 +282,8 @@ def _reference(model, group: RolloutGroup) -> list[tuple[np.ndarray, np.ndarray]
         for j, tok in enumerate(c.token_ids):
             z = logits[p0 - 1 + j]
             raw.append(z[tok] - z.max() - np.log(np.exp(z - z.max()).sum()))
-            q = np.exp((z - z.max()) / temps[j])
-            q /= q.sum()
-            keep = np.ones_like(q, dtype=bool)
-            if top_ks[j]:
-                keep &= q >= np.sort(q)[-top_ks[j]]
-            if top_ps[j] < 1:
-                order = np.argsort(-np.where(keep, q, 0))
-                masked = np.where(keep, q, 0) / np.where(keep, q, 0).sum()
-                before = np.cumsum(masked[order]) - masked[order]
-                nucleus = np.zeros_like(keep)
-                nucleus[order] = before < top_ps[j]
-                keep &= nucleus
-            ref.append(np.log(q[tok] / q[keep].sum()))
+            ref.append(sampled_logprob(z, int(tok), float(temps[j]), float(top_ps[j]),
+                                       int(top_ks[j]), keep_sampled=False))
         out.append((np.asarray(ref), np.asarray(raw)))
     return out
 

@@ -12,28 +12,9 @@ import torch
 from buffer.schema import Completion, RolloutGroup
 from pipeline.learner.batching import pack_groups
 from pipeline.learner.logprobs import Policy, device_batch, micro_batch_logprobs, truncate
+from tests.sampling_reference import sampled_logprob
 
 V = 96
-
-
-def _reference(z: np.ndarray, tok: int, temp: float, top_p: float, top_k: int) -> float:
-    """log p(tok): softmax(z / temp) over the k largest, then over the smallest nucleus whose
-    mass before a token (largest first) is below top_p; the sampled token always kept."""
-    q = np.exp((z - z.max()) / temp)
-    q /= q.sum()
-    keep = np.ones(len(q), dtype=bool)
-    if top_k:
-        keep &= q >= np.sort(q)[-top_k]
-    if top_p < 1:
-        m = np.where(keep, q, 0.0)
-        m /= m.sum()
-        order = np.argsort(-m, kind="stable")
-        before = np.cumsum(m[order]) - m[order]
-        nucleus = np.zeros(len(q), dtype=bool)
-        nucleus[order] = before < top_p
-        keep &= nucleus
-    keep[tok] = True
-    return float(np.log(q[tok] / q[keep].sum()))
 
 
 def test_truncate_matches_the_sampler_rule():
@@ -47,7 +28,7 @@ def test_truncate_matches_the_sampler_rule():
     targets = torch.randint(0, V, (n,), generator=gen)
     lp = torch.log_softmax(truncate(logits / temp[:, None], targets, top_p, top_k), -1)
     got = lp.gather(1, targets[:, None]).squeeze(1)
-    want = [_reference(logits[i].numpy(), int(targets[i]), float(temp[i]), float(top_p[i]),
+    want = [sampled_logprob(logits[i].numpy(), int(targets[i]), float(temp[i]), float(top_p[i]),
                        int(top_k[i])) for i in range(n)]
     np.testing.assert_allclose(got.numpy(), want, atol=1e-10)
     # Untruncated rows are the plain tempered log-softmax; truncated ones renormalise above it.
@@ -93,7 +74,7 @@ def _expected(model, groups) -> list[float]:
                 z = model(ids).logits[0].double().numpy()
             temp, top_p, top_k = c.per_token_sampling()
             p0 = len(g.prompt_token_ids)
-            out += [_reference(z[p0 - 1 + j], int(t), float(temp[j]), float(top_p[j]),
+            out += [sampled_logprob(z[p0 - 1 + j], int(t), float(temp[j]), float(top_p[j]),
                                int(top_k[j])) for j, t in enumerate(c.token_ids)]
     return out
 
