@@ -125,8 +125,9 @@ def _sampling_grid(pb: PackedBatch, rows: list[int], T: int) -> dict[str, torch.
     temp = torch.ones((len(rows), T), dtype=torch.float32)
     top_p = torch.ones((len(rows), T), dtype=torch.float32)
     top_k = torch.zeros((len(rows), T), dtype=torch.int64)
+    assert pb.sampling is not None
     for r, i in enumerate(rows):
-        if pb.sampling is not None and pb.sampling[i] is not None:
+        if pb.sampling[i] is not None:
             t, p, k = pb.sampling[i]
             temp[r, :len(t)] = torch.from_numpy(t)
             top_p[r, :len(p)] = torch.from_numpy(p)

@@ -35,9 +35,9 @@ SAMPLING_KEYS = ("temperature", "top_p", "top_k")  # per loss token, on the grid
 
 def truncate(logits: torch.Tensor, targets: torch.Tensor, top_p: torch.Tensor,
              top_k: torch.Tensor) -> torch.Tensor:
-    """``logits`` with every token outside each row's top-k, then top-p, set (vLLM's sampler
-    rule: ties at the k-th value kept, the nucleus the smallest set whose mass reaches top_p
-    with at least one token), then -inf; ``top_k`` 0 and ``top_p`` 1 leave a row whole.
+    """``logits`` with every token outside each row's top-k, then its top-p, set to -inf
+    (vLLM's sampler rule: ties at the k-th value kept, the nucleus the smallest set whose mass
+    reaches top_p, at least one token); ``top_k`` 0 and ``top_p`` 1 leave a row whole.
 
     The target (the sampled token) is always kept: where the engine's and the learner's
     numbers put it on opposite sides of the cut, its logprob stays finite and close to the
@@ -86,9 +86,8 @@ def selected_logprobs(model: Any, input_ids: torch.Tensor, select: torch.Tensor,
     (``torch.utils.checkpoint``), so the fp32 logits of at most one chunk exist at once instead
     of K x vocabulary of them. ``sampling``: each selected token's temperature (and top_p,
     top_k), flat (K,) like the result (``_head_logprobs``); fp32 values may come as their int32
-    bits (``micro_batch_logprobs``). ``attention``: keyword arguments
-    for the attention layers (a packed row's sequence boundaries,
-    ``pipeline.learner.attention.varlen_kwargs``).
+    bits (``micro_batch_logprobs``). ``attention``: keyword arguments for the attention
+    layers (a packed row's sequence boundaries, ``pipeline.learner.attention.varlen_kwargs``).
     """
     if hasattr(model, "get_base_model"):  # peft: the HF model with LoRA layers injected
         model = model.get_base_model()
